@@ -1,0 +1,160 @@
+//! The device layer: one trait for "a thing with blocks", and its backends.
+//!
+//! The engine knows devices only through [`Device`]. Backends:
+//! - [`FileDevice`]: a regular file or a block device, with pread/pwrite.
+//! - [`SimDevice`]: an in-memory device for tests that can crash (dropping,
+//!   tearing and reordering unflushed writes), flip bits, misdirect a write
+//!   and fail the Nth I/O, all reproducible from a seed.
+
+mod file;
+mod sim;
+
+pub use file::{FileDevice, OpenMode};
+pub use sim::{CrashPlan, FaultMode, PendingWrite, SimCounters, SimDevice, SECTOR_BYTES};
+
+use std::io;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("{device}: I/O error at offset {offset} length {len}: {source}")]
+    Io {
+        device: String,
+        offset: u64,
+        len: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{device}: {op} of {len} bytes at offset {offset} is past the end ({size_bytes} bytes)")]
+    OutOfRange {
+        device: String,
+        op: &'static str,
+        offset: u64,
+        len: u64,
+        size_bytes: u64,
+    },
+    #[error("{device}: injected fault on I/O #{op_index} ({op})")]
+    Injected {
+        device: String,
+        op: &'static str,
+        op_index: u64,
+    },
+    #[error("{device}: cannot open: {source}. Check the path exists and you may read and write it")]
+    Open {
+        device: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{device} is in use by another process (lock held). Stop the other cairn using it first")]
+    Busy { device: String },
+    #[error("{device}: {message}")]
+    Unsupported { device: String, message: String },
+}
+
+impl DeviceError {
+    /// The errno a client should see for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            DeviceError::OutOfRange { .. } => libc::EINVAL,
+            DeviceError::Unsupported { .. } => libc::ENOTSUP,
+            _ => libc::EIO,
+        }
+    }
+}
+
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// A thing with blocks. Offsets and lengths are in bytes; callers keep them
+/// aligned to the device's `alignment_bytes`.
+///
+/// Methods take `&self` so one device can serve concurrent callers; batch
+/// methods exist so an asynchronous backend (io_uring) can submit many
+/// operations with one system call. Their default implementations loop.
+pub trait Device: Send + Sync {
+    /// A short human name for logs and errors (usually the path).
+    fn name(&self) -> &str;
+
+    /// Stable identity recorded in the cache superblock, so a cache is never
+    /// opened against a different origin by mistake.
+    fn identity(&self) -> String {
+        self.name().to_string()
+    }
+
+    fn size_bytes(&self) -> u64;
+
+    /// Smallest unit of I/O the backend accepts.
+    fn alignment_bytes(&self) -> u32 {
+        512
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()>;
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()>;
+
+    /// Write several buffers back to back starting at `offset`, as one I/O
+    /// where the backend can.
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        let mut at = offset;
+        for buf in bufs {
+            self.write_at(at, buf)?;
+            at += buf.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Read several independent ranges. A backend may run them concurrently.
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
+        for (offset, buf) in requests.iter_mut() {
+            self.read_at(*offset, buf)?;
+        }
+        Ok(())
+    }
+
+    /// Write several independent ranges. A backend may run them concurrently;
+    /// nothing is durable until `flush`.
+    fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {
+        for (offset, buf) in requests {
+            self.write_at(*offset, buf)?;
+        }
+        Ok(())
+    }
+
+    /// Make every completed write durable (a device barrier).
+    fn flush(&self) -> DeviceResult<()>;
+
+    /// Hint that the range is unused. Content afterwards is unspecified
+    /// unless the backend says otherwise.
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()>;
+
+    /// Make the range read back as zeroes.
+    fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        const CHUNK: u64 = 1 << 20;
+        let zeroes = vec![0u8; CHUNK.min(len) as usize];
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let n = CHUNK.min(end - at);
+            self.write_at(at, &zeroes[..n as usize])?;
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn check_range(
+    name: &str,
+    op: &'static str,
+    offset: u64,
+    len: u64,
+    size_bytes: u64,
+) -> DeviceResult<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size_bytes => Ok(()),
+        _ => Err(DeviceError::OutOfRange {
+            device: name.to_string(),
+            op,
+            offset,
+            len,
+            size_bytes,
+        }),
+    }
+}

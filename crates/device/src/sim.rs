@@ -1,0 +1,369 @@
+//! A simulated device for tests.
+//!
+//! It keeps two images: *durable* (what survives a power cut) and *live*
+//! (what reads see). Writes land in live at once and queue as pending until
+//! a flush makes them durable. A crash image is built from durable plus any
+//! subset of the pending writes, applied in any order, each possibly torn at
+//! 512-byte granularity. Faults: fail the Nth I/O (once or from then on),
+//! misdirect the next write, flip bits. All randomness comes from the caller's
+//! seed, so every run reproduces.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::{check_range, Device, DeviceError, DeviceResult};
+
+pub const SECTOR_BYTES: usize = 512;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingWrite {
+    pub offset: u64,
+    pub data: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    pub reads: u64,
+    pub writes: u64,
+    pub flushes: u64,
+    pub discards: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Every operation, the index fault injection counts against.
+    pub ops: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultMode {
+    /// Only the chosen operation fails.
+    Once,
+    /// The chosen operation and every later one fail (the device died).
+    Sticky,
+}
+
+/// How to build one crash image from the pending writes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CrashPlan {
+    /// Lose every unflushed write.
+    DropAll,
+    /// Keep every unflushed write, in order.
+    KeepAll,
+    /// Keep each write with probability `keep`, apply the kept ones in a
+    /// shuffled order, and tear each kept write with probability `tear`.
+    Random { keep: f64, tear: f64 },
+}
+
+struct SimState {
+    name: String,
+    durable: Vec<u8>,
+    live: Vec<u8>,
+    pending: Vec<PendingWrite>,
+    counters: SimCounters,
+    fail_at_op: Option<(u64, FaultMode)>,
+    misdirect_next_write_to: Option<u64>,
+    discard_zeroes: bool,
+}
+
+/// A cloneable handle: the engine owns one clone, the test keeps another to
+/// crash, corrupt or inspect the device.
+#[derive(Clone)]
+pub struct SimDevice {
+    state: Arc<Mutex<SimState>>,
+    name: String,
+    size_bytes: u64,
+}
+
+impl SimDevice {
+    pub fn new(name: &str, size_bytes: u64) -> SimDevice {
+        Self::from_image(name, vec![0u8; size_bytes as usize])
+    }
+
+    /// A device whose durable and live contents are `image`.
+    pub fn from_image(name: &str, image: Vec<u8>) -> SimDevice {
+        let size_bytes = image.len() as u64;
+        SimDevice {
+            state: Arc::new(Mutex::new(SimState {
+                name: name.to_string(),
+                durable: image.clone(),
+                live: image,
+                pending: Vec::new(),
+                counters: SimCounters::default(),
+                fail_at_op: None,
+                misdirect_next_write_to: None,
+                discard_zeroes: true,
+            })),
+            name: name.to_string(),
+            size_bytes,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SimState> {
+        // A panic while holding the lock poisons it; the state is still
+        // coherent (every mutation is a single step), so keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn counters(&self) -> SimCounters {
+        self.lock().counters
+    }
+
+    pub fn reset_counters(&self) {
+        self.lock().counters = SimCounters::default();
+    }
+
+    /// Fail operation number `op_index` (0-based, counted from now on).
+    pub fn fail_at(&self, op_index: u64, mode: FaultMode) {
+        let mut s = self.lock();
+        let at = s.counters.ops + op_index;
+        s.fail_at_op = Some((at, mode));
+    }
+
+    pub fn clear_faults(&self) {
+        let mut s = self.lock();
+        s.fail_at_op = None;
+        s.misdirect_next_write_to = None;
+    }
+
+    /// The next write lands at `to_offset` instead of where it was aimed.
+    pub fn misdirect_next_write(&self, to_offset: u64) {
+        self.lock().misdirect_next_write_to = Some(to_offset);
+    }
+
+    /// XOR `mask` into the byte at `offset`, in both durable and live images
+    /// (silent media corruption).
+    pub fn flip(&self, offset: u64, mask: u8) {
+        let mut s = self.lock();
+        s.durable[offset as usize] ^= mask;
+        s.live[offset as usize] ^= mask;
+    }
+
+    pub fn durable_image(&self) -> Vec<u8> {
+        self.lock().durable.clone()
+    }
+
+    pub fn live_image(&self) -> Vec<u8> {
+        self.lock().live.clone()
+    }
+
+    pub fn pending_writes(&self) -> Vec<PendingWrite> {
+        self.lock().pending.clone()
+    }
+
+    pub fn pending_count(&self) -> usize {
+        self.lock().pending.len()
+    }
+
+    /// Build the image a power cut would leave now, without changing this
+    /// device.
+    pub fn crash_image(&self, plan: CrashPlan, rng: &mut ChaCha8Rng) -> Vec<u8> {
+        let s = self.lock();
+        build_crash_image(&s.durable, &s.pending, plan, rng)
+    }
+
+    /// A fresh device holding the crash image (what the next boot sees).
+    pub fn crashed(&self, plan: CrashPlan, seed: u64) -> SimDevice {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let image = self.crash_image(plan, &mut rng);
+        SimDevice::from_image(&self.name, image)
+    }
+
+    fn account(&self, s: &mut SimState, op: &'static str) -> DeviceResult<()> {
+        let index = s.counters.ops;
+        s.counters.ops += 1;
+        if let Some((at, mode)) = s.fail_at_op {
+            let hit = match mode {
+                FaultMode::Once => index == at,
+                FaultMode::Sticky => index >= at,
+            };
+            if hit {
+                return Err(DeviceError::Injected {
+                    device: s.name.clone(),
+                    op,
+                    op_index: index,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Apply durable + a chosen subset of pending writes.
+pub fn build_crash_image(
+    durable: &[u8],
+    pending: &[PendingWrite],
+    plan: CrashPlan,
+    rng: &mut ChaCha8Rng,
+) -> Vec<u8> {
+    let mut image = durable.to_vec();
+    match plan {
+        CrashPlan::DropAll => {}
+        CrashPlan::KeepAll => {
+            for w in pending {
+                image[w.offset as usize..w.offset as usize + w.data.len()].copy_from_slice(&w.data);
+            }
+        }
+        CrashPlan::Random { keep, tear } => {
+            let mut order: Vec<usize> = (0..pending.len()).filter(|_| rng.gen_bool(keep)).collect();
+            // Fisher-Yates: the device may complete unflushed writes in any order.
+            for i in (1..order.len()).rev() {
+                let j = rng.gen_range(0..=i);
+                order.swap(i, j);
+            }
+            for i in order {
+                let w = &pending[i];
+                let torn = rng.gen_bool(tear);
+                for (k, sector) in w.data.chunks(SECTOR_BYTES).enumerate() {
+                    if torn && rng.gen_bool(0.5) {
+                        continue;
+                    }
+                    let at = w.offset as usize + k * SECTOR_BYTES;
+                    image[at..at + sector.len()].copy_from_slice(sector);
+                }
+            }
+        }
+    }
+    image
+}
+
+impl Device for SimDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn identity(&self) -> String {
+        format!("sim:{}", self.name)
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        check_range(&self.name, "read", offset, buf.len() as u64, self.size_bytes)?;
+        let mut s = self.lock();
+        self.account(&mut s, "read")?;
+        s.counters.reads += 1;
+        s.counters.bytes_read += buf.len() as u64;
+        buf.copy_from_slice(&s.live[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
+        check_range(&self.name, "write", offset, buf.len() as u64, self.size_bytes)?;
+        let mut s = self.lock();
+        self.account(&mut s, "write")?;
+        s.counters.writes += 1;
+        s.counters.bytes_written += buf.len() as u64;
+        let mut target = offset;
+        if let Some(to) = s.misdirect_next_write_to.take() {
+            if to + buf.len() as u64 <= self.size_bytes {
+                target = to;
+            }
+        }
+        s.live[target as usize..target as usize + buf.len()].copy_from_slice(buf);
+        s.pending.push(PendingWrite {
+            offset: target,
+            data: buf.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        // One I/O, as pwritev would be: one fault-injection slot, one pending
+        // write that a crash may tear anywhere.
+        let joined: Vec<u8> = bufs.concat();
+        self.write_at(offset, &joined)
+    }
+
+    fn flush(&self) -> DeviceResult<()> {
+        let mut s = self.lock();
+        self.account(&mut s, "flush")?;
+        s.counters.flushes += 1;
+        let pending = std::mem::take(&mut s.pending);
+        for w in pending {
+            let at = w.offset as usize;
+            s.durable[at..at + w.data.len()].copy_from_slice(&w.data);
+        }
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        check_range(&self.name, "discard", offset, len, self.size_bytes)?;
+        let discard_zeroes = self.lock().discard_zeroes;
+        {
+            let mut s = self.lock();
+            s.counters.discards += 1;
+        }
+        if discard_zeroes {
+            // Modelled as a zero write so crashes may drop or tear it too.
+            let zeroes = vec![0u8; len as usize];
+            let mut s = self.lock();
+            self.account(&mut s, "discard")?;
+            s.live[offset as usize..(offset + len) as usize].fill(0);
+            s.pending.push(PendingWrite {
+                offset,
+                data: zeroes,
+            });
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        check_range(&self.name, "write_zeroes", offset, len, self.size_bytes)?;
+        self.write_at(offset, &vec![0u8; len as usize])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flush_makes_durable_and_crash_forgets() {
+        let d = SimDevice::new("t", 8192);
+        d.write_at(0, &[1u8; 4096]).unwrap();
+        d.flush().unwrap();
+        d.write_at(4096, &[2u8; 4096]).unwrap();
+        let c = d.crashed(CrashPlan::DropAll, 1);
+        let mut buf = vec![0u8; 8192];
+        c.read_at(0, &mut buf).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 1));
+        assert!(buf[4096..].iter().all(|&b| b == 0));
+        let c = d.crashed(CrashPlan::KeepAll, 1);
+        c.read_at(0, &mut buf).unwrap();
+        assert!(buf[4096..].iter().all(|&b| b == 2));
+    }
+
+    #[test]
+    fn tearing_is_sector_granular_and_seeded() {
+        let d = SimDevice::new("t", 4096);
+        d.write_at(0, &[9u8; 4096]).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let a = d.crash_image(CrashPlan::Random { keep: 1.0, tear: 1.0 }, &mut rng);
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let b = d.crash_image(CrashPlan::Random { keep: 1.0, tear: 1.0 }, &mut rng);
+        assert_eq!(a, b, "same seed, same image");
+        for sector in a.chunks(SECTOR_BYTES) {
+            assert!(sector.iter().all(|&x| x == 9) || sector.iter().all(|&x| x == 0));
+        }
+    }
+
+    #[test]
+    fn faults_and_misdirection() {
+        let d = SimDevice::new("t", 8192);
+        d.fail_at(1, FaultMode::Once);
+        d.write_at(0, &[1u8; 512]).unwrap();
+        assert!(d.write_at(0, &[1u8; 512]).is_err());
+        d.write_at(0, &[1u8; 512]).unwrap();
+        d.misdirect_next_write(4096);
+        d.write_at(0, &[5u8; 512]).unwrap();
+        let img = d.live_image();
+        assert_eq!(img[0], 1);
+        assert_eq!(img[4096], 5);
+        d.fail_at(0, FaultMode::Sticky);
+        assert!(d.flush().is_err());
+        assert!(d.flush().is_err());
+    }
+}

@@ -1,0 +1,123 @@
+//! cairn's on-disk format, version 1.
+//!
+//! Pure encode/decode with validation; no I/O happens here. Every structure
+//! carries a magic number, a format version and a crc32c. See `docs/format.md`
+//! for the picture; this file is the authority.
+//!
+//! Layout of a cache device (offsets in bytes):
+//!
+//! ```text
+//! 0        superblock copy A (4 KiB)
+//! 4096     superblock copy B (4 KiB)
+//! 65536    checkpoint slot 0 (ckpt_slot_bytes)
+//! ...      checkpoint slot 1 (ckpt_slot_bytes)
+//! ...      log: log_blocks blocks of block_size_bytes, a circular log of records
+//! ```
+
+mod codec;
+mod layout;
+mod records;
+mod superblock;
+
+pub use codec::{Reader, Writer};
+pub use layout::{Layout, LayoutError};
+pub use records::{
+    CheckpointEntry, CheckpointHeader, PendingRange, RangeKind, RecordEntry, RecordHeader,
+    CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES,
+    RECORD_HEADER_FIXED_BYTES,
+};
+pub use superblock::{Superblock, ORIGIN_IDENTITY_MAX_BYTES};
+
+/// Version of the on-disk format written by this code.
+pub const FORMAT_VERSION: u32 = 1;
+
+pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNSB1");
+pub const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNREC");
+pub const CHECKPOINT_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNCKP");
+
+/// Each superblock copy occupies this many bytes.
+pub const SUPERBLOCK_BYTES: usize = 4096;
+/// Byte offsets of the two superblock copies.
+pub const SUPERBLOCK_OFFSETS: [u64; 2] = [0, 4096];
+/// The checkpoint area starts here, so every supported block size is aligned.
+pub const METADATA_AREA_OFFSET: u64 = 65536;
+
+pub const BLOCK_SIZE_MIN_BYTES: u32 = 4096;
+pub const BLOCK_SIZE_MAX_BYTES: u32 = 65536;
+
+/// A record never carries more data than this, so one record is one bounded I/O.
+pub const RECORD_DATA_MAX_BYTES: u32 = 1 << 20;
+
+/// At most this many zero/discard ranges may wait for write-back at once.
+/// Bounded so the checkpoint slot has a fixed size.
+pub const PENDING_RANGES_MAX: usize = 1024;
+
+/// Largest origin address (in blocks) the index can hold: 40 bits.
+pub const ORIGIN_BLOCKS_MAX: u64 = (1 << 40) - 1;
+
+/// The log must hold at least this many of the largest records, so write-back
+/// and eviction always have room to make progress.
+pub const LOG_RECORDS_MIN: u64 = 8;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("bad magic: found {found:#018x}, expected {expected:#018x}")]
+    BadMagic { found: u64, expected: u64 },
+    #[error("unsupported format version {found} (this build reads version {supported})")]
+    BadVersion { found: u32, supported: u32 },
+    #[error("checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    BadChecksum { stored: u32, computed: u32 },
+    #[error("field {field} out of range: {value}")]
+    OutOfRange { field: &'static str, value: u64 },
+    #[error("buffer too short: need {need} bytes, have {have}")]
+    Short { need: usize, have: usize },
+}
+
+/// The checksum of one cached block: crc32c over the block's origin address
+/// (little endian) followed by its bytes. Covering the address means a block
+/// written to the wrong place, or read from the wrong place, fails the check.
+pub fn block_checksum(lba: u64, data: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(&lba.to_le_bytes());
+    crc32c::crc32c_append(crc, data)
+}
+
+/// True if `block_size_bytes` is a block size this format supports.
+pub fn block_size_valid(block_size_bytes: u32) -> bool {
+    block_size_bytes.is_power_of_two()
+        && (BLOCK_SIZE_MIN_BYTES..=BLOCK_SIZE_MAX_BYTES).contains(&block_size_bytes)
+}
+
+/// How many data blocks one record may carry for this block size.
+pub fn record_data_blocks_max(block_size_bytes: u32) -> u32 {
+    let by_bytes = RECORD_DATA_MAX_BYTES / block_size_bytes;
+    let by_entries = RecordHeader::entries_max(block_size_bytes) as u32;
+    by_bytes.min(by_entries)
+}
+
+pub fn align_up(value: u64, align: u64) -> u64 {
+    debug_assert!(align.is_power_of_two());
+    value.div_ceil(align) * align
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checksum_covers_address() {
+        let data = vec![7u8; 4096];
+        assert_ne!(block_checksum(1, &data), block_checksum(2, &data));
+        assert_eq!(block_checksum(1, &data), block_checksum(1, &data));
+    }
+
+    #[test]
+    fn block_sizes() {
+        assert!(block_size_valid(4096));
+        assert!(block_size_valid(65536));
+        assert!(!block_size_valid(2048));
+        assert!(!block_size_valid(6144));
+        assert!(!block_size_valid(131072));
+        assert_eq!(record_data_blocks_max(4096), 252);
+        assert_eq!(record_data_blocks_max(65536), 16);
+    }
+}

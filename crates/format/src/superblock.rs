@@ -1,0 +1,218 @@
+//! The superblock: static configuration plus the few numbers recovery starts
+//! from. Two copies alternate; the valid copy with the highest `sequence`
+//! wins, so a torn superblock write leaves the older copy in charge.
+
+use crate::codec::{check_magic, check_version, Reader, Writer};
+use crate::{
+    block_size_valid, DecodeError, FORMAT_VERSION, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
+};
+
+pub const ORIGIN_IDENTITY_MAX_BYTES: usize = 512;
+const CRC_OFFSET: usize = SUPERBLOCK_BYTES - 4;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    /// Higher wins between the two copies.
+    pub sequence: u64,
+    pub uuid: [u8; 16],
+    pub block_size_bytes: u32,
+    pub cache_size_bytes: u64,
+    pub origin_size_bytes: u64,
+    /// Opaque text naming the origin (path, device id or URI).
+    pub origin_identity: String,
+    pub log_blocks: u64,
+    pub checkpoint_slot_bytes: u64,
+    /// Bumped on every open; record headers carry it, so records left over
+    /// from before a crash can never be mistaken for new ones.
+    pub generation: u64,
+    /// Which checkpoint slot (0 or 1) holds the newest checkpoint.
+    pub active_checkpoint: u8,
+    /// Sequence number the active checkpoint must carry.
+    pub checkpoint_sequence: u64,
+    /// Logical log offset before which everything is written back and the
+    /// origin flushed. The log tail never passes it.
+    pub writeback_offset: u64,
+    /// Persisted cache mode (engine-defined code).
+    pub mode: u8,
+    /// Feature flags (none defined in version 1; must be zero).
+    pub features: u32,
+}
+
+impl Superblock {
+    pub fn encode(&self) -> Vec<u8> {
+        assert!(self.origin_identity.len() <= ORIGIN_IDENTITY_MAX_BYTES);
+        assert!(self.active_checkpoint <= 1);
+        let mut buf = vec![0u8; SUPERBLOCK_BYTES];
+        let mut w = Writer::new(&mut buf);
+        w.u64(SUPERBLOCK_MAGIC);
+        w.u32(FORMAT_VERSION);
+        w.u32(self.features);
+        w.u64(self.sequence);
+        w.bytes(&self.uuid);
+        w.u32(self.block_size_bytes);
+        w.u64(self.cache_size_bytes);
+        w.u64(self.origin_size_bytes);
+        w.u64(self.log_blocks);
+        w.u64(self.checkpoint_slot_bytes);
+        w.u64(self.generation);
+        w.u8(self.active_checkpoint);
+        w.u8(self.mode);
+        w.u64(self.checkpoint_sequence);
+        w.u64(self.writeback_offset);
+        w.u16(self.origin_identity.len() as u16);
+        w.bytes(self.origin_identity.as_bytes());
+        let crc = crate::codec::crc_with_hole(&buf, CRC_OFFSET);
+        buf[CRC_OFFSET..].copy_from_slice(&crc.to_le_bytes());
+        buf
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Superblock, DecodeError> {
+        if buf.len() < SUPERBLOCK_BYTES {
+            return Err(DecodeError::Short {
+                need: SUPERBLOCK_BYTES,
+                have: buf.len(),
+            });
+        }
+        let buf = &buf[..SUPERBLOCK_BYTES];
+        let mut r = Reader::new(buf);
+        check_magic(r.u64()?, SUPERBLOCK_MAGIC)?;
+        check_version(r.u32()?)?;
+        let stored = u32::from_le_bytes([
+            buf[CRC_OFFSET],
+            buf[CRC_OFFSET + 1],
+            buf[CRC_OFFSET + 2],
+            buf[CRC_OFFSET + 3],
+        ]);
+        let computed = crate::codec::crc_with_hole(buf, CRC_OFFSET);
+        if stored != computed {
+            return Err(DecodeError::BadChecksum { stored, computed });
+        }
+        let features = r.u32()?;
+        if features != 0 {
+            return Err(DecodeError::OutOfRange {
+                field: "features",
+                value: features as u64,
+            });
+        }
+        let sequence = r.u64()?;
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(r.bytes(16)?);
+        let block_size_bytes = r.u32()?;
+        if !block_size_valid(block_size_bytes) {
+            return Err(DecodeError::OutOfRange {
+                field: "block_size_bytes",
+                value: block_size_bytes as u64,
+            });
+        }
+        let cache_size_bytes = r.u64()?;
+        let origin_size_bytes = r.u64()?;
+        let log_blocks = r.u64()?;
+        let checkpoint_slot_bytes = r.u64()?;
+        let generation = r.u64()?;
+        let active_checkpoint = r.u8()?;
+        if active_checkpoint > 1 {
+            return Err(DecodeError::OutOfRange {
+                field: "active_checkpoint",
+                value: active_checkpoint as u64,
+            });
+        }
+        let mode = r.u8()?;
+        let checkpoint_sequence = r.u64()?;
+        let writeback_offset = r.u64()?;
+        let identity_len = r.u16()? as usize;
+        if identity_len > ORIGIN_IDENTITY_MAX_BYTES {
+            return Err(DecodeError::OutOfRange {
+                field: "origin_identity_len",
+                value: identity_len as u64,
+            });
+        }
+        let origin_identity = String::from_utf8_lossy(r.bytes(identity_len)?).into_owned();
+        Ok(Superblock {
+            sequence,
+            uuid,
+            block_size_bytes,
+            cache_size_bytes,
+            origin_size_bytes,
+            origin_identity,
+            log_blocks,
+            checkpoint_slot_bytes,
+            generation,
+            active_checkpoint,
+            checkpoint_sequence,
+            writeback_offset,
+            mode,
+            features,
+        })
+    }
+
+    /// Pick the superblock to trust from the two copies.
+    pub fn newest(
+        a: Result<Superblock, DecodeError>,
+        b: Result<Superblock, DecodeError>,
+    ) -> Result<Superblock, (DecodeError, DecodeError)> {
+        match (a, b) {
+            (Ok(a), Ok(b)) => Ok(if b.sequence > a.sequence { b } else { a }),
+            (Ok(a), Err(_)) => Ok(a),
+            (Err(_), Ok(b)) => Ok(b),
+            (Err(ea), Err(eb)) => Err((ea, eb)),
+        }
+    }
+
+    /// Which copy (0 or 1) the superblock with this sequence is written to.
+    pub fn copy_index(sequence: u64) -> usize {
+        (sequence % 2) as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Superblock {
+        Superblock {
+            sequence: 9,
+            uuid: [3; 16],
+            block_size_bytes: 4096,
+            cache_size_bytes: 1 << 30,
+            origin_size_bytes: 1 << 40,
+            origin_identity: "file:/dev/sdb".into(),
+            log_blocks: 1000,
+            checkpoint_slot_bytes: 65536,
+            generation: 4,
+            active_checkpoint: 1,
+            checkpoint_sequence: 77,
+            writeback_offset: 123,
+            mode: 0,
+            features: 0,
+        }
+    }
+
+    #[test]
+    fn roundtrip() {
+        let sb = sample();
+        let buf = sb.encode();
+        assert_eq!(Superblock::decode(&buf).unwrap(), sb);
+    }
+
+    #[test]
+    fn every_flipped_byte_is_detected() {
+        let buf = sample().encode();
+        for i in 0..buf.len() {
+            let mut bad = buf.clone();
+            bad[i] ^= 0x40;
+            assert!(Superblock::decode(&bad).is_err(), "flip at {i} not detected");
+        }
+    }
+
+    #[test]
+    fn newest_wins() {
+        let mut a = sample();
+        let mut b = sample();
+        a.sequence = 4;
+        b.sequence = 5;
+        let n = Superblock::newest(Ok(a.clone()), Ok(b.clone())).unwrap();
+        assert_eq!(n.sequence, 5);
+        let n = Superblock::newest(Ok(a), Err(DecodeError::Short { need: 1, have: 0 })).unwrap();
+        assert_eq!(n.sequence, 4);
+    }
+}
