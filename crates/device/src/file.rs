@@ -27,68 +27,154 @@ pub struct FileDevice {
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 // _IO(0x12, 119)
 const BLKDISCARD: libc::c_ulong = 0x1277;
+// _IO(0x12, 127)
+const BLKZEROOUT: libc::c_ulong = 0x127f;
 
-impl FileDevice {
-    pub fn open(path: &Path, mode: OpenMode) -> DeviceResult<FileDevice> {
-        let name = path.display().to_string();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|source| DeviceError::Open {
-                device: name.clone(),
-                source,
-            })?;
-        let lock = match mode {
-            OpenMode::Exclusive => libc::LOCK_EX,
-            OpenMode::Shared => libc::LOCK_SH,
-        };
-        // SAFETY: flock on a file descriptor we own; no memory is passed.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                return Err(DeviceError::Busy { device: name });
-            }
-            return Err(DeviceError::Open {
-                device: name,
-                source: err,
-            });
-        }
-        let meta = file.metadata().map_err(|source| DeviceError::Open {
+/// A regular file or block device opened and locked, before a backend wraps
+/// it. Shared by [`FileDevice`] and the io_uring backend so both keep the same
+/// locking, sizing and identity rules.
+pub(crate) struct OpenedFile {
+    pub(crate) file: File,
+    pub(crate) name: String,
+    pub(crate) identity: String,
+    pub(crate) size_bytes: u64,
+    pub(crate) is_block_device: bool,
+}
+
+/// Open `path` for reading and writing with `extra_flags` (e.g. `O_DIRECT`)
+/// and take the advisory lock `mode` asks for.
+pub(crate) fn open_locked(
+    path: &Path,
+    mode: OpenMode,
+    extra_flags: libc::c_int,
+) -> DeviceResult<OpenedFile> {
+    let name = path.display().to_string();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | extra_flags)
+        .open(path)
+        .map_err(|source| DeviceError::Open {
             device: name.clone(),
             source,
         })?;
-        let is_block_device = meta.file_type().is_block_device();
-        let size_bytes = if is_block_device {
-            let mut size: u64 = 0;
-            // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which
-            // points at a live, properly aligned u64.
-            let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
-            if rc != 0 {
-                return Err(DeviceError::Open {
-                    device: name,
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            size
-        } else if meta.file_type().is_file() {
-            meta.len()
-        } else {
-            return Err(DeviceError::Unsupported {
+    let lock = match mode {
+        OpenMode::Exclusive => libc::LOCK_EX,
+        OpenMode::Shared => libc::LOCK_SH,
+    };
+    // SAFETY: flock on a file descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(DeviceError::Busy { device: name });
+        }
+        return Err(DeviceError::Open {
+            device: name,
+            source: err,
+        });
+    }
+    let meta = file.metadata().map_err(|source| DeviceError::Open {
+        device: name.clone(),
+        source,
+    })?;
+    let is_block_device = meta.file_type().is_block_device();
+    let size_bytes = if is_block_device {
+        let mut size: u64 = 0;
+        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which
+        // points at a live, properly aligned u64.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+        if rc != 0 {
+            return Err(DeviceError::Open {
                 device: name,
-                message: "not a regular file or block device".into(),
+                source: std::io::Error::last_os_error(),
             });
-        };
-        let canonical: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-        Ok(FileDevice {
-            file,
-            identity: format!("file:{}", canonical.display()),
-            name,
-            size_bytes,
-            is_block_device,
-        })
+        }
+        size
+    } else if meta.file_type().is_file() {
+        meta.len()
+    } else {
+        return Err(DeviceError::Unsupported {
+            device: name,
+            message: "not a regular file or block device".into(),
+        });
+    };
+    let canonical: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    Ok(OpenedFile {
+        file,
+        identity: format!("file:{}", canonical.display()),
+        name,
+        size_bytes,
+        is_block_device,
+    })
+}
+
+/// Discard `len` bytes at `offset`: BLKDISCARD on a block device, a punched
+/// hole in a regular file. Discard is a hint, so failure is only logged.
+pub(crate) fn discard_range(file: &File, is_block_device: bool, name: &str, offset: u64, len: u64) {
+    let rc = if is_block_device {
+        let range: [u64; 2] = [offset, len];
+        // SAFETY: BLKDISCARD reads two u64s from the pointer, which points
+        // at a live array of two u64s.
+        unsafe { libc::ioctl(file.as_raw_fd(), BLKDISCARD, range.as_ptr()) }
+    } else {
+        // SAFETY: fallocate on a descriptor we own; no memory is passed.
+        unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        }
+    };
+    if rc != 0 {
+        // Discard is a hint: a filesystem without hole punching is fine.
+        tracing::debug!(device = %name, "discard not supported: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// Try to zero a range without sending zero-filled buffers: FALLOC_FL_ZERO_RANGE
+/// on a regular file, BLKZEROOUT on a block device (which may offload to the
+/// drive's WRITE ZEROES). Returns false when the caller must write zeroes.
+pub(crate) fn zero_range_in_kernel(
+    file: &File,
+    is_block_device: bool,
+    offset: u64,
+    len: u64,
+) -> bool {
+    let rc = if is_block_device {
+        let range: [u64; 2] = [offset, len];
+        // SAFETY: BLKZEROOUT reads two u64s from the pointer, which points at
+        // a live array of two u64s.
+        unsafe { libc::ioctl(file.as_raw_fd(), BLKZEROOUT, range.as_ptr()) }
+    } else {
+        // SAFETY: fallocate on a descriptor we own; no memory is passed.
+        unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        }
+    };
+    rc == 0
+}
+
+impl FileDevice {
+    pub fn open(path: &Path, mode: OpenMode) -> DeviceResult<FileDevice> {
+        Ok(Self::from_opened(open_locked(path, mode, 0)?))
+    }
+
+    pub(crate) fn from_opened(opened: OpenedFile) -> FileDevice {
+        FileDevice {
+            file: opened.file,
+            name: opened.name,
+            identity: opened.identity,
+            size_bytes: opened.size_bytes,
+            is_block_device: opened.is_block_device,
+        }
     }
 
     fn io_error(&self, offset: u64, len: u64, source: std::io::Error) -> DeviceError {
@@ -106,6 +192,10 @@ impl Device for FileDevice {
         &self.name
     }
 
+    fn backend(&self) -> &'static str {
+        "pread"
+    }
+
     fn identity(&self) -> String {
         self.identity.clone()
     }
@@ -115,14 +205,26 @@ impl Device for FileDevice {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
-        check_range(&self.name, "read", offset, buf.len() as u64, self.size_bytes)?;
+        check_range(
+            &self.name,
+            "read",
+            offset,
+            buf.len() as u64,
+            self.size_bytes,
+        )?;
         self.file
             .read_exact_at(buf, offset)
             .map_err(|e| self.io_error(offset, buf.len() as u64, e))
     }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
-        check_range(&self.name, "write", offset, buf.len() as u64, self.size_bytes)?;
+        check_range(
+            &self.name,
+            "write",
+            offset,
+            buf.len() as u64,
+            self.size_bytes,
+        )?;
         self.file
             .write_all_at(buf, offset)
             .map_err(|e| self.io_error(offset, buf.len() as u64, e))
@@ -171,9 +273,7 @@ impl Device for FileDevice {
     }
 
     fn flush(&self) -> DeviceResult<()> {
-        self.file
-            .sync_data()
-            .map_err(|e| self.io_error(0, 0, e))
+        self.file.sync_data().map_err(|e| self.io_error(0, 0, e))
     }
 
     fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
@@ -181,26 +281,7 @@ impl Device for FileDevice {
         if len == 0 {
             return Ok(());
         }
-        let rc = if self.is_block_device {
-            let range: [u64; 2] = [offset, len];
-            // SAFETY: BLKDISCARD reads two u64s from the pointer, which points
-            // at a live array of two u64s.
-            unsafe { libc::ioctl(self.file.as_raw_fd(), BLKDISCARD, range.as_ptr()) }
-        } else {
-            // SAFETY: fallocate on a descriptor we own; no memory is passed.
-            unsafe {
-                libc::fallocate(
-                    self.file.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    offset as libc::off_t,
-                    len as libc::off_t,
-                )
-            }
-        };
-        if rc != 0 {
-            // Discard is a hint: a filesystem without hole punching is fine.
-            tracing::debug!(device = %self.name, "discard not supported: {}", std::io::Error::last_os_error());
-        }
+        discard_range(&self.file, self.is_block_device, &self.name, offset, len);
         Ok(())
     }
 
@@ -209,19 +290,8 @@ impl Device for FileDevice {
         if len == 0 {
             return Ok(());
         }
-        if !self.is_block_device {
-            // SAFETY: fallocate on a descriptor we own; no memory is passed.
-            let rc = unsafe {
-                libc::fallocate(
-                    self.file.as_raw_fd(),
-                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                    offset as libc::off_t,
-                    len as libc::off_t,
-                )
-            };
-            if rc == 0 {
-                return Ok(());
-            }
+        if zero_range_in_kernel(&self.file, self.is_block_device, offset, len) {
+            return Ok(());
         }
         const CHUNK: u64 = 1 << 20;
         let zeroes = vec![0u8; CHUNK.min(len) as usize];
@@ -249,7 +319,8 @@ mod tests {
         f.set_len(1 << 20).unwrap();
         let dev = FileDevice::open(&path, OpenMode::Exclusive).unwrap();
         assert_eq!(dev.size_bytes(), 1 << 20);
-        dev.write_vectored_at(4096, &[&[1u8; 4096], &[2u8; 4096]]).unwrap();
+        dev.write_vectored_at(4096, &[&[1u8; 4096], &[2u8; 4096]])
+            .unwrap();
         let mut buf = vec![0u8; 8192];
         dev.read_at(4096, &mut buf).unwrap();
         assert!(buf[..4096].iter().all(|&b| b == 1));

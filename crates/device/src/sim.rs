@@ -228,6 +228,10 @@ pub fn build_crash_image(
 }
 
 impl Device for SimDevice {
+    fn backend(&self) -> &'static str {
+        "sim"
+    }
+
     fn name(&self) -> &str {
         &self.name
     }
@@ -241,7 +245,13 @@ impl Device for SimDevice {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
-        check_range(&self.name, "read", offset, buf.len() as u64, self.size_bytes)?;
+        check_range(
+            &self.name,
+            "read",
+            offset,
+            buf.len() as u64,
+            self.size_bytes,
+        )?;
         let mut s = self.lock();
         self.account(&mut s, "read")?;
         s.counters.reads += 1;
@@ -251,7 +261,13 @@ impl Device for SimDevice {
     }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
-        check_range(&self.name, "write", offset, buf.len() as u64, self.size_bytes)?;
+        check_range(
+            &self.name,
+            "write",
+            offset,
+            buf.len() as u64,
+            self.size_bytes,
+        )?;
         let mut s = self.lock();
         self.account(&mut s, "write")?;
         s.counters.writes += 1;
@@ -341,9 +357,21 @@ mod tests {
         let d = SimDevice::new("t", 4096);
         d.write_at(0, &[9u8; 4096]).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let a = d.crash_image(CrashPlan::Random { keep: 1.0, tear: 1.0 }, &mut rng);
+        let a = d.crash_image(
+            CrashPlan::Random {
+                keep: 1.0,
+                tear: 1.0,
+            },
+            &mut rng,
+        );
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let b = d.crash_image(CrashPlan::Random { keep: 1.0, tear: 1.0 }, &mut rng);
+        let b = d.crash_image(
+            CrashPlan::Random {
+                keep: 1.0,
+                tear: 1.0,
+            },
+            &mut rng,
+        );
         assert_eq!(a, b, "same seed, same image");
         for sector in a.chunks(SECTOR_BYTES) {
             assert!(sector.iter().all(|&x| x == 9) || sector.iter().all(|&x| x == 0));

@@ -1,0 +1,296 @@
+//! Choosing the backend for a local file or block device.
+//!
+//! Policy ([`open_local`]): io_uring with O_DIRECT when it works; buffered
+//! I/O through io_uring when the filesystem refuses O_DIRECT; pread/pwrite
+//! ([`FileDevice`]) when io_uring itself is unavailable (old kernel, seccomp,
+//! `kernel.io_uring_disabled`). Each fallback logs one warning. The
+//! environment variable `CAIRN_IO_BACKEND=pread|uring|auto` forces the
+//! choice (`uring` then fails instead of falling back to pread).
+
+use std::path::Path;
+
+use crate::file::{open_locked, OpenedFile};
+use crate::uring::{OpenFileFn, RingPool, UringDevice, UringOptions};
+use crate::{Device, DeviceError, DeviceResult, FileDevice, OpenMode};
+
+/// The environment variable that forces a backend for [`open_local`].
+pub const IO_BACKEND_ENV: &str = "CAIRN_IO_BACKEND";
+
+/// Which backend [`open_local_with`] uses for a local path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoBackend {
+    /// io_uring if it works here, else pread/pwrite.
+    #[default]
+    Auto,
+    /// pread/pwrite ([`FileDevice`]).
+    Pread,
+    /// io_uring ([`UringDevice`]); an error if io_uring is unavailable.
+    Uring,
+}
+
+impl IoBackend {
+    /// Parse a value of [`IO_BACKEND_ENV`]: `auto`, `pread` or `uring`
+    /// (case-insensitive; empty means `auto`).
+    pub fn parse(value: &str) -> Option<IoBackend> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Some(IoBackend::Auto),
+            "pread" => Some(IoBackend::Pread),
+            "uring" | "io_uring" | "io-uring" => Some(IoBackend::Uring),
+            _ => None,
+        }
+    }
+
+    /// The backend [`IO_BACKEND_ENV`] asks for ([`IoBackend::Auto`] if unset),
+    /// or a message saying what is wrong with its value.
+    pub fn from_env() -> Result<IoBackend, String> {
+        match std::env::var(IO_BACKEND_ENV) {
+            Ok(value) => IoBackend::parse(&value).ok_or_else(|| {
+                format!("{IO_BACKEND_ENV}={value:?} is not one of pread, uring, auto")
+            }),
+            Err(std::env::VarError::NotPresent) => Ok(IoBackend::Auto),
+            Err(std::env::VarError::NotUnicode(value)) => Err(format!(
+                "{IO_BACKEND_ENV}={value:?} is not one of pread, uring, auto"
+            )),
+        }
+    }
+}
+
+/// Options for [`open_local_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LocalOptions {
+    pub backend: IoBackend,
+    /// Used when the backend is io_uring.
+    pub uring: UringOptions,
+}
+
+/// Open a local file or block device with the best backend available, as
+/// [`IO_BACKEND_ENV`] allows. Keeps [`FileDevice::open`]'s locking: an
+/// exclusive open fails with [`DeviceError::Busy`] while another holds it.
+/// [`Device::backend`] tells which backend was chosen.
+pub fn open_local(path: &Path, mode: OpenMode) -> DeviceResult<Box<dyn Device>> {
+    let backend = IoBackend::from_env().map_err(|message| DeviceError::Unsupported {
+        device: path.display().to_string(),
+        message,
+    })?;
+    open_local_with(
+        path,
+        mode,
+        &LocalOptions {
+            backend,
+            ..LocalOptions::default()
+        },
+    )
+}
+
+/// [`open_local`] with explicit options instead of the environment.
+pub fn open_local_with(
+    path: &Path,
+    mode: OpenMode,
+    options: &LocalOptions,
+) -> DeviceResult<Box<dyn Device>> {
+    open_local_impl(
+        path,
+        mode,
+        options,
+        &|uring: &UringOptions| RingPool::new(uring.ring_count, uring.queue_depth),
+        &open_locked,
+    )
+}
+
+/// The policy, with ring setup and file opening injectable so tests can
+/// exercise the fallbacks on a machine where everything works.
+pub(crate) fn open_local_impl(
+    path: &Path,
+    mode: OpenMode,
+    options: &LocalOptions,
+    make_rings: &dyn Fn(&UringOptions) -> std::io::Result<RingPool>,
+    open_file: OpenFileFn<'_>,
+) -> DeviceResult<Box<dyn Device>> {
+    let pread =
+        |opened: OpenedFile| -> Box<dyn Device> { Box::new(FileDevice::from_opened(opened)) };
+    let device: Box<dyn Device> = match options.backend {
+        IoBackend::Pread => pread(open_file(path, mode, 0)?),
+        IoBackend::Auto | IoBackend::Uring => match make_rings(&options.uring) {
+            Ok(rings) => Box::new(UringDevice::open_with_rings(
+                path,
+                mode,
+                options.uring.direct_io,
+                rings,
+                open_file,
+            )?),
+            Err(err) if options.backend == IoBackend::Auto => {
+                tracing::warn!(
+                    device = %path.display(),
+                    "io_uring is unavailable ({err}); using pread/pwrite"
+                );
+                pread(open_file(path, mode, 0)?)
+            }
+            Err(err) => {
+                return Err(DeviceError::Unsupported {
+                    device: path.display().to_string(),
+                    message: format!(
+                        "io_uring was asked for ({IO_BACKEND_ENV}=uring) but is unavailable: {err}"
+                    ),
+                })
+            }
+        },
+    };
+    tracing::debug!(
+        device = device.name(),
+        backend = device.backend(),
+        "opened local device"
+    );
+    Ok(device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn temp_file(tag: &str, size_bytes: u64) -> std::path::PathBuf {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "cairn-local-{}-{}-{}",
+            std::process::id(),
+            tag,
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dev.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(size_bytes)
+            .unwrap();
+        path
+    }
+
+    fn no_uring(_: &UringOptions) -> std::io::Result<RingPool> {
+        Err(std::io::Error::from_raw_os_error(libc::ENOSYS))
+    }
+
+    fn real_rings(options: &UringOptions) -> std::io::Result<RingPool> {
+        RingPool::new(options.ring_count, options.queue_depth)
+    }
+
+    fn roundtrip(device: &dyn Device) {
+        let data = vec![0x5au8; 8192];
+        device.write_at(4096, &data).unwrap();
+        device.flush().unwrap();
+        let mut back = vec![0u8; 8192];
+        device.read_at(4096, &mut back).unwrap();
+        assert_eq!(back, data);
+    }
+
+    #[test]
+    fn parse_backend_values() {
+        assert_eq!(IoBackend::parse("auto"), Some(IoBackend::Auto));
+        assert_eq!(IoBackend::parse(""), Some(IoBackend::Auto));
+        assert_eq!(IoBackend::parse(" PREAD "), Some(IoBackend::Pread));
+        assert_eq!(IoBackend::parse("uring"), Some(IoBackend::Uring));
+        assert_eq!(IoBackend::parse("io_uring"), Some(IoBackend::Uring));
+        assert_eq!(IoBackend::parse("aio"), None);
+    }
+
+    #[test]
+    fn auto_falls_back_to_pread_without_io_uring() {
+        let path = temp_file("auto-fallback", 1 << 20);
+        let options = LocalOptions::default();
+        let device = open_local_impl(
+            &path,
+            OpenMode::Exclusive,
+            &options,
+            &no_uring,
+            &open_locked,
+        )
+        .unwrap();
+        assert_eq!(device.backend(), "pread");
+        roundtrip(device.as_ref());
+        // The fallback keeps the lock semantics.
+        let again = open_local_impl(
+            &path,
+            OpenMode::Exclusive,
+            &options,
+            &no_uring,
+            &open_locked,
+        );
+        assert!(matches!(again, Err(DeviceError::Busy { .. })));
+        drop(device);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn forced_uring_fails_without_io_uring() {
+        let path = temp_file("forced-uring", 1 << 20);
+        let options = LocalOptions {
+            backend: IoBackend::Uring,
+            ..LocalOptions::default()
+        };
+        let result = open_local_impl(
+            &path,
+            OpenMode::Exclusive,
+            &options,
+            &no_uring,
+            &open_locked,
+        );
+        match result {
+            Err(err @ DeviceError::Unsupported { .. }) => {
+                assert!(err.to_string().contains("io_uring"), "{err}");
+            }
+            Err(other) => panic!("unexpected error {other}"),
+            Ok(device) => panic!("opened with backend {}", device.backend()),
+        }
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn refused_o_direct_falls_back_to_buffered_uring() {
+        let path = temp_file("no-direct", 1 << 20);
+        // A filesystem that refuses O_DIRECT at open, as tmpfs did before
+        // Linux 6.6.
+        let refuse_direct =
+            |path: &Path, mode: OpenMode, flags: libc::c_int| -> DeviceResult<OpenedFile> {
+                if flags & libc::O_DIRECT != 0 {
+                    return Err(DeviceError::Open {
+                        device: path.display().to_string(),
+                        source: std::io::Error::from_raw_os_error(libc::EINVAL),
+                    });
+                }
+                open_locked(path, mode, flags)
+            };
+        let device = open_local_impl(
+            &path,
+            OpenMode::Exclusive,
+            &LocalOptions::default(),
+            &real_rings,
+            &refuse_direct,
+        )
+        .unwrap();
+        assert_eq!(device.backend(), "uring-buffered");
+        roundtrip(device.as_ref());
+        // Buffered I/O takes any alignment through the ring.
+        device.write_at(3, b"odd").unwrap();
+        let mut back = [0u8; 3];
+        device.read_at(3, &mut back).unwrap();
+        assert_eq!(&back, b"odd");
+        drop(device);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn other_open_errors_are_not_hidden_by_fallbacks() {
+        let missing =
+            std::env::temp_dir().join(format!("cairn-local-missing-{}", std::process::id()));
+        for backend in [IoBackend::Auto, IoBackend::Pread, IoBackend::Uring] {
+            let options = LocalOptions {
+                backend,
+                ..LocalOptions::default()
+            };
+            let result = open_local_with(&missing, OpenMode::Exclusive, &options);
+            assert!(
+                matches!(result, Err(DeviceError::Open { .. })),
+                "{backend:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,584 @@
+//! The local backends (pread/pwrite, io_uring with O_DIRECT, io_uring
+//! buffered) through the public API: every test runs against each of them,
+//! chosen with a constructor parameter so tests never race on the
+//! environment. One test checks the environment variable in a child process.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cairn_device::{
+    open_local, open_local_with, Device, DeviceError, IoBackend, LocalOptions, OpenMode,
+    UringOptions, IO_BACKEND_ENV,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const DEVICE_BYTES: u64 = 16 << 20;
+
+struct TempDevice {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl TempDevice {
+    fn new(tag: &str, size_bytes: u64) -> TempDevice {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        // The target directory lives on a real disk filesystem, where
+        // O_DIRECT works.
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "cairn-local-{}-{}-{}",
+            std::process::id(),
+            tag,
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dev.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(size_bytes)
+            .unwrap();
+        TempDevice { dir, path }
+    }
+}
+
+impl Drop for TempDevice {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Flavor {
+    Pread,
+    UringDirect,
+    UringBuffered,
+}
+
+const FLAVORS: [Flavor; 3] = [Flavor::Pread, Flavor::UringDirect, Flavor::UringBuffered];
+
+fn options(flavor: Flavor) -> LocalOptions {
+    match flavor {
+        Flavor::Pread => LocalOptions {
+            backend: IoBackend::Pread,
+            ..LocalOptions::default()
+        },
+        Flavor::UringDirect => LocalOptions {
+            backend: IoBackend::Uring,
+            uring: UringOptions {
+                // A small queue so batches larger than the ring are covered.
+                queue_depth: 8,
+                ring_count: 2,
+                direct_io: true,
+            },
+        },
+        Flavor::UringBuffered => LocalOptions {
+            backend: IoBackend::Uring,
+            uring: UringOptions {
+                direct_io: false,
+                ..UringOptions::default()
+            },
+        },
+    }
+}
+
+fn open(flavor: Flavor, path: &Path) -> Box<dyn Device> {
+    let device = open_local_with(path, OpenMode::Exclusive, &options(flavor)).unwrap();
+    let expected: &[&str] = match flavor {
+        Flavor::Pread => &["pread"],
+        // On a filesystem without O_DIRECT this falls back to buffered.
+        Flavor::UringDirect => &["uring-direct", "uring-buffered"],
+        Flavor::UringBuffered => &["uring-buffered"],
+    };
+    assert!(
+        expected.contains(&device.backend()),
+        "{flavor:?} opened {}",
+        device.backend()
+    );
+    device
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len).map(|_| rng.gen()).collect()
+}
+
+/// A buffer whose data starts `misalign` bytes into an allocation aligned to
+/// 4 KiB, so O_DIRECT has to bounce it.
+struct Misaligned {
+    storage: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Misaligned {
+    fn new(len: usize, misalign: usize) -> Misaligned {
+        let storage = vec![0u8; len + 4096 + misalign];
+        let base = storage.as_ptr() as usize;
+        let start = (4096 - base % 4096) % 4096 + misalign;
+        Misaligned {
+            storage,
+            start,
+            len,
+        }
+    }
+
+    fn get(&self) -> &[u8] {
+        &self.storage[self.start..self.start + self.len]
+    }
+
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.storage[self.start..self.start + self.len]
+    }
+}
+
+fn read_vec(device: &dyn Device, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    device.read_at(offset, &mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn uring_direct_is_used_where_the_filesystem_supports_it() {
+    let temp = TempDevice::new("direct-probe", DEVICE_BYTES);
+    let direct_works = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags_direct()
+        .open(&temp.path)
+        .is_ok();
+    let device = open(Flavor::UringDirect, &temp.path);
+    if direct_works {
+        assert_eq!(device.backend(), "uring-direct");
+    } else {
+        eprintln!(
+            "note: {} refuses O_DIRECT; tested the buffered fallback",
+            temp.path.display()
+        );
+        assert_eq!(device.backend(), "uring-buffered");
+    }
+}
+
+trait CustomFlagsDirect {
+    fn custom_flags_direct(&mut self) -> &mut Self;
+}
+
+impl CustomFlagsDirect for std::fs::OpenOptions {
+    fn custom_flags_direct(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.custom_flags(libc::O_DIRECT)
+    }
+}
+
+#[test]
+fn aligned_and_unaligned_reads_and_writes() {
+    for flavor in FLAVORS {
+        let temp = TempDevice::new("rw", DEVICE_BYTES);
+        let device = open(flavor, &temp.path);
+        assert_eq!(device.size_bytes(), DEVICE_BYTES);
+
+        // Aligned offset, aligned memory (a large Vec is page aligned by the
+        // allocator more often than not; both cases are covered below).
+        let data = pattern(1, 64 << 10);
+        device.write_at(1 << 20, &data).unwrap();
+        assert_eq!(
+            read_vec(device.as_ref(), 1 << 20, data.len()),
+            data,
+            "{flavor:?}"
+        );
+
+        // Aligned offset and length, memory off by 1..511 bytes: bounced.
+        for (i, misalign) in [1usize, 8, 100, 511].into_iter().enumerate() {
+            let offset = (2 << 20) + (i as u64) * (64 << 10);
+            let mut src = Misaligned::new(12288, misalign);
+            src.get_mut()
+                .copy_from_slice(&pattern(10 + i as u64, 12288));
+            device.write_at(offset, src.get()).unwrap();
+            let mut dst = Misaligned::new(12288, misalign + 3);
+            device.read_at(offset, dst.get_mut()).unwrap();
+            assert_eq!(dst.get(), src.get(), "{flavor:?} misalign {misalign}");
+        }
+
+        // An unaligned memory buffer larger than one bounce chunk (1 MiB).
+        let mut big = Misaligned::new(3 << 20, 7);
+        big.get_mut().copy_from_slice(&pattern(20, 3 << 20));
+        device.write_at(4 << 20, big.get()).unwrap();
+        let mut big_back = Misaligned::new(3 << 20, 9);
+        device.read_at(4 << 20, big_back.get_mut()).unwrap();
+        assert!(big_back.get() == big.get(), "{flavor:?} big bounced I/O");
+
+        // Unaligned offsets and lengths (served outside O_DIRECT).
+        device
+            .write_at(8 * 4096 + 100, b"hello, unaligned world")
+            .unwrap();
+        assert_eq!(
+            read_vec(device.as_ref(), 8 * 4096 + 100, 22),
+            b"hello, unaligned world",
+            "{flavor:?}"
+        );
+        // ... and an aligned read over it sees the unaligned write.
+        let block = read_vec(device.as_ref(), 8 * 4096, 4096);
+        assert_eq!(&block[100..122], b"hello, unaligned world", "{flavor:?}");
+        assert!(block[..100].iter().all(|&b| b == 0));
+
+        // Aligned write over the same block, then an unaligned read of it.
+        let fresh = pattern(30, 4096);
+        device.write_at(8 * 4096, &fresh).unwrap();
+        assert_eq!(
+            read_vec(device.as_ref(), 8 * 4096 + 1, 10),
+            fresh[1..11].to_vec(),
+            "{flavor:?}"
+        );
+
+        // Out of range is refused without I/O.
+        let mut past = vec![0u8; 4096];
+        assert!(matches!(
+            device.read_at(DEVICE_BYTES - 512, &mut past),
+            Err(DeviceError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            device.write_at(DEVICE_BYTES, &past),
+            Err(DeviceError::OutOfRange { .. })
+        ));
+        device.flush().unwrap();
+    }
+}
+
+#[test]
+fn vectored_and_batched_io() {
+    for flavor in FLAVORS {
+        let temp = TempDevice::new("batch", DEVICE_BYTES);
+        let device = open(flavor, &temp.path);
+
+        // Vectored write of aligned pieces (one writev).
+        let a = pattern(40, 4096);
+        let b = pattern(41, 8192);
+        device.write_vectored_at(0, &[&a, &b]).unwrap();
+        let back = read_vec(device.as_ref(), 0, 12288);
+        assert_eq!(&back[..4096], &a[..]);
+        assert_eq!(&back[4096..], &b[..]);
+
+        // Vectored write of odd-sized pieces whose total is aligned
+        // (coalesced through bounce buffers), plus the flush in one call.
+        let pieces: Vec<Vec<u8>> = [100usize, 3000, 996, 4096, 1]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| pattern(50 + i as u64, n))
+            .collect();
+        let mut tail = pieces.clone();
+        tail.push(pattern(60, 8192 - 1)); // total is 16 KiB
+        let refs: Vec<&[u8]> = tail.iter().map(|p| p.as_slice()).collect();
+        device.write_vectored_and_flush(64 << 10, &refs).unwrap();
+        let expected: Vec<u8> = tail.concat();
+        assert_eq!(expected.len(), 16384);
+        assert_eq!(
+            read_vec(device.as_ref(), 64 << 10, expected.len()),
+            expected,
+            "{flavor:?}"
+        );
+
+        // Vectored write at an unaligned offset.
+        device
+            .write_vectored_at(200_001, &[b"abc", b"defg"])
+            .unwrap();
+        assert_eq!(read_vec(device.as_ref(), 200_001, 7), b"abcdefg");
+
+        // More writes in one batch than the ring holds (queue depth 8 for
+        // the direct flavor), mixed aligned and unaligned, then read_many.
+        let writes: Vec<(u64, Vec<u8>)> = (0..100u64)
+            .map(|i| {
+                let offset = (1 << 20) + i * 8192 + if i % 10 == 3 { 17 } else { 0 };
+                let len = if i % 7 == 0 { 4096 * 2 } else { 4096 };
+                (
+                    offset,
+                    pattern(100 + i, len - if i % 10 == 3 { 17 } else { 0 }),
+                )
+            })
+            .collect();
+        let requests: Vec<(u64, &[u8])> = writes.iter().map(|(o, d)| (*o, d.as_slice())).collect();
+        device.write_many_and_flush(&requests).unwrap();
+        let mut buffers: Vec<Vec<u8>> = writes.iter().map(|(_, d)| vec![0u8; d.len()]).collect();
+        {
+            let mut reads: Vec<(u64, &mut [u8])> = writes
+                .iter()
+                .zip(buffers.iter_mut())
+                .map(|((o, _), b)| (*o, b.as_mut_slice()))
+                .collect();
+            device.read_many(&mut reads).unwrap();
+        }
+        for ((offset, data), back) in writes.iter().zip(&buffers) {
+            assert_eq!(back, data, "{flavor:?} offset {offset}");
+        }
+        device.write_many(&[]).unwrap();
+        device.read_many(&mut []).unwrap();
+        device.write_vectored_and_flush(0, &[]).unwrap();
+    }
+}
+
+#[test]
+fn write_zeroes_and_discard() {
+    for flavor in FLAVORS {
+        let temp = TempDevice::new("zero", DEVICE_BYTES);
+        let device = open(flavor, &temp.path);
+        let ones = vec![0xffu8; 3 << 20];
+        device.write_at(0, &ones).unwrap();
+
+        device.write_zeroes(4096, (2 << 20) + 8192).unwrap();
+        let back = read_vec(device.as_ref(), 0, 3 << 20);
+        assert!(back[..4096].iter().all(|&b| b == 0xff), "{flavor:?}");
+        assert!(
+            back[4096..4096 + (2 << 20) + 8192].iter().all(|&b| b == 0),
+            "{flavor:?}"
+        );
+        assert!(
+            back[4096 + (2 << 20) + 8192..].iter().all(|&b| b == 0xff),
+            "{flavor:?}"
+        );
+
+        // Unaligned zeroing.
+        device.write_zeroes(10, 5).unwrap();
+        let head = read_vec(device.as_ref(), 0, 20);
+        assert!(head[..10].iter().all(|&b| b == 0xff));
+        assert!(head[10..15].iter().all(|&b| b == 0));
+        assert!(head[15..].iter().all(|&b| b == 0xff));
+
+        // Discard is a hint: it succeeds, keeps the size, and the range
+        // stays readable and writable.
+        device.discard(1 << 20, 1 << 20).unwrap();
+        let _ = read_vec(device.as_ref(), 1 << 20, 4096);
+        device.write_at(1 << 20, &ones[..4096]).unwrap();
+        assert!(read_vec(device.as_ref(), 1 << 20, 4096)
+            .iter()
+            .all(|&b| b == 0xff));
+        assert_eq!(device.size_bytes(), DEVICE_BYTES);
+        assert!(matches!(
+            device.discard(DEVICE_BYTES, 1),
+            Err(DeviceError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            device.write_zeroes(DEVICE_BYTES - 1, 2),
+            Err(DeviceError::OutOfRange { .. })
+        ));
+        device.flush().unwrap();
+    }
+}
+
+#[test]
+fn data_survives_reopen_across_backends() {
+    let temp = TempDevice::new("reopen", DEVICE_BYTES);
+    let mut expected = Vec::new();
+    for (i, flavor) in FLAVORS.iter().enumerate() {
+        let device = open(*flavor, &temp.path);
+        for (offset, data) in &expected {
+            assert_eq!(
+                &read_vec(device.as_ref(), *offset, 8192),
+                data,
+                "{flavor:?} reads older data"
+            );
+        }
+        let data = pattern(200 + i as u64, 8192);
+        let offset = i as u64 * (1 << 20);
+        device
+            .write_vectored_and_flush(offset, &[&data[..4096], &data[4096..]])
+            .unwrap();
+        expected.push((offset, data));
+    }
+    let raw = std::fs::read(&temp.path).unwrap();
+    for (offset, data) in &expected {
+        assert_eq!(&raw[*offset as usize..*offset as usize + 8192], &data[..]);
+    }
+}
+
+#[test]
+fn exclusive_lock_is_kept_by_every_backend() {
+    for flavor in FLAVORS {
+        let temp = TempDevice::new("lock", 1 << 20);
+        let first = open(flavor, &temp.path);
+        for other in FLAVORS {
+            let second = open_local_with(&temp.path, OpenMode::Exclusive, &options(other));
+            assert!(
+                matches!(second, Err(DeviceError::Busy { .. })),
+                "{flavor:?} then {other:?}"
+            );
+        }
+        drop(first);
+        let shared_a = open_local_with(&temp.path, OpenMode::Shared, &options(flavor)).unwrap();
+        let shared_b = open_local_with(&temp.path, OpenMode::Shared, &options(flavor)).unwrap();
+        assert_eq!(shared_a.identity(), shared_b.identity());
+        assert!(shared_a.identity().starts_with("file:/"));
+    }
+}
+
+/// Many threads hammer disjoint ranges of one device with every kind of I/O,
+/// each keeping a model of its range; then everything is verified, through
+/// the same device and after reopening with another backend.
+#[test]
+fn concurrent_threads_on_disjoint_ranges() {
+    const THREADS: usize = 8;
+    const RANGE_BYTES: u64 = 1 << 20;
+    const ROUNDS: usize = 150;
+    for flavor in FLAVORS {
+        let temp = TempDevice::new("hammer", THREADS as u64 * RANGE_BYTES);
+        let device: Arc<dyn Device> = Arc::from(open(flavor, &temp.path));
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let device = Arc::clone(&device);
+                std::thread::spawn(move || {
+                    let base = t as u64 * RANGE_BYTES;
+                    let mut model = vec![0u8; RANGE_BYTES as usize];
+                    let mut rng = ChaCha8Rng::seed_from_u64(1000 + t as u64);
+                    for round in 0..ROUNDS {
+                        let block = rng.gen_range(0..(RANGE_BYTES / 4096 - 4));
+                        let offset = block * 4096;
+                        match rng.gen_range(0..6) {
+                            0 => {
+                                let data: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
+                                device.write_at(base + offset, &data).unwrap();
+                                model[offset as usize..offset as usize + 4096]
+                                    .copy_from_slice(&data);
+                            }
+                            1 => {
+                                let a: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
+                                let b: Vec<u8> = (0..8192).map(|_| rng.gen()).collect();
+                                device.write_vectored_at(base + offset, &[&a, &b]).unwrap();
+                                model[offset as usize..offset as usize + 4096].copy_from_slice(&a);
+                                model[offset as usize + 4096..offset as usize + 12288]
+                                    .copy_from_slice(&b);
+                            }
+                            2 => {
+                                let other = rng.gen_range(0..(RANGE_BYTES / 4096 - 1)) * 4096;
+                                let a: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
+                                let b: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
+                                if other == offset {
+                                    continue;
+                                }
+                                let writes =
+                                    [(base + offset, a.as_slice()), (base + other, b.as_slice())];
+                                if round % 2 == 0 {
+                                    device.write_many(&writes).unwrap();
+                                } else {
+                                    device.write_many_and_flush(&writes).unwrap();
+                                }
+                                model[offset as usize..offset as usize + 4096].copy_from_slice(&a);
+                                model[other as usize..other as usize + 4096].copy_from_slice(&b);
+                            }
+                            3 => {
+                                // Unaligned write inside the block.
+                                let at = offset as usize + rng.gen_range(0..4000);
+                                let data: Vec<u8> =
+                                    (0..rng.gen_range(1..96)).map(|_| rng.gen()).collect();
+                                device.write_at(base + at as u64, &data).unwrap();
+                                model[at..at + data.len()].copy_from_slice(&data);
+                            }
+                            4 => {
+                                device.write_zeroes(base + offset, 8192).unwrap();
+                                model[offset as usize..offset as usize + 8192].fill(0);
+                            }
+                            _ => {
+                                let mut a = vec![0u8; 4096];
+                                let mut b = vec![0u8; 8192];
+                                let other = rng.gen_range(0..(RANGE_BYTES / 4096 - 2)) * 4096;
+                                {
+                                    let mut reads = [
+                                        (base + offset, a.as_mut_slice()),
+                                        (base + other, b.as_mut_slice()),
+                                    ];
+                                    device.read_many(&mut reads).unwrap();
+                                }
+                                assert_eq!(a, model[offset as usize..offset as usize + 4096]);
+                                assert_eq!(b, model[other as usize..other as usize + 8192]);
+                            }
+                        }
+                        if round % 50 == 49 {
+                            device.flush().unwrap();
+                        }
+                    }
+                    model
+                })
+            })
+            .collect();
+        let models: Vec<Vec<u8>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        device.flush().unwrap();
+        for (t, model) in models.iter().enumerate() {
+            let got = read_vec(
+                device.as_ref(),
+                t as u64 * RANGE_BYTES,
+                RANGE_BYTES as usize,
+            );
+            assert!(got == *model, "{flavor:?} thread {t} range differs");
+        }
+        drop(device);
+        let reopened = open(Flavor::Pread, &temp.path);
+        for (t, model) in models.iter().enumerate() {
+            let got = read_vec(
+                reopened.as_ref(),
+                t as u64 * RANGE_BYTES,
+                RANGE_BYTES as usize,
+            );
+            assert!(
+                got == *model,
+                "{flavor:?} thread {t} range differs after reopen"
+            );
+        }
+    }
+}
+
+/// `open_local` reads CAIRN_IO_BACKEND. Setting the variable in this process
+/// would race with other tests, so the check runs in a child process: this
+/// test binary again, running only `env_child`.
+#[test]
+fn env_var_selects_the_backend() {
+    let exe = std::env::current_exe().unwrap();
+    for (value, expected) in [
+        ("pread", "pread"),
+        ("uring", "uring-direct|uring-buffered"),
+        ("auto", "uring-direct|uring-buffered"),
+        ("bogus", "error"),
+    ] {
+        let output = std::process::Command::new(&exe)
+            .args([
+                "env_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(IO_BACKEND_ENV, value)
+            .env("CAIRN_TEST_EXPECT_BACKEND", expected)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{IO_BACKEND_ENV}={value}: child failed:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&output.stdout).contains("1 passed"),
+            "the child test did not run"
+        );
+    }
+}
+
+#[test]
+#[ignore = "run by env_var_selects_the_backend in a child process"]
+fn env_child() {
+    let expected =
+        std::env::var("CAIRN_TEST_EXPECT_BACKEND").expect("run by env_var_selects_the_backend");
+    let temp = TempDevice::new("env", 1 << 20);
+    match open_local(&temp.path, OpenMode::Exclusive) {
+        Ok(device) => {
+            assert!(
+                expected.split('|').any(|e| e == device.backend()),
+                "expected {expected}, got {}",
+                device.backend()
+            );
+            device.write_at(0, &[7u8; 4096]).unwrap();
+            device.flush().unwrap();
+        }
+        Err(err) => {
+            assert_eq!(expected, "error", "unexpected error: {err}");
+            assert!(err.to_string().contains(IO_BACKEND_ENV), "{err}");
+        }
+    }
+}
