@@ -1,1 +1,31 @@
+//! cairn's NBD server.
+//!
+//! - [`codec`]: the protocol as a pure codec (no I/O), fuzzed on its own.
+//! - [`server`]: the connection loop: one reader thread per connection, a
+//!   small worker pool shared by all connections, replies written under a
+//!   per-connection lock.
+//! - [`Export`]: the trait the engine implements. This crate never depends
+//!   on the engine; [`MemExport`] is an in-memory implementation for tests
+//!   and examples.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use cairn_nbd::{serve, Listener, MemExport, ServerConfig};
+//!
+//! let export = Arc::new(MemExport::new(64 << 20));
+//! let listener = Listener::bind_unix("/tmp/cairn.sock")?;
+//! let handle = serve(export, listener, ServerConfig::default())?;
+//! // ... clients connect to nbd+unix:///?socket=/tmp/cairn.sock ...
+//! handle.shutdown()?;
+//! # Ok::<(), cairn_nbd::ServerError>(())
+//! ```
 
+pub mod codec;
+mod export;
+pub mod proto;
+pub mod server;
+
+pub use export::{
+    Export, ExportError, Extent, ExtentKind, MemCounters, MemExport, MemOp, MEM_CHUNK_BYTES,
+};
+pub use server::{serve, Listener, ServerConfig, ServerError, ServerHandle, ShutdownTrigger};

@@ -1,0 +1,514 @@
+//! Fixed-newstyle negotiation as a pure state machine.
+
+use super::wire::{self, put_u16, put_u32, put_u64, Reader};
+use super::{
+    printable, transmission_flags, ExportInfo, Limits, ProtocolError, ReplyMode, Session,
+    BASE_ALLOCATION_ID,
+};
+use crate::proto::*;
+
+/// What one call to [`Negotiation::step`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NegotiationStep {
+    /// Nothing consumed: call again once `input` holds at least this many
+    /// bytes. The figure is already checked against the limits.
+    NeedMore { min_total_bytes: usize },
+    /// One message consumed; replies (if any) were appended to `out`.
+    Consumed { bytes: usize },
+    /// Negotiation finished: send `out`, then enter transmission. Bytes
+    /// after `bytes` in the input already belong to the transmission phase.
+    Transmission { bytes: usize, session: Session },
+    /// The client sent NBD_OPT_ABORT: send `out` (the ACK), then close.
+    Aborted { bytes: usize },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    ClientFlags,
+    Options,
+    Done,
+}
+
+/// The server side of the handshake for one connection.
+#[derive(Debug, Clone)]
+pub struct Negotiation {
+    export: ExportInfo,
+    limits: Limits,
+    state: State,
+    no_zeroes: bool,
+    mode: ReplyMode,
+    base_allocation: bool,
+    options_seen: u32,
+}
+
+impl Negotiation {
+    pub fn new(export: ExportInfo, limits: Limits) -> Self {
+        Negotiation {
+            export,
+            limits,
+            state: State::ClientFlags,
+            no_zeroes: false,
+            mode: ReplyMode::Simple,
+            base_allocation: false,
+            options_seen: 0,
+        }
+    }
+
+    /// The server's opening bytes: NBDMAGIC, IHAVEOPT, handshake flags.
+    pub fn greeting(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(wire::GREETING_BYTES);
+        put_u64(&mut out, NBDMAGIC);
+        put_u64(&mut out, IHAVEOPT);
+        put_u16(&mut out, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        out
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Consume at most one client message from the front of `input`,
+    /// appending any replies to `out`.
+    pub fn step(
+        &mut self,
+        input: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<NegotiationStep, ProtocolError> {
+        match self.state {
+            State::ClientFlags => self.client_flags(input),
+            State::Options => self.option(input, out),
+            State::Done => Err(ProtocolError::AfterEnd),
+        }
+    }
+
+    fn client_flags(&mut self, input: &[u8]) -> Result<NegotiationStep, ProtocolError> {
+        let Some(flags) = Reader::new(input).u32() else {
+            return Ok(NegotiationStep::NeedMore {
+                min_total_bytes: wire::CLIENT_FLAGS_BYTES,
+            });
+        };
+        if flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+            self.state = State::Done;
+            return Err(ProtocolError::BadClientFlags { flags });
+        }
+        self.no_zeroes = flags & FLAG_C_NO_ZEROES != 0;
+        self.state = State::Options;
+        Ok(NegotiationStep::Consumed {
+            bytes: wire::CLIENT_FLAGS_BYTES,
+        })
+    }
+
+    fn option(
+        &mut self,
+        input: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<NegotiationStep, ProtocolError> {
+        let mut r = Reader::new(input);
+        // Check the magic as soon as it is complete, so garbage is refused
+        // without waiting for a full header.
+        let Some(magic) = r.u64() else {
+            return Ok(NegotiationStep::NeedMore {
+                min_total_bytes: wire::OPTION_HEADER_BYTES,
+            });
+        };
+        if magic != IHAVEOPT {
+            self.state = State::Done;
+            return Err(ProtocolError::BadOptionMagic { magic });
+        }
+        let (Some(option), Some(length_bytes)) = (r.u32(), r.u32()) else {
+            return Ok(NegotiationStep::NeedMore {
+                min_total_bytes: wire::OPTION_HEADER_BYTES,
+            });
+        };
+        // Validate the claimed length before asking for (or touching) the
+        // data; 0xffffffff ends here.
+        if option == OPT_EXPORT_NAME && length_bytes > self.limits.max_name_bytes {
+            self.state = State::Done;
+            return Err(ProtocolError::ExportNameTooLong {
+                length_bytes,
+                max_bytes: self.limits.max_name_bytes,
+            });
+        }
+        if length_bytes > self.limits.max_option_bytes {
+            self.state = State::Done;
+            return Err(ProtocolError::OptionTooLong {
+                option,
+                length_bytes,
+                max_bytes: self.limits.max_option_bytes,
+            });
+        }
+        let total = wire::OPTION_HEADER_BYTES + length_bytes as usize;
+        let Some(data) = r.take(length_bytes as usize) else {
+            return Ok(NegotiationStep::NeedMore {
+                min_total_bytes: total,
+            });
+        };
+        self.options_seen += 1;
+        if self.options_seen > self.limits.max_options {
+            self.state = State::Done;
+            return Err(ProtocolError::TooManyOptions {
+                max: self.limits.max_options,
+            });
+        }
+        tracing::trace!(option = option_name(option), length_bytes, "option");
+
+        match option {
+            OPT_EXPORT_NAME => self.export_name(data, total, out),
+            OPT_ABORT => {
+                // The spec says to ignore any data sent with ABORT.
+                option_reply(out, option, REP_ACK, &[]);
+                self.state = State::Done;
+                Ok(NegotiationStep::Aborted { bytes: total })
+            }
+            OPT_LIST => {
+                if data.is_empty() {
+                    let mut payload = Vec::with_capacity(4 + self.export.name.len());
+                    put_u32(&mut payload, self.export.name.len() as u32);
+                    payload.extend_from_slice(self.export.name.as_bytes());
+                    option_reply(out, option, REP_SERVER, &payload);
+                    option_reply(out, option, REP_ACK, &[]);
+                } else {
+                    option_error(out, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data");
+                }
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+            OPT_STARTTLS => {
+                if data.is_empty() {
+                    option_error(
+                        out,
+                        option,
+                        REP_ERR_POLICY,
+                        "TLS is not offered by this server",
+                    );
+                } else {
+                    option_error(
+                        out,
+                        option,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_STARTTLS takes no data",
+                    );
+                }
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+            OPT_INFO | OPT_GO => self.info_or_go(option, data, total, out),
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    option_error(
+                        out,
+                        option,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    );
+                } else if self.mode == ReplyMode::Extended {
+                    option_error(
+                        out,
+                        option,
+                        REP_ERR_EXT_HEADER_REQD,
+                        "extended headers are already negotiated",
+                    );
+                } else {
+                    self.mode = ReplyMode::Structured;
+                    option_reply(out, option, REP_ACK, &[]);
+                }
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+            OPT_EXTENDED_HEADERS => {
+                if !self.export.extended_headers {
+                    option_error(out, option, REP_ERR_UNSUP, "extended headers are disabled");
+                } else if !data.is_empty() {
+                    option_error(
+                        out,
+                        option,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_EXTENDED_HEADERS takes no data",
+                    );
+                } else {
+                    self.mode = ReplyMode::Extended;
+                    option_reply(out, option, REP_ACK, &[]);
+                }
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                self.meta_context(option, data, out);
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+            _ => {
+                option_error(out, option, REP_ERR_UNSUP, "option not supported");
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+        }
+    }
+
+    fn export_name(
+        &mut self,
+        name: &[u8],
+        total: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<NegotiationStep, ProtocolError> {
+        // EXPORT_NAME cannot return an error: every failure ends the session.
+        self.state = State::Done;
+        if self.mode == ReplyMode::Extended {
+            return Err(ProtocolError::ExportNameAfterExtendedHeaders);
+        }
+        if !self.export.accepts_name(name) {
+            return Err(ProtocolError::UnknownExport {
+                name: printable(name),
+            });
+        }
+        let session = self.session(false);
+        put_u64(out, session.size_bytes);
+        put_u16(out, session.transmission_flags);
+        if !self.no_zeroes {
+            out.extend_from_slice(&[0u8; EXPORT_NAME_PADDING_BYTES]);
+        }
+        Ok(NegotiationStep::Transmission {
+            bytes: total,
+            session,
+        })
+    }
+
+    fn info_or_go(
+        &mut self,
+        option: u32,
+        data: &[u8],
+        total: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<NegotiationStep, ProtocolError> {
+        let consumed = NegotiationStep::Consumed { bytes: total };
+        let mut r = Reader::new(data);
+        let Some(name_len) = r.u32() else {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "option data too short for a name length",
+            );
+            return Ok(consumed);
+        };
+        if name_len > self.limits.max_name_bytes {
+            option_error(out, option, REP_ERR_TOO_BIG, "export name too long");
+            return Ok(consumed);
+        }
+        let Some(name) = r.take(name_len as usize) else {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "export name longer than the option data",
+            );
+            return Ok(consumed);
+        };
+        let Some(n_requests) = r.u16() else {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "missing information request count",
+            );
+            return Ok(consumed);
+        };
+        if r.remaining() != 2 * n_requests as usize {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "information request count does not match the option length",
+            );
+            return Ok(consumed);
+        }
+        let mut want_name = false;
+        let mut want_description = false;
+        let mut want_block_size = false;
+        for _ in 0..n_requests {
+            match r.u16() {
+                Some(INFO_NAME) => want_name = true,
+                Some(INFO_DESCRIPTION) => want_description = true,
+                Some(INFO_BLOCK_SIZE) => want_block_size = true,
+                // INFO_EXPORT is always sent; unknown requests are ignored.
+                _ => {}
+            }
+        }
+        if !self.export.accepts_name(name) {
+            let message = format!("unknown export {:?}", printable(name));
+            option_error(out, option, REP_ERR_UNKNOWN, &message);
+            return Ok(consumed);
+        }
+
+        let session = self.session(want_block_size);
+        let mut payload = Vec::with_capacity(16);
+        put_u16(&mut payload, INFO_EXPORT);
+        put_u64(&mut payload, session.size_bytes);
+        put_u16(&mut payload, session.transmission_flags);
+        option_reply(out, option, REP_INFO, &payload);
+
+        // Always describe the block sizes: a client that did not ask still
+        // benefits from knowing them.
+        let sizes = self.export.block_sizes;
+        payload.clear();
+        put_u16(&mut payload, INFO_BLOCK_SIZE);
+        put_u32(&mut payload, sizes.min_bytes);
+        put_u32(&mut payload, sizes.preferred_bytes);
+        put_u32(&mut payload, sizes.max_bytes);
+        option_reply(out, option, REP_INFO, &payload);
+
+        if want_name {
+            payload.clear();
+            put_u16(&mut payload, INFO_NAME);
+            payload.extend_from_slice(self.export.name.as_bytes());
+            option_reply(out, option, REP_INFO, &payload);
+        }
+        if let (true, Some(description)) = (want_description, &self.export.description) {
+            payload.clear();
+            put_u16(&mut payload, INFO_DESCRIPTION);
+            let text = wire::truncate_utf8(description, MAX_STRING_BYTES);
+            payload.extend_from_slice(text.as_bytes());
+            option_reply(out, option, REP_INFO, &payload);
+        }
+        option_reply(out, option, REP_ACK, &[]);
+
+        if option == OPT_GO {
+            self.state = State::Done;
+            Ok(NegotiationStep::Transmission {
+                bytes: total,
+                session,
+            })
+        } else {
+            Ok(consumed)
+        }
+    }
+
+    fn meta_context(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>) {
+        let set = option == OPT_SET_META_CONTEXT;
+        if set {
+            // SET replaces the earlier selection, even when it fails.
+            self.base_allocation = false;
+        }
+        if self.mode == ReplyMode::Simple {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "negotiate structured replies or extended headers first",
+            );
+            return;
+        }
+        let mut r = Reader::new(data);
+        let max_name = self.limits.max_name_bytes as usize;
+        let Some(name_len) = r.u32() else {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "option data too short for a name length",
+            );
+            return;
+        };
+        if name_len as usize > max_name {
+            option_error(out, option, REP_ERR_TOO_BIG, "export name too long");
+            return;
+        }
+        let Some(name) = r.take(name_len as usize) else {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "export name longer than the option data",
+            );
+            return;
+        };
+        let Some(n_queries) = r.u32() else {
+            option_error(out, option, REP_ERR_INVALID, "missing query count");
+            return;
+        };
+        // The claimed count is never used to size anything: each query must
+        // carry at least its 4-byte length, so the loop is bounded by the
+        // (already limited) option length.
+        let mut matched = false;
+        for _ in 0..n_queries {
+            let Some(query_len) = r.u32() else {
+                option_error(
+                    out,
+                    option,
+                    REP_ERR_INVALID,
+                    "query count exceeds the option data",
+                );
+                return;
+            };
+            if query_len as usize > max_name {
+                option_error(out, option, REP_ERR_TOO_BIG, "metadata query too long");
+                return;
+            }
+            let Some(query) = r.take(query_len as usize) else {
+                option_error(
+                    out,
+                    option,
+                    REP_ERR_INVALID,
+                    "query longer than the option data",
+                );
+                return;
+            };
+            let hit = if set {
+                query == BASE_ALLOCATION.as_bytes()
+            } else {
+                query == BASE_ALLOCATION.as_bytes() || query == b"base:"
+            };
+            matched |= hit;
+        }
+        if r.remaining() != 0 {
+            option_error(
+                out,
+                option,
+                REP_ERR_INVALID,
+                "trailing bytes after the queries",
+            );
+            return;
+        }
+        if !self.export.accepts_name(name) {
+            let message = format!("unknown export {:?}", printable(name));
+            option_error(out, option, REP_ERR_UNKNOWN, &message);
+            return;
+        }
+        // LIST with no queries lists everything; SET with none selects nothing.
+        let selected = matched || (!set && n_queries == 0);
+        if selected {
+            let mut payload = Vec::with_capacity(4 + BASE_ALLOCATION.len());
+            put_u32(&mut payload, if set { BASE_ALLOCATION_ID } else { 0 });
+            payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            option_reply(out, option, REP_META_CONTEXT, &payload);
+            if set {
+                self.base_allocation = true;
+            }
+        }
+        option_reply(out, option, REP_ACK, &[]);
+    }
+
+    fn session(&self, block_sizes_agreed: bool) -> Session {
+        Session {
+            size_bytes: self.export.size_bytes,
+            transmission_flags: transmission_flags(&self.export, self.mode),
+            mode: self.mode,
+            base_allocation: self.base_allocation,
+            block_sizes_agreed,
+            block_sizes: self.export.block_sizes,
+            read_only: self.export.read_only,
+        }
+    }
+}
+
+fn option_reply(out: &mut Vec<u8>, option: u32, reply_type: u32, data: &[u8]) {
+    put_u64(out, OPTION_REPLY_MAGIC);
+    put_u32(out, option);
+    put_u32(out, reply_type);
+    put_u32(out, data.len() as u32);
+    out.extend_from_slice(data);
+}
+
+fn option_error(out: &mut Vec<u8>, option: u32, reply_type: u32, message: &str) {
+    tracing::debug!(
+        option = option_name(option),
+        reply_type,
+        message,
+        "option refused"
+    );
+    option_reply(out, option, reply_type, message.as_bytes());
+}

@@ -1,0 +1,254 @@
+//! Drives the codec over an arbitrary byte stream the way the server's
+//! reader does (negotiate, then parse requests and skip payloads), checking
+//! invariants as it goes. The proptest fuzz test and the cargo-fuzz target
+//! both run it; any violated invariant panics.
+
+use super::reply::{encode_error, encode_ok};
+use super::wire;
+use super::{
+    decode_request, ExportInfo, Limits, Negotiation, NegotiationStep, ProtocolError, RequestAction,
+    RequestDecode, Session,
+};
+
+/// How a harness run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HarnessEnd {
+    /// Input ran out in the middle of a message (or between messages).
+    InputExhausted,
+    Protocol(ProtocolError),
+    Aborted,
+    Disconnected,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HarnessReport {
+    pub end: HarnessEnd,
+    pub reached_transmission: bool,
+    pub options: u32,
+    pub executed: u32,
+    pub rejected: u32,
+    /// Bytes of replies the server would have sent.
+    pub reply_bytes: u64,
+    /// The most bytes the codec ever asked to have buffered at once.
+    pub peak_buffer_bytes: usize,
+}
+
+/// Largest reply one negotiation step may produce (INFO/GO with every
+/// info item plus a description is well under this).
+const MAX_STEP_REPLY_BYTES: usize = 16 * 1024;
+
+/// Feed `input` to the codec `chunk_bytes` at a time (cycling through the
+/// list; zero entries count as 1) and report what happened.
+pub fn run(
+    export: &ExportInfo,
+    limits: &Limits,
+    input: &[u8],
+    chunk_bytes: &[usize],
+) -> HarnessReport {
+    let mut feeder = Feeder {
+        input,
+        fed: 0,
+        chunk_bytes,
+        next_chunk: 0,
+        buffer: Vec::new(),
+    };
+    let mut report = HarnessReport {
+        end: HarnessEnd::InputExhausted,
+        reached_transmission: false,
+        options: 0,
+        executed: 0,
+        rejected: 0,
+        reply_bytes: 0,
+        peak_buffer_bytes: 0,
+    };
+    let buffer_limit = wire::OPTION_HEADER_BYTES + limits.max_option_bytes as usize;
+    let mut negotiation = Negotiation::new(export.clone(), limits.clone());
+    report.reply_bytes += negotiation.greeting().len() as u64;
+    let mut out = Vec::new();
+
+    let session: Session = loop {
+        out.clear();
+        let step = match negotiation.step(&feeder.buffer, &mut out) {
+            Ok(step) => step,
+            Err(e) => {
+                report.end = HarnessEnd::Protocol(e);
+                return report;
+            }
+        };
+        assert!(
+            out.len() <= MAX_STEP_REPLY_BYTES,
+            "one option produced {} reply bytes",
+            out.len()
+        );
+        report.reply_bytes += out.len() as u64;
+        match step {
+            NegotiationStep::NeedMore { min_total_bytes } => {
+                assert!(
+                    min_total_bytes > feeder.buffer.len(),
+                    "NeedMore({min_total_bytes}) with {} bytes already buffered",
+                    feeder.buffer.len()
+                );
+                assert!(
+                    min_total_bytes <= buffer_limit,
+                    "negotiation asked to buffer {min_total_bytes} bytes, limit {buffer_limit}"
+                );
+                report.peak_buffer_bytes = report.peak_buffer_bytes.max(min_total_bytes);
+                if !feeder.feed() {
+                    return report;
+                }
+            }
+            NegotiationStep::Consumed { bytes } => {
+                report.options += 1;
+                feeder.consume(bytes);
+            }
+            NegotiationStep::Transmission { bytes, session } => {
+                report.options += 1;
+                feeder.consume(bytes);
+                break session;
+            }
+            NegotiationStep::Aborted { bytes } => {
+                feeder.consume(bytes);
+                report.end = HarnessEnd::Aborted;
+                return report;
+            }
+        }
+    };
+    assert!(negotiation.is_done());
+    report.reached_transmission = true;
+
+    loop {
+        let decoded = match decode_request(&feeder.buffer, &session, limits) {
+            Ok(d) => d,
+            Err(e) => {
+                report.end = HarnessEnd::Protocol(e);
+                return report;
+            }
+        };
+        match decoded {
+            RequestDecode::NeedMore { min_total_bytes } => {
+                assert!(min_total_bytes > feeder.buffer.len());
+                assert!(min_total_bytes <= wire::EXTENDED_REQUEST_BYTES);
+                report.peak_buffer_bytes = report.peak_buffer_bytes.max(min_total_bytes);
+                if !feeder.feed() {
+                    return report;
+                }
+            }
+            RequestDecode::Request {
+                header_bytes,
+                action,
+            } => {
+                assert!(header_bytes <= feeder.buffer.len());
+                feeder.consume(header_bytes);
+                out.clear();
+                let skip = match action {
+                    RequestAction::Disconnect => {
+                        report.end = HarnessEnd::Disconnected;
+                        return report;
+                    }
+                    RequestAction::Execute(request) => {
+                        report.executed += 1;
+                        check_executable(&session, limits, &request);
+                        encode_ok(&mut out, session.mode, request.reply_to);
+                        request.payload_bytes()
+                    }
+                    RequestAction::Reject {
+                        reply_to,
+                        errno,
+                        message,
+                        discard_bytes,
+                    } => {
+                        report.rejected += 1;
+                        assert_ne!(errno, 0);
+                        assert!(discard_bytes <= limits.max_discard_bytes);
+                        encode_error(&mut out, session.mode, reply_to, errno, message);
+                        discard_bytes
+                    }
+                };
+                report.reply_bytes += out.len() as u64;
+                if !feeder.skip(skip) {
+                    return report;
+                }
+            }
+        }
+    }
+}
+
+fn check_executable(session: &Session, limits: &Limits, request: &super::Request) {
+    use super::Command;
+    let (length, payload) = match request.command {
+        Command::Read { length_bytes } => (length_bytes as u64, false),
+        Command::Write { length_bytes, .. } => (length_bytes as u64, true),
+        Command::Flush => (0, false),
+        Command::Trim { length_bytes, .. }
+        | Command::WriteZeroes { length_bytes, .. }
+        | Command::Cache { length_bytes }
+        | Command::BlockStatus { length_bytes, .. } => (length_bytes, false),
+    };
+    let end = request.offset.checked_add(length);
+    assert!(
+        end.is_some_and(|end| end <= session.size_bytes),
+        "executable request out of bounds: {request:?}"
+    );
+    if payload || matches!(request.command, Command::Read { .. }) {
+        assert!(length <= limits.max_payload_bytes as u64);
+    }
+    if let Command::BlockStatus { .. } = request.command {
+        assert!(session.base_allocation && length > 0);
+    }
+}
+
+struct Feeder<'a> {
+    input: &'a [u8],
+    fed: usize,
+    chunk_bytes: &'a [usize],
+    next_chunk: usize,
+    buffer: Vec<u8>,
+}
+
+impl Feeder<'_> {
+    /// Move the next chunk of input into the buffer; false at end of input.
+    fn feed(&mut self) -> bool {
+        if self.fed >= self.input.len() {
+            return false;
+        }
+        let want = if self.chunk_bytes.is_empty() {
+            usize::MAX
+        } else {
+            let c = self.chunk_bytes[self.next_chunk % self.chunk_bytes.len()];
+            self.next_chunk += 1;
+            c.max(1)
+        };
+        let take = want.min(self.input.len() - self.fed);
+        self.buffer
+            .extend_from_slice(&self.input[self.fed..self.fed + take]);
+        self.fed += take;
+        true
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.buffer.drain(..n);
+    }
+
+    /// Drop `n` payload bytes, feeding more input as needed; false if the
+    /// input ends first (a client disconnecting mid-payload).
+    fn skip(&mut self, mut n: u64) -> bool {
+        loop {
+            let here = (self.buffer.len() as u64).min(n) as usize;
+            self.consume(here);
+            n -= here as u64;
+            if n == 0 {
+                return true;
+            }
+            // Skip straight through the input rather than buffering it.
+            let direct = ((self.input.len() - self.fed) as u64).min(n) as usize;
+            self.fed += direct;
+            n -= direct as u64;
+            if n == 0 {
+                return true;
+            }
+            if !self.feed() {
+                return false;
+            }
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! A pure NBD protocol codec: bytes in, frames and reply bytes out, no I/O.
+//!
+//! - [`Negotiation`] runs the fixed-newstyle handshake one option at a time
+//!   and ends in a [`Session`] describing what was agreed.
+//! - [`decode_request`] parses one transmission request header and validates
+//!   it against the session (bounds, flags, sizes).
+//! - The `encode_*` functions in [`reply`] build simple, structured and
+//!   extended replies.
+//!
+//! Every parser is incremental: given too few bytes it answers
+//! `NeedMore { min_total_bytes }`, and it checks client-claimed lengths
+//! against [`Limits`] *before* asking for more, so a caller that buffers
+//! what it is told never holds more than the limits allow.
+
+mod handshake;
+pub mod harness;
+pub mod reply;
+mod request;
+pub mod wire;
+
+pub use handshake::{Negotiation, NegotiationStep};
+pub use request::{decode_request, Command, ReplyTo, Request, RequestAction, RequestDecode};
+
+use crate::proto;
+
+/// Size limits the codec enforces on client input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest option payload accepted during negotiation. Longer options
+    /// end the session before any of the payload is buffered.
+    pub max_option_bytes: u32,
+    /// Largest export name or metadata query (the spec's hard limit is 4096).
+    pub max_name_bytes: u32,
+    /// Options a client may send before the server gives up on it.
+    pub max_options: u32,
+    /// Largest READ/WRITE payload (advertised as the maximum block size).
+    pub max_payload_bytes: u32,
+    /// An oversized write payload up to this many bytes is read and thrown
+    /// away so the client gets EINVAL; anything larger ends the session.
+    pub max_discard_bytes: u64,
+    /// Most extents in one BLOCK_STATUS reply chunk.
+    pub max_block_status_extents: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_option_bytes: 64 * 1024,
+            max_name_bytes: proto::MAX_STRING_BYTES as u32,
+            max_options: 256,
+            max_payload_bytes: 32 * 1024 * 1024,
+            max_discard_bytes: 64 * 1024 * 1024,
+            max_block_status_extents: 64 * 1024,
+        }
+    }
+}
+
+/// Block size constraints sent in NBD_INFO_BLOCK_SIZE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    pub min_bytes: u32,
+    pub preferred_bytes: u32,
+    pub max_bytes: u32,
+}
+
+impl Default for BlockSizes {
+    fn default() -> Self {
+        BlockSizes {
+            min_bytes: 512,
+            preferred_bytes: 4096,
+            max_bytes: 32 * 1024 * 1024,
+        }
+    }
+}
+
+/// What the server offers during negotiation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// The export's canonical name; the empty name (the default export) is
+    /// accepted as an alias.
+    pub name: String,
+    pub description: Option<String>,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    pub block_sizes: BlockSizes,
+    /// Offer NBD_OPT_EXTENDED_HEADERS (64-bit lengths). When false the
+    /// option is answered with ERR_UNSUP and clients fall back.
+    pub extended_headers: bool,
+}
+
+impl ExportInfo {
+    pub fn accepts_name(&self, name: &[u8]) -> bool {
+        name.is_empty() || name == self.name.as_bytes()
+    }
+}
+
+/// Which reply headers the transmission phase uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyMode {
+    Simple,
+    Structured,
+    Extended,
+}
+
+/// The outcome of a successful negotiation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    pub size_bytes: u64,
+    pub transmission_flags: u16,
+    pub mode: ReplyMode,
+    /// The client selected `base:allocation` with SET_META_CONTEXT.
+    pub base_allocation: bool,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in NBD_OPT_GO, so it
+    /// promised to respect the minimum block size; unaligned requests get
+    /// EINVAL.
+    pub block_sizes_agreed: bool,
+    pub block_sizes: BlockSizes,
+    pub read_only: bool,
+}
+
+impl Session {
+    pub fn extended(&self) -> bool {
+        self.mode == ReplyMode::Extended
+    }
+
+    pub fn request_header_bytes(&self) -> usize {
+        if self.extended() {
+            wire::EXTENDED_REQUEST_BYTES
+        } else {
+            wire::COMPACT_REQUEST_BYTES
+        }
+    }
+}
+
+/// The metadata context id used for `base:allocation`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// Transmission flags for an export, given what was negotiated so far.
+pub fn transmission_flags(info: &ExportInfo, mode: ReplyMode) -> u16 {
+    let mut flags = proto::FLAG_HAS_FLAGS
+        | proto::FLAG_SEND_FLUSH
+        | proto::FLAG_SEND_FUA
+        | proto::FLAG_SEND_TRIM
+        | proto::FLAG_SEND_WRITE_ZEROES
+        | proto::FLAG_CAN_MULTI_CONN
+        | proto::FLAG_SEND_CACHE
+        | proto::FLAG_SEND_FAST_ZERO;
+    if info.read_only {
+        flags |= proto::FLAG_READ_ONLY;
+    }
+    // DF only means something once reads are answered with chunks.
+    if mode != ReplyMode::Simple {
+        flags |= proto::FLAG_SEND_DF;
+    }
+    flags
+}
+
+/// A client violation that ends the session (a hard disconnect). The
+/// server logs it and closes only this connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("client sent unknown handshake flags {flags:#x}")]
+    BadClientFlags { flags: u32 },
+    #[error("expected IHAVEOPT option magic, got {magic:#018x}")]
+    BadOptionMagic { magic: u64 },
+    #[error("option {option} claims {length_bytes} bytes of data, limit is {max_bytes}")]
+    OptionTooLong {
+        option: u32,
+        length_bytes: u32,
+        max_bytes: u32,
+    },
+    #[error("NBD_OPT_EXPORT_NAME with a {length_bytes}-byte name, limit is {max_bytes}")]
+    ExportNameTooLong { length_bytes: u32, max_bytes: u32 },
+    #[error("NBD_OPT_EXPORT_NAME for unknown export {name:?}")]
+    UnknownExport { name: String },
+    #[error("NBD_OPT_EXPORT_NAME after extended headers were negotiated")]
+    ExportNameAfterExtendedHeaders,
+    #[error("client sent more than {max} options")]
+    TooManyOptions { max: u32 },
+    #[error("expected request magic {expected:#010x}, got {magic:#010x}")]
+    BadRequestMagic { magic: u32, expected: u32 },
+    #[error("request payload of {length_bytes} bytes is too large to skip (limit {max_bytes})")]
+    PayloadTooLarge { length_bytes: u64, max_bytes: u64 },
+    #[error("data after the session ended")]
+    AfterEnd,
+}
+
+/// Lossy, bounded rendering of client bytes for logs and errors.
+pub(crate) fn printable(bytes: &[u8]) -> String {
+    let shown = &bytes[..bytes.len().min(64)];
+    let mut s = String::from_utf8_lossy(shown).into_owned();
+    if bytes.len() > shown.len() {
+        s.push_str("...");
+    }
+    s
+}

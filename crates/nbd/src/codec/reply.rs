@@ -1,0 +1,304 @@
+//! Transmission-phase reply encoding: simple replies, structured chunks and
+//! extended chunks.
+
+use super::wire::{self, put_u16, put_u32, put_u64};
+use super::{ReplyMode, ReplyTo};
+use crate::export::Extent;
+use crate::proto::*;
+
+/// A simple reply: magic, error, cookie. A successful READ is followed by
+/// its data.
+pub fn encode_simple(out: &mut Vec<u8>, cookie: u64, error: u32) {
+    put_u32(out, SIMPLE_REPLY_MAGIC);
+    put_u32(out, error);
+    put_u64(out, cookie);
+}
+
+/// A structured or extended chunk header. `mode` must not be `Simple`.
+pub fn encode_chunk_header(
+    out: &mut Vec<u8>,
+    mode: ReplyMode,
+    flags: u16,
+    reply_type: u16,
+    to: ReplyTo,
+    payload_bytes: u64,
+) {
+    debug_assert!(mode != ReplyMode::Simple);
+    if mode == ReplyMode::Extended {
+        put_u32(out, EXTENDED_REPLY_MAGIC);
+        put_u16(out, flags);
+        put_u16(out, reply_type);
+        put_u64(out, to.cookie);
+        put_u64(out, to.offset);
+        put_u64(out, payload_bytes);
+    } else {
+        debug_assert!(payload_bytes <= u32::MAX as u64);
+        put_u32(out, STRUCTURED_REPLY_MAGIC);
+        put_u16(out, flags);
+        put_u16(out, reply_type);
+        put_u64(out, to.cookie);
+        put_u32(out, payload_bytes as u32);
+    }
+}
+
+/// A successful reply that carries no data.
+pub fn encode_ok(out: &mut Vec<u8>, mode: ReplyMode, to: ReplyTo) {
+    match mode {
+        // A READ must never get a simple reply once chunks are negotiated,
+        // so a zero-length read ends with NONE.
+        ReplyMode::Structured if to.command != CMD_READ => encode_simple(out, to.cookie, 0),
+        ReplyMode::Simple => encode_simple(out, to.cookie, 0),
+        _ => encode_chunk_header(out, mode, REPLY_FLAG_DONE, REPLY_TYPE_NONE, to, 0),
+    }
+}
+
+/// A failed reply. Structured modes carry `message` for the user.
+pub fn encode_error(out: &mut Vec<u8>, mode: ReplyMode, to: ReplyTo, error: u32, message: &str) {
+    // An error chunk's error MUST be non-zero.
+    let error = if error == 0 { NBD_EIO } else { error };
+    if mode == ReplyMode::Simple {
+        encode_simple(out, to.cookie, error);
+        return;
+    }
+    let message = wire::truncate_utf8(message, MAX_STRING_BYTES);
+    let payload_bytes = 6 + message.len() as u64;
+    encode_chunk_header(
+        out,
+        mode,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_ERROR,
+        to,
+        payload_bytes,
+    );
+    put_u32(out, error);
+    put_u16(out, message.len() as u16);
+    out.extend_from_slice(message.as_bytes());
+}
+
+/// Bytes of header in front of the data of a successful, non-empty READ.
+pub fn read_prefix_bytes(mode: ReplyMode) -> usize {
+    match mode {
+        ReplyMode::Simple => wire::SIMPLE_REPLY_BYTES,
+        // Chunk header plus the 8-byte offset of OFFSET_DATA.
+        ReplyMode::Structured => wire::STRUCTURED_REPLY_HEADER_BYTES + 8,
+        ReplyMode::Extended => wire::EXTENDED_REPLY_HEADER_BYTES + 8,
+    }
+}
+
+/// Write the header of a successful READ of `data_bytes` (> 0) into
+/// `prefix`, which must be exactly `read_prefix_bytes(mode)` long. The
+/// whole read is sent as one OFFSET_DATA chunk, which also satisfies DF.
+pub fn encode_read_prefix(prefix: &mut [u8], mode: ReplyMode, to: ReplyTo, data_bytes: u32) {
+    let mut header = Vec::with_capacity(read_prefix_bytes(mode));
+    if mode == ReplyMode::Simple {
+        encode_simple(&mut header, to.cookie, 0);
+    } else {
+        encode_chunk_header(
+            &mut header,
+            mode,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            to,
+            8 + data_bytes as u64,
+        );
+        put_u64(&mut header, to.offset);
+    }
+    debug_assert_eq!(header.len(), prefix.len());
+    prefix.copy_from_slice(&header);
+}
+
+/// One `base:allocation` descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Descriptor {
+    pub length_bytes: u64,
+    pub flags: u32,
+}
+
+/// Turn what the export reported into descriptors that obey the spec:
+/// non-zero lengths, clipped to the request, merged where flags repeat, at
+/// most one with REQ_ONE and at most `max_extents` otherwise.
+pub fn shape_extents(
+    extents: &[Extent],
+    request_length: u64,
+    req_one: bool,
+    max_extents: u32,
+) -> Result<Vec<Descriptor>, &'static str> {
+    let max_extents = max_extents.max(1) as usize;
+    let mut out: Vec<Descriptor> = Vec::new();
+    let mut covered = 0u64;
+    for extent in extents {
+        if extent.length == 0 {
+            return Err("export reported a zero-length extent");
+        }
+        if covered >= request_length {
+            break;
+        }
+        let length_bytes = extent.length.min(request_length - covered);
+        let flags = extent.kind.allocation_flags();
+        let full = req_one || out.len() >= max_extents;
+        match out.last_mut() {
+            Some(last) if last.flags == flags => last.length_bytes += length_bytes,
+            Some(_) if full => break,
+            _ => out.push(Descriptor {
+                length_bytes,
+                flags,
+            }),
+        }
+        covered += length_bytes;
+    }
+    if out.is_empty() {
+        return Err("export reported no extents");
+    }
+    Ok(out)
+}
+
+/// A complete BLOCK_STATUS reply (one context, final chunk).
+pub fn encode_block_status(
+    out: &mut Vec<u8>,
+    mode: ReplyMode,
+    to: ReplyTo,
+    context_id: u32,
+    descriptors: &[Descriptor],
+) {
+    debug_assert!(!descriptors.is_empty());
+    if mode == ReplyMode::Extended {
+        let payload_bytes = 8 + 16 * descriptors.len() as u64;
+        encode_chunk_header(
+            out,
+            mode,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_BLOCK_STATUS_EXT,
+            to,
+            payload_bytes,
+        );
+        put_u32(out, context_id);
+        put_u32(out, descriptors.len() as u32);
+        for d in descriptors {
+            put_u64(out, d.length_bytes);
+            put_u64(out, d.flags as u64);
+        }
+    } else {
+        let payload_bytes = 4 + 8 * descriptors.len() as u64;
+        encode_chunk_header(
+            out,
+            mode,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_BLOCK_STATUS,
+            to,
+            payload_bytes,
+        );
+        put_u32(out, context_id);
+        for d in descriptors {
+            // Compact requests carry 32-bit lengths and descriptors are
+            // clipped to the request, so this never truncates.
+            debug_assert!(d.length_bytes <= u32::MAX as u64);
+            put_u32(out, d.length_bytes.min(u32::MAX as u64) as u32);
+            put_u32(out, d.flags);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::ExtentKind;
+
+    fn ext(length: u64, kind: ExtentKind) -> Extent {
+        Extent { length, kind }
+    }
+
+    #[test]
+    fn shape_clips_merges_and_honours_req_one() {
+        let extents = [
+            ext(4096, ExtentKind::Data),
+            ext(4096, ExtentKind::Data),
+            ext(8192, ExtentKind::Hole),
+            ext(4096, ExtentKind::Zero),
+        ];
+        let d = shape_extents(&extents, 10_000, false, 100).unwrap();
+        assert_eq!(
+            d,
+            vec![
+                Descriptor {
+                    length_bytes: 8192,
+                    flags: 0
+                },
+                Descriptor {
+                    length_bytes: 1808,
+                    flags: STATE_HOLE | STATE_ZERO
+                },
+            ]
+        );
+        let d = shape_extents(&extents, 10_000, true, 100).unwrap();
+        assert_eq!(
+            d,
+            vec![Descriptor {
+                length_bytes: 8192,
+                flags: 0
+            }]
+        );
+        let d = shape_extents(&extents, 100, true, 100).unwrap();
+        assert_eq!(
+            d,
+            vec![Descriptor {
+                length_bytes: 100,
+                flags: 0
+            }]
+        );
+        let d = shape_extents(&extents, 1 << 20, false, 2).unwrap();
+        assert_eq!(d.len(), 2);
+        assert!(shape_extents(&[], 10, false, 10).is_err());
+        assert!(shape_extents(&[ext(0, ExtentKind::Data)], 10, false, 10).is_err());
+    }
+
+    #[test]
+    fn error_chunk_layout() {
+        let to = ReplyTo {
+            cookie: 7,
+            offset: 512,
+            command: CMD_READ,
+        };
+        let mut out = Vec::new();
+        encode_error(&mut out, ReplyMode::Structured, to, NBD_EIO, "boom");
+        assert_eq!(out.len(), 20 + 6 + 4);
+        assert_eq!(&out[0..4], &STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(&out[4..6], &REPLY_FLAG_DONE.to_be_bytes());
+        assert_eq!(&out[6..8], &REPLY_TYPE_ERROR.to_be_bytes());
+        assert_eq!(&out[8..16], &7u64.to_be_bytes());
+        assert_eq!(&out[16..20], &10u32.to_be_bytes());
+        assert_eq!(&out[20..24], &NBD_EIO.to_be_bytes());
+        assert_eq!(&out[26..], b"boom");
+
+        out.clear();
+        encode_error(&mut out, ReplyMode::Extended, to, NBD_EIO, "");
+        assert_eq!(out.len(), 32 + 6);
+        assert_eq!(
+            &out[16..24],
+            &512u64.to_be_bytes(),
+            "extended replies echo the offset"
+        );
+        assert_eq!(&out[24..32], &6u64.to_be_bytes());
+    }
+
+    #[test]
+    fn zero_length_read_never_gets_a_simple_reply_in_structured_mode() {
+        let to = ReplyTo {
+            cookie: 1,
+            offset: 0,
+            command: CMD_READ,
+        };
+        let mut out = Vec::new();
+        encode_ok(&mut out, ReplyMode::Structured, to);
+        assert_eq!(&out[0..4], &STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        out.clear();
+        encode_ok(
+            &mut out,
+            ReplyMode::Structured,
+            ReplyTo {
+                command: CMD_WRITE,
+                ..to
+            },
+        );
+        assert_eq!(&out[0..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+    }
+}

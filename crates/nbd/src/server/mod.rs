@@ -1,0 +1,544 @@
+//! The NBD connection loop over std threads.
+//!
+//! Threads: one acceptor; one reader per connection (negotiates, then
+//! parses requests and reads write payloads); a small worker pool shared by
+//! every connection that runs export calls and writes replies under the
+//! connection's writer lock. Nothing spins: every thread blocks in a
+//! syscall, a channel or a condvar.
+//!
+//! Memory is bounded: each connection has at most
+//! `max_in_flight_per_connection` requests queued or running (the reader
+//! stops reading when full), and all connections together hold at most
+//! `max_buffered_bytes` of read/write payload buffers.
+
+mod conn;
+mod listener;
+mod pool;
+
+pub use listener::Listener;
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::codec::{BlockSizes, ExportInfo, Limits};
+use crate::export::{Export, ExportError};
+use listener::Stream;
+use pool::{ByteBudget, Pool};
+
+/// Server limits and behaviour. `Default` suits a 2-core machine.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Canonical export name; the empty (default) name is always accepted.
+    pub export_name: String,
+    pub export_description: Option<String>,
+    /// Advertise READ_ONLY and refuse writes with EPERM.
+    pub read_only: bool,
+    /// Connections beyond this are accepted and closed at once.
+    pub max_connections: usize,
+    /// Requests queued or running per connection before its reader stops
+    /// reading (backpressure).
+    pub max_in_flight_per_connection: usize,
+    /// Largest option payload during negotiation.
+    pub max_option_bytes: u32,
+    /// Largest export name or metadata query.
+    pub max_name_bytes: u32,
+    /// Options per connection before the server hangs up.
+    pub max_options_per_connection: u32,
+    /// Worker threads shared by all connections.
+    pub worker_count: usize,
+    /// Read/write payload bytes buffered across all connections.
+    pub max_buffered_bytes: u64,
+    /// Advertised block sizes: minimum, preferred, maximum payload.
+    pub min_block_bytes: u32,
+    pub preferred_block_bytes: u32,
+    pub max_payload_bytes: u32,
+    /// Oversized write payloads up to this size are read and dropped (the
+    /// client gets EINVAL); larger ones end the connection.
+    pub max_discard_bytes: u64,
+    pub max_block_status_extents: u32,
+    /// Offer NBD_OPT_EXTENDED_HEADERS (64-bit lengths).
+    pub extended_headers: bool,
+    /// Whole-handshake deadline; 0 disables it.
+    pub handshake_timeout_ms: u64,
+    /// A reply write blocked this long (client not reading) kills the
+    /// connection; 0 disables it.
+    pub write_timeout_ms: u64,
+    /// Stop serving when the last client disconnects (after at least one
+    /// connected). Meant for socket activation, where the parent waits for
+    /// the server to exit, like qemu-nbd without --persistent.
+    pub stop_when_idle: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        let limits = Limits::default();
+        let sizes = BlockSizes::default();
+        ServerConfig {
+            export_name: String::new(),
+            export_description: None,
+            read_only: false,
+            max_connections: 32,
+            max_in_flight_per_connection: 32,
+            max_option_bytes: limits.max_option_bytes,
+            max_name_bytes: limits.max_name_bytes,
+            max_options_per_connection: limits.max_options,
+            worker_count: 4,
+            max_buffered_bytes: 256 * 1024 * 1024,
+            min_block_bytes: sizes.min_bytes,
+            preferred_block_bytes: sizes.preferred_bytes,
+            max_payload_bytes: sizes.max_bytes,
+            max_discard_bytes: limits.max_discard_bytes,
+            max_block_status_extents: limits.max_block_status_extents,
+            extended_headers: true,
+            handshake_timeout_ms: 10_000,
+            write_timeout_ms: 30_000,
+            stop_when_idle: false,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Check the limits are consistent with each other and the spec.
+    pub fn validate(&self) -> Result<(), ServerError> {
+        let bad = |m: String| Err(ServerError::Config(m));
+        if self.max_connections == 0
+            || self.max_in_flight_per_connection == 0
+            || self.worker_count == 0
+        {
+            return bad(
+                "max_connections, max_in_flight_per_connection and worker_count must be at least 1"
+                    .into(),
+            );
+        }
+        if !self.min_block_bytes.is_power_of_two() || self.min_block_bytes > 65536 {
+            return bad(format!(
+                "min_block_bytes {} must be a power of two <= 65536",
+                self.min_block_bytes
+            ));
+        }
+        if !self.preferred_block_bytes.is_power_of_two()
+            || self.preferred_block_bytes < self.min_block_bytes.max(512)
+        {
+            return bad(format!(
+                "preferred_block_bytes {} must be a power of two >= max(min_block_bytes, 512)",
+                self.preferred_block_bytes
+            ));
+        }
+        if self.max_payload_bytes < self.preferred_block_bytes {
+            return bad(format!(
+                "max_payload_bytes {} must be >= preferred_block_bytes {}",
+                self.max_payload_bytes, self.preferred_block_bytes
+            ));
+        }
+        if self.max_buffered_bytes < self.max_payload_bytes as u64 + 64 {
+            return bad(format!(
+                "max_buffered_bytes {} must hold at least one maximum payload ({} bytes)",
+                self.max_buffered_bytes, self.max_payload_bytes
+            ));
+        }
+        if self.max_name_bytes as usize > crate::proto::MAX_STRING_BYTES {
+            return bad(format!(
+                "max_name_bytes {} is above the protocol limit of 4096",
+                self.max_name_bytes
+            ));
+        }
+        if self.max_option_bytes < self.max_name_bytes + 8 {
+            return bad("max_option_bytes must fit a maximal name plus its framing".into());
+        }
+        if self.max_discard_bytes < self.max_payload_bytes as u64 {
+            return bad("max_discard_bytes must be >= max_payload_bytes".into());
+        }
+        if self.export_name.len() > crate::proto::MAX_STRING_BYTES {
+            return bad("export_name is longer than 4096 bytes".into());
+        }
+        Ok(())
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_option_bytes: self.max_option_bytes,
+            max_name_bytes: self.max_name_bytes,
+            max_options: self.max_options_per_connection,
+            max_payload_bytes: self.max_payload_bytes,
+            max_discard_bytes: self.max_discard_bytes,
+            max_block_status_extents: self.max_block_status_extents,
+        }
+    }
+
+    fn export_info(&self, size_bytes: u64) -> ExportInfo {
+        ExportInfo {
+            name: self.export_name.clone(),
+            description: self.export_description.clone(),
+            size_bytes,
+            read_only: self.read_only,
+            block_sizes: BlockSizes {
+                min_bytes: self.min_block_bytes,
+                preferred_bytes: self.preferred_block_bytes,
+                max_bytes: self.max_payload_bytes,
+            },
+            extended_headers: self.extended_headers,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("invalid server configuration: {0}")]
+    Config(String),
+    #[error("{}: a server is already listening on this socket; stop it or choose another path", path.display())]
+    SocketInUse { path: std::path::PathBuf },
+    #[error("{}: exists and is not a socket; refusing to replace it", path.display())]
+    NotASocket { path: std::path::PathBuf },
+    #[error("cannot listen on {what}: {source}")]
+    Bind {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("socket activation: {0}")]
+    SocketActivation(String),
+    #[error("cannot start server threads: {0}")]
+    Spawn(#[source] io::Error),
+    #[error("final flush of the export failed: {0}")]
+    FinalFlush(#[source] ExportError),
+    #[error("a server thread panicked")]
+    Panicked,
+}
+
+/// Counters for tests and status output.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ServerStats {
+    pub connections_accepted: u64,
+    pub connections_refused: u64,
+    pub protocol_errors: u64,
+    pub requests: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    connections_accepted: AtomicU64,
+    connections_refused: AtomicU64,
+    protocol_errors: AtomicU64,
+    requests: AtomicU64,
+}
+
+/// State shared by the acceptor, readers and workers.
+struct Shared {
+    export: Arc<dyn Export>,
+    config: ServerConfig,
+    limits: Limits,
+    export_info: ExportInfo,
+    stopping: AtomicBool,
+    /// Live connections by id, with a handle used to cut their reads at
+    /// shutdown.
+    connections: Mutex<HashMap<u64, Stream>>,
+    connections_changed: Condvar,
+    budget: ByteBudget,
+    wake_tx: UnixStream,
+    counters: Counters,
+}
+
+impl Shared {
+    fn trigger_stop(&self) {
+        if !self.stopping.swap(true, Ordering::SeqCst) {
+            tracing::info!("server stopping");
+        }
+        // One byte wakes the acceptor's poll; a full pipe means it is
+        // already awake.
+        let _ = (&self.wake_tx).write(&[1]);
+    }
+
+    fn connection_finished(&self, id: u64) {
+        let mut conns = lock(&self.connections);
+        conns.remove(&id);
+        let idle = conns.is_empty();
+        drop(conns);
+        self.connections_changed.notify_all();
+        if idle && self.config.stop_when_idle {
+            self.trigger_stop();
+        }
+    }
+}
+
+/// Start serving `export` on `listener`. Returns once the server is
+/// accepting; stop it with [`ServerHandle::shutdown`].
+pub fn serve(
+    export: Arc<dyn Export>,
+    listener: Listener,
+    config: ServerConfig,
+) -> Result<ServerHandle, ServerError> {
+    config.validate()?;
+    let (wake_tx, wake_rx) = UnixStream::pair().map_err(ServerError::Spawn)?;
+    wake_tx.set_nonblocking(true).map_err(ServerError::Spawn)?;
+    wake_rx.set_nonblocking(true).map_err(ServerError::Spawn)?;
+    listener
+        .set_nonblocking()
+        .map_err(|source| ServerError::Bind {
+            what: listener.description().to_string(),
+            source,
+        })?;
+    let export_info = config.export_info(export.size_bytes());
+    let shared = Arc::new(Shared {
+        limits: config.limits(),
+        export_info,
+        stopping: AtomicBool::new(false),
+        connections: Mutex::new(HashMap::new()),
+        connections_changed: Condvar::new(),
+        budget: ByteBudget::new(config.max_buffered_bytes),
+        wake_tx,
+        counters: Counters::default(),
+        export,
+        config,
+    });
+    let pool =
+        Pool::start(shared.config.worker_count, shared.clone()).map_err(ServerError::Spawn)?;
+    let description = listener.description().to_string();
+    tracing::info!(listen = %description, size_bytes = shared.export_info.size_bytes, "NBD server listening");
+    let acceptor_shared = shared.clone();
+    let acceptor = std::thread::Builder::new()
+        .name("nbd-accept".to_string())
+        .spawn(move || accept_loop(acceptor_shared, listener, wake_rx, pool))
+        .map_err(ServerError::Spawn)?;
+    Ok(ServerHandle {
+        shared,
+        acceptor: Some(acceptor),
+        description,
+    })
+}
+
+/// A running server.
+pub struct ServerHandle {
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<Result<(), ServerError>>>,
+    description: String,
+}
+
+/// Asks a server to stop, from any thread (e.g. a signal watcher).
+#[derive(Clone)]
+pub struct ShutdownTrigger {
+    shared: Arc<Shared>,
+}
+
+impl ShutdownTrigger {
+    /// Begin a graceful shutdown; returns at once.
+    pub fn shutdown(&self) {
+        self.shared.trigger_stop();
+    }
+}
+
+impl ServerHandle {
+    /// Graceful shutdown: stop accepting, stop reading new requests, finish
+    /// the ones in flight and send their replies, close every connection,
+    /// flush the export, and return.
+    pub fn shutdown(mut self) -> Result<(), ServerError> {
+        self.shared.trigger_stop();
+        self.join()
+    }
+
+    /// Block until the server stops (by a trigger, or by `stop_when_idle`).
+    pub fn wait(mut self) -> Result<(), ServerError> {
+        self.join()
+    }
+
+    pub fn trigger(&self) -> ShutdownTrigger {
+        ShutdownTrigger {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Where the server listens, e.g. `unix:/run/cairn.sock`.
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    pub fn active_connections(&self) -> usize {
+        lock(&self.shared.connections).len()
+    }
+
+    pub fn stats(&self) -> ServerStats {
+        let c = &self.shared.counters;
+        ServerStats {
+            connections_accepted: c.connections_accepted.load(Ordering::Relaxed),
+            connections_refused: c.connections_refused.load(Ordering::Relaxed),
+            protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
+            requests: c.requests.load(Ordering::Relaxed),
+        }
+    }
+
+    fn join(&mut self) -> Result<(), ServerError> {
+        match self.acceptor.take() {
+            Some(handle) => handle.join().map_err(|_| ServerError::Panicked)?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if self.acceptor.is_some() {
+            self.shared.trigger_stop();
+            if let Err(e) = self.join() {
+                tracing::error!(error = %e, "server stopped with an error");
+            }
+        }
+    }
+}
+
+fn accept_loop(
+    shared: Arc<Shared>,
+    listener: Listener,
+    wake_rx: UnixStream,
+    pool: Pool,
+) -> Result<(), ServerError> {
+    let mut next_id = 0u64;
+    while !shared.stopping.load(Ordering::SeqCst) {
+        match wait_readable(listener.raw_fd(), wake_rx.as_raw_fd()) {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "poll failed; stopping the server");
+                break;
+            }
+        }
+        if shared.stopping.load(Ordering::SeqCst) {
+            break;
+        }
+        let stream = match listener.accept() {
+            Ok(s) => s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::Interrupted
+                        | io::ErrorKind::ConnectionAborted
+                ) =>
+            {
+                continue
+            }
+            Err(e) => {
+                // Out of fds or memory: back off instead of spinning on a
+                // listener that stays readable.
+                tracing::warn!(error = %e, "accept failed; retrying shortly");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        next_id += 1;
+        start_connection(&shared, &pool, next_id, stream);
+    }
+    // Stop accepting before anything else; this also removes our unix
+    // socket file.
+    drop(listener);
+    drain(&shared, pool)
+}
+
+fn start_connection(shared: &Arc<Shared>, pool: &Pool, id: u64, stream: Stream) {
+    let mut conns = lock(&shared.connections);
+    if conns.len() >= shared.config.max_connections {
+        drop(conns);
+        shared
+            .counters
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            max = shared.config.max_connections,
+            "too many connections; closing the new one"
+        );
+        stream.shutdown(std::net::Shutdown::Both);
+        return;
+    }
+    let control = match stream.try_clone() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot clone client socket; closing it");
+            return;
+        }
+    };
+    conns.insert(id, control);
+    drop(conns);
+    shared
+        .counters
+        .connections_accepted
+        .fetch_add(1, Ordering::Relaxed);
+    let conn_shared = shared.clone();
+    let jobs = pool.sender();
+    let spawned = std::thread::Builder::new()
+        .name(format!("nbd-conn-{id}"))
+        .spawn(move || {
+            conn::run(&conn_shared, id, stream, jobs);
+            conn_shared.connection_finished(id);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a connection thread; closing it");
+        shared.connection_finished(id);
+    }
+}
+
+/// Shut every connection's reading side, wait for them to finish their
+/// in-flight requests, stop the workers and flush the export.
+fn drain(shared: &Arc<Shared>, pool: Pool) -> Result<(), ServerError> {
+    {
+        let conns = lock(&shared.connections);
+        if !conns.is_empty() {
+            tracing::info!(
+                connections = conns.len(),
+                "waiting for connections to finish in-flight requests"
+            );
+        }
+        for stream in conns.values() {
+            // Wakes a reader blocked in read() with EOF; replies can still
+            // be written.
+            stream.shutdown(std::net::Shutdown::Read);
+        }
+    }
+    let mut conns = lock(&shared.connections);
+    while !conns.is_empty() {
+        conns = shared
+            .connections_changed
+            .wait(conns)
+            .unwrap_or_else(|e| e.into_inner());
+    }
+    drop(conns);
+    pool.stop();
+    shared.export.flush().map_err(ServerError::FinalFlush)?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// Block until the listener or the wake pipe is readable.
+fn wait_readable(listen_fd: RawFd, wake_fd: RawFd) -> io::Result<()> {
+    let mut fds = [
+        libc::pollfd {
+            fd: listen_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of
+        // the call, and its length is passed correctly.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if rc >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not take the whole server down with poison.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
