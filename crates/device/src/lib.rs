@@ -4,6 +4,8 @@
 //! - [`FileDevice`]: a regular file or a block device, with pread/pwrite.
 //! - [`UringDevice`]: a regular file or a block device through io_uring with
 //!   O_DIRECT and batched submission.
+//! - [`NbdDevice`]: a remote export through an NBD client, so the origin can
+//!   live on another machine.
 //! - [`SimDevice`]: an in-memory device for tests that can crash (dropping,
 //!   tearing and reordering unflushed writes), flip bits, misdirect a write
 //!   and fail the Nth I/O, all reproducible from a seed.
@@ -13,11 +15,13 @@
 
 mod file;
 mod local;
+mod nbd_client;
 mod sim;
 mod uring;
 
 pub use file::{FileDevice, OpenMode};
 pub use local::{open_local, open_local_with, IoBackend, LocalOptions, IO_BACKEND_ENV};
+pub use nbd_client::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 pub use sim::{CrashPlan, FaultMode, PendingWrite, SimCounters, SimDevice, SECTOR_BYTES};
 pub use uring::{UringDevice, UringOptions};
 
