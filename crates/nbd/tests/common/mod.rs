@@ -1,0 +1,647 @@
+//! Shared test helpers: a minimal NBD client, session byte builders, an
+//! in-process server on a temporary unix socket, and tool detection.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cairn_nbd::proto::*;
+use cairn_nbd::{serve, Export, Listener, MemExport, ServerConfig, ServerHandle};
+
+// ---------------------------------------------------------------- bytes ---
+
+pub fn be16(out: &mut Vec<u8>, v: u16) {
+    out.extend_from_slice(&v.to_be_bytes());
+}
+pub fn be32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_be_bytes());
+}
+pub fn be64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_be_bytes());
+}
+
+pub fn client_flags(flags: u32) -> Vec<u8> {
+    flags.to_be_bytes().to_vec()
+}
+
+pub fn option(option: u32, data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    be64(&mut out, IHAVEOPT);
+    be32(&mut out, option);
+    be32(&mut out, data.len() as u32);
+    out.extend_from_slice(data);
+    out
+}
+
+/// An option header claiming `length` bytes, without the data.
+pub fn option_header(option: u32, length: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    be64(&mut out, IHAVEOPT);
+    be32(&mut out, option);
+    be32(&mut out, length);
+    out
+}
+
+pub fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
+    let mut out = Vec::new();
+    be32(&mut out, name.len() as u32);
+    out.extend_from_slice(name.as_bytes());
+    be16(&mut out, infos.len() as u16);
+    for i in infos {
+        be16(&mut out, *i);
+    }
+    out
+}
+
+pub fn meta_data(name: &str, queries: &[&str]) -> Vec<u8> {
+    let mut out = Vec::new();
+    be32(&mut out, name.len() as u32);
+    out.extend_from_slice(name.as_bytes());
+    be32(&mut out, queries.len() as u32);
+    for q in queries {
+        be32(&mut out, q.len() as u32);
+        out.extend_from_slice(q.as_bytes());
+    }
+    out
+}
+
+pub fn request(
+    extended: bool,
+    flags: u16,
+    command: u16,
+    cookie: u64,
+    offset: u64,
+    length: u64,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    be32(
+        &mut out,
+        if extended {
+            EXTENDED_REQUEST_MAGIC
+        } else {
+            REQUEST_MAGIC
+        },
+    );
+    be16(&mut out, flags);
+    be16(&mut out, command);
+    be64(&mut out, cookie);
+    be64(&mut out, offset);
+    if extended {
+        be64(&mut out, length);
+    } else {
+        be32(&mut out, length as u32);
+    }
+    out
+}
+
+/// A complete valid client byte stream: flags, the given negotiation
+/// options, GO, then `requests` (each already encoded, payload included).
+pub fn session_bytes(
+    structured: bool,
+    extended: bool,
+    meta: bool,
+    requests: &[Vec<u8>],
+) -> Vec<u8> {
+    let mut out = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+    if extended {
+        out.extend(option(OPT_EXTENDED_HEADERS, &[]));
+    } else if structured {
+        out.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    }
+    if meta {
+        out.extend(option(
+            OPT_SET_META_CONTEXT,
+            &meta_data("", &[BASE_ALLOCATION]),
+        ));
+    }
+    out.extend(option(OPT_GO, &info_data("", &[INFO_BLOCK_SIZE])));
+    for r in requests {
+        out.extend_from_slice(r);
+    }
+    out
+}
+
+// --------------------------------------------------------------- client ---
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptReply {
+    pub option: u32,
+    pub reply_type: u32,
+    pub data: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Simple,
+    Structured,
+    Extended,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reply {
+    pub cookie: u64,
+    pub error: u32,
+    pub message: String,
+    pub data: Vec<u8>,
+    /// (length, flags) block status descriptors and the context id.
+    pub descriptors: Vec<(u64, u64)>,
+    pub context_id: Option<u32>,
+    pub chunks: usize,
+}
+
+struct Pending {
+    command: u16,
+    offset: u64,
+    length: u64,
+}
+
+/// A deliberately simple blocking client that speaks every reply format.
+pub struct Client {
+    pub stream: UnixStream,
+    pub mode: Mode,
+    pub size_bytes: u64,
+    pub transmission_flags: u16,
+    pending: HashMap<u64, Pending>,
+    partial: HashMap<u64, Reply>,
+    next_cookie: u64,
+}
+
+impl Client {
+    /// Connect and do the greeting + client flags; options come next.
+    pub fn connect(path: &Path) -> io::Result<Client> {
+        let mut stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let mut greeting = [0u8; 18];
+        stream.read_exact(&mut greeting)?;
+        assert_eq!(&greeting[0..8], &NBDMAGIC.to_be_bytes());
+        assert_eq!(&greeting[8..16], &IHAVEOPT.to_be_bytes());
+        assert_eq!(
+            u16::from_be_bytes([greeting[16], greeting[17]]),
+            FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES
+        );
+        stream.write_all(&client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES))?;
+        Ok(Client {
+            stream,
+            mode: Mode::Simple,
+            size_bytes: 0,
+            transmission_flags: 0,
+            pending: HashMap::new(),
+            partial: HashMap::new(),
+            next_cookie: 1,
+        })
+    }
+
+    /// Connect and negotiate straight into transmission.
+    pub fn open(path: &Path, mode: Mode, meta: bool) -> io::Result<Client> {
+        let mut c = Client::connect(path)?;
+        match mode {
+            Mode::Simple => {}
+            Mode::Structured => assert_eq!(
+                c.option(OPT_STRUCTURED_REPLY, &[])?
+                    .last()
+                    .unwrap()
+                    .reply_type,
+                REP_ACK
+            ),
+            Mode::Extended => assert_eq!(
+                c.option(OPT_EXTENDED_HEADERS, &[])?
+                    .last()
+                    .unwrap()
+                    .reply_type,
+                REP_ACK
+            ),
+        }
+        c.mode = mode;
+        if meta {
+            let replies = c.option(OPT_SET_META_CONTEXT, &meta_data("", &[BASE_ALLOCATION]))?;
+            assert_eq!(replies.last().unwrap().reply_type, REP_ACK);
+        }
+        let replies = c.option(OPT_GO, &info_data("", &[INFO_BLOCK_SIZE]))?;
+        assert_eq!(
+            replies.last().unwrap().reply_type,
+            REP_ACK,
+            "GO failed: {replies:?}"
+        );
+        for r in &replies {
+            if r.reply_type == REP_INFO
+                && r.data.len() == 12
+                && r.data[0..2] == INFO_EXPORT.to_be_bytes()
+            {
+                c.size_bytes = u64::from_be_bytes(r.data[2..10].try_into().unwrap());
+                c.transmission_flags = u16::from_be_bytes([r.data[10], r.data[11]]);
+            }
+        }
+        Ok(c)
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.stream.write_all(bytes)
+    }
+
+    pub fn read_option_reply(&mut self) -> io::Result<OptReply> {
+        let mut h = [0u8; 20];
+        self.stream.read_exact(&mut h)?;
+        assert_eq!(&h[0..8], &OPTION_REPLY_MAGIC.to_be_bytes());
+        let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
+        let reply_type = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+        assert!(len <= 64 * 1024, "absurd option reply length {len}");
+        let mut data = vec![0u8; len as usize];
+        self.stream.read_exact(&mut data)?;
+        Ok(OptReply {
+            option,
+            reply_type,
+            data,
+        })
+    }
+
+    /// Send an option and collect replies up to the final one.
+    pub fn option(&mut self, opt: u32, data: &[u8]) -> io::Result<Vec<OptReply>> {
+        self.stream.write_all(&option(opt, data))?;
+        let mut replies = Vec::new();
+        loop {
+            let r = self.read_option_reply()?;
+            let last = r.reply_type == REP_ACK || r.reply_type & REP_FLAG_ERROR != 0;
+            replies.push(r);
+            if last {
+                return Ok(replies);
+            }
+        }
+    }
+
+    fn extended(&self) -> bool {
+        self.mode == Mode::Extended
+    }
+
+    /// Send a request (with payload for writes); returns its cookie.
+    pub fn send(
+        &mut self,
+        flags: u16,
+        command: u16,
+        offset: u64,
+        length: u64,
+        payload: &[u8],
+    ) -> io::Result<u64> {
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
+        let mut bytes = request(self.extended(), flags, command, cookie, offset, length);
+        bytes.extend_from_slice(payload);
+        self.pending.insert(
+            cookie,
+            Pending {
+                command,
+                offset,
+                length,
+            },
+        );
+        self.stream.write_all(&bytes)?;
+        Ok(cookie)
+    }
+
+    /// Read until one whole reply is complete; replies may come in any order.
+    pub fn reply(&mut self) -> io::Result<Reply> {
+        loop {
+            let mut magic = [0u8; 4];
+            self.stream.read_exact(&mut magic)?;
+            let magic = u32::from_be_bytes(magic);
+            if magic == SIMPLE_REPLY_MAGIC {
+                let mut rest = [0u8; 12];
+                self.stream.read_exact(&mut rest)?;
+                let error = u32::from_be_bytes(rest[0..4].try_into().unwrap());
+                let cookie = u64::from_be_bytes(rest[4..12].try_into().unwrap());
+                let p = self
+                    .pending
+                    .remove(&cookie)
+                    .expect("reply for an unknown cookie");
+                let mut reply = Reply {
+                    cookie,
+                    error,
+                    chunks: 1,
+                    ..Default::default()
+                };
+                if p.command == CMD_READ {
+                    assert_eq!(
+                        self.mode,
+                        Mode::Simple,
+                        "simple reply to READ after structured negotiation"
+                    );
+                    if error == 0 {
+                        reply.data = vec![0u8; p.length as usize];
+                        self.stream.read_exact(&mut reply.data)?;
+                    }
+                }
+                return Ok(reply);
+            }
+            let (flags, kind, cookie, length) = if magic == STRUCTURED_REPLY_MAGIC {
+                assert_eq!(
+                    self.mode,
+                    Mode::Structured,
+                    "structured chunk in mode {:?}",
+                    self.mode
+                );
+                let mut rest = [0u8; 16];
+                self.stream.read_exact(&mut rest)?;
+                (
+                    u16::from_be_bytes([rest[0], rest[1]]),
+                    u16::from_be_bytes([rest[2], rest[3]]),
+                    u64::from_be_bytes(rest[4..12].try_into().unwrap()),
+                    u32::from_be_bytes(rest[12..16].try_into().unwrap()) as u64,
+                )
+            } else if magic == EXTENDED_REPLY_MAGIC {
+                assert_eq!(
+                    self.mode,
+                    Mode::Extended,
+                    "extended chunk in mode {:?}",
+                    self.mode
+                );
+                let mut rest = [0u8; 28];
+                self.stream.read_exact(&mut rest)?;
+                let cookie = u64::from_be_bytes(rest[4..12].try_into().unwrap());
+                let offset = u64::from_be_bytes(rest[12..20].try_into().unwrap());
+                let p = self
+                    .pending
+                    .get(&cookie)
+                    .expect("chunk for an unknown cookie");
+                assert_eq!(
+                    offset, p.offset,
+                    "extended reply must echo the request offset"
+                );
+                (
+                    u16::from_be_bytes([rest[0], rest[1]]),
+                    u16::from_be_bytes([rest[2], rest[3]]),
+                    cookie,
+                    u64::from_be_bytes(rest[20..28].try_into().unwrap()),
+                )
+            } else {
+                panic!("bad reply magic {magic:#x}");
+            };
+            assert!(length <= 64 * 1024 * 1024, "absurd chunk length {length}");
+            let mut payload = vec![0u8; length as usize];
+            self.stream.read_exact(&mut payload)?;
+            let p = self
+                .pending
+                .get(&cookie)
+                .expect("chunk for an unknown cookie");
+            let (p_offset, p_length) = (p.offset, p.length);
+            let reply = self.partial.entry(cookie).or_insert_with(|| Reply {
+                cookie,
+                ..Default::default()
+            });
+            reply.chunks += 1;
+            match kind {
+                REPLY_TYPE_NONE => assert_eq!(length, 0),
+                REPLY_TYPE_OFFSET_DATA => {
+                    let off = u64::from_be_bytes(payload[0..8].try_into().unwrap());
+                    let data = &payload[8..];
+                    assert!(!data.is_empty());
+                    assert!(
+                        off >= p_offset && off + data.len() as u64 <= p_offset + p_length,
+                        "data chunk outside the request"
+                    );
+                    if reply.data.is_empty() {
+                        reply.data = vec![0u8; p_length as usize];
+                    }
+                    let at = (off - p_offset) as usize;
+                    reply.data[at..at + data.len()].copy_from_slice(data);
+                }
+                REPLY_TYPE_OFFSET_HOLE => {
+                    if reply.data.is_empty() {
+                        reply.data = vec![0u8; p_length as usize];
+                    }
+                }
+                REPLY_TYPE_BLOCK_STATUS => {
+                    reply.context_id = Some(u32::from_be_bytes(payload[0..4].try_into().unwrap()));
+                    assert_eq!((payload.len() - 4) % 8, 0);
+                    for d in payload[4..].chunks(8) {
+                        let len = u32::from_be_bytes(d[0..4].try_into().unwrap()) as u64;
+                        let fl = u32::from_be_bytes(d[4..8].try_into().unwrap()) as u64;
+                        reply.descriptors.push((len, fl));
+                    }
+                }
+                REPLY_TYPE_BLOCK_STATUS_EXT => {
+                    reply.context_id = Some(u32::from_be_bytes(payload[0..4].try_into().unwrap()));
+                    let count = u32::from_be_bytes(payload[4..8].try_into().unwrap()) as usize;
+                    assert_eq!(payload.len(), 8 + 16 * count);
+                    for d in payload[8..].chunks(16) {
+                        let len = u64::from_be_bytes(d[0..8].try_into().unwrap());
+                        let fl = u64::from_be_bytes(d[8..16].try_into().unwrap());
+                        reply.descriptors.push((len, fl));
+                    }
+                }
+                REPLY_TYPE_ERROR => {
+                    reply.error = u32::from_be_bytes(payload[0..4].try_into().unwrap());
+                    let n = u16::from_be_bytes([payload[4], payload[5]]) as usize;
+                    reply.message = String::from_utf8_lossy(&payload[6..6 + n]).into_owned();
+                    assert_ne!(reply.error, 0);
+                }
+                other => panic!("unexpected chunk type {other}"),
+            }
+            if flags & REPLY_FLAG_DONE != 0 {
+                self.pending.remove(&cookie);
+                return Ok(self.partial.remove(&cookie).unwrap());
+            }
+        }
+    }
+
+    pub fn call(
+        &mut self,
+        flags: u16,
+        command: u16,
+        offset: u64,
+        length: u64,
+        payload: &[u8],
+    ) -> io::Result<Reply> {
+        let cookie = self.send(flags, command, offset, length, payload)?;
+        let r = self.reply()?;
+        assert_eq!(r.cookie, cookie);
+        Ok(r)
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> io::Result<u32> {
+        Ok(self
+            .call(0, CMD_WRITE, offset, data.len() as u64, data)?
+            .error)
+    }
+
+    pub fn read(&mut self, offset: u64, length: u64) -> io::Result<Result<Vec<u8>, u32>> {
+        let r = self.call(0, CMD_READ, offset, length, &[])?;
+        Ok(if r.error == 0 {
+            Ok(r.data)
+        } else {
+            Err(r.error)
+        })
+    }
+
+    pub fn disconnect(mut self) -> io::Result<()> {
+        let bytes = request(self.extended(), 0, CMD_DISC, 0, 0, 0);
+        self.stream.write_all(&bytes)
+    }
+
+    /// True once the server has closed the connection (EOF or reset).
+    pub fn wait_closed(&mut self) -> bool {
+        let mut buf = [0u8; 256];
+        loop {
+            match self.stream.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+/// Read from a raw stream until EOF; true if the server closed it.
+pub fn closed_by_server(stream: &mut UnixStream) -> bool {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+// --------------------------------------------------------------- server ---
+
+/// A directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("cairn-nbd-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub struct TestServer {
+    pub dir: TempDir,
+    pub socket: PathBuf,
+    pub handle: Option<ServerHandle>,
+}
+
+impl TestServer {
+    pub fn start(export: Arc<dyn Export>, config: ServerConfig) -> TestServer {
+        init_tracing();
+        let dir = TempDir::new("srv");
+        let socket = dir.path("nbd.sock");
+        let listener = Listener::bind_unix(&socket).expect("bind");
+        let handle = serve(export, listener, config).expect("serve");
+        TestServer {
+            dir,
+            socket,
+            handle: Some(handle),
+        }
+    }
+
+    pub fn mem(size_bytes: u64) -> (TestServer, Arc<MemExport>) {
+        let export = Arc::new(MemExport::new(size_bytes));
+        (
+            TestServer::start(export.clone(), ServerConfig::default()),
+            export,
+        )
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+
+    pub fn handle(&self) -> &ServerHandle {
+        self.handle.as_ref().unwrap()
+    }
+
+    pub fn shutdown(&mut self) {
+        if let Some(h) = self.handle.take() {
+            h.shutdown().expect("clean shutdown");
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Wait (bounded) until `cond` holds.
+pub fn eventually(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if cond() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+// ---------------------------------------------------------------- tools ---
+
+/// Whether an external tool is on PATH. When it is missing the test is
+/// skipped with a message, except under CI=true where that is a failure.
+pub fn require_tool(name: &str) -> bool {
+    let found = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join(name).is_file()))
+        .unwrap_or(false);
+    if found {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{name} is required when CI=true but is not installed");
+    }
+    eprintln!("SKIPPED: {name} is not installed");
+    false
+}
+
+/// Whether python3-libnbd is importable by the system python.
+pub fn require_python_nbd() -> bool {
+    if !require_tool("nbdsh") {
+        return false;
+    }
+    let ok = std::process::Command::new("/usr/bin/python3")
+        .args(["-c", "import nbd"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if ok {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("python3-libnbd is required when CI=true but cannot be imported");
+    }
+    eprintln!("SKIPPED: python3-libnbd is not importable");
+    false
+}

@@ -1,0 +1,400 @@
+//! Property "fuzz" test: random and mutated byte streams (seeded from
+//! valid sessions) through the codec harness, which mirrors the server's
+//! reader. Checks: no panic, the codec never asks to buffer more than the
+//! limits, no allocation sized from a client claim, and the outcome does
+//! not depend on how the stream is chunked.
+//!
+//! Case count: CAIRN_FUZZ_CASES (per strategy), default 20000.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::io::Write;
+
+use cairn_nbd::codec::harness::{self, HarnessReport};
+use cairn_nbd::codec::{BlockSizes, ExportInfo, Limits};
+use cairn_nbd::proto::*;
+use common::*;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+// Largest single allocation on this thread while tracking (see codec.rs).
+struct PeakAlloc;
+
+thread_local! {
+    static TRACKING: Cell<bool> = const { Cell::new(false) };
+    static PEAK_BYTES: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note(size: usize) {
+    let _ = TRACKING.try_with(|t| {
+        if t.get() {
+            let _ = PEAK_BYTES.try_with(|p| p.set(p.get().max(size)));
+        }
+    });
+}
+
+// SAFETY: forwards every call unchanged to the system allocator; the
+// bookkeeping only touches const-initialised thread-locals.
+unsafe impl GlobalAlloc for PeakAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note(new_size);
+        System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: PeakAlloc = PeakAlloc;
+
+fn cases() -> u32 {
+    std::env::var("CAIRN_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_000)
+}
+
+/// Printed straight to the process's stderr so it shows even when the
+/// test harness captures output.
+fn report(name: &str, ran: u64, stats: &Stats) {
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "fuzz {name}: {ran} cases ran ({} reached transmission, {} requests executed, {} rejected, {} protocol errors, peak allocation {} bytes)",
+        stats.transmission, stats.executed, stats.rejected, stats.protocol_errors, stats.peak_alloc_bytes
+    );
+}
+
+#[derive(Default)]
+struct Stats {
+    transmission: u64,
+    executed: u64,
+    rejected: u64,
+    protocol_errors: u64,
+    peak_alloc_bytes: usize,
+}
+
+fn export(size_bytes: u64, extended_headers: bool) -> ExportInfo {
+    ExportInfo {
+        name: "disk".to_string(),
+        description: None,
+        size_bytes,
+        read_only: false,
+        block_sizes: BlockSizes::default(),
+        extended_headers,
+    }
+}
+
+fn small_limits() -> Limits {
+    Limits {
+        max_option_bytes: 1024,
+        max_name_bytes: 256,
+        max_options: 16,
+        max_payload_bytes: 4096,
+        max_discard_bytes: 8192,
+        max_block_status_extents: 8,
+    }
+}
+
+/// One run: the harness over `input` whole and chunked, with invariants.
+fn check(
+    stats: &mut Stats,
+    info: &ExportInfo,
+    limits: &Limits,
+    input: &[u8],
+    chunks: &[usize],
+) -> Result<(), TestCaseError> {
+    PEAK_BYTES.with(|p| p.set(0));
+    TRACKING.with(|t| t.set(true));
+    let whole = harness::run(info, limits, input, &[]);
+    let chunked = harness::run(info, limits, input, chunks);
+    TRACKING.with(|t| t.set(false));
+    let peak = PEAK_BYTES.with(|p| p.get());
+
+    // Input copies (the harness buffer) may reach the input size; anything
+    // much larger was sized from a claimed length.
+    let bound = 2 * input.len() + 16 + limits.max_option_bytes as usize + 64 * 1024;
+    prop_assert!(
+        peak <= bound,
+        "allocated {} bytes for a {}-byte input",
+        peak,
+        input.len()
+    );
+    prop_assert!(whole.peak_buffer_bytes <= 16 + limits.max_option_bytes as usize);
+    prop_assert!(chunked.peak_buffer_bytes <= 16 + limits.max_option_bytes as usize);
+    let strip = |r: HarnessReport| HarnessReport {
+        peak_buffer_bytes: 0,
+        ..r
+    };
+    prop_assert_eq!(strip(whole.clone()), strip(chunked));
+
+    stats.peak_alloc_bytes = stats.peak_alloc_bytes.max(peak);
+    stats.transmission += whole.reached_transmission as u64;
+    stats.executed += whole.executed as u64;
+    stats.rejected += whole.rejected as u64;
+    stats.protocol_errors += matches!(whole.end, harness::HarnessEnd::Protocol(_)) as u64;
+    Ok(())
+}
+
+fn chunking() -> impl Strategy<Value = Vec<usize>> {
+    prop::collection::vec(1usize..64, 0..6)
+}
+
+/// A random request, payload included for writes.
+fn arb_request(extended: bool) -> impl Strategy<Value = Vec<u8>> {
+    let command = prop_oneof![
+        6 => 0u16..8,
+        1 => any::<u16>(),
+    ];
+    let flags = prop_oneof![
+        4 => Just(0u16),
+        4 => 0u16..64,
+        1 => any::<u16>(),
+    ];
+    let offset = prop_oneof![
+        4 => (0u64..64).prop_map(|b| b * 512),
+        1 => any::<u64>(),
+        1 => Just(u64::MAX - 511),
+    ];
+    let length = prop_oneof![
+        4 => (0u64..16).prop_map(|b| b * 512),
+        1 => 0u64..5000,
+        1 => Just(0xffff_ffffu64),
+        1 => any::<u64>(),
+    ];
+    (flags, command, any::<u64>(), offset, length).prop_map(
+        move |(flags, command, cookie, offset, length)| {
+            let length = if extended {
+                length
+            } else {
+                length & 0xffff_ffff
+            };
+            let mut r = request(extended, flags, command, cookie, offset, length);
+            // Supply the payload for plausible writes so the stream stays framed.
+            let carries = command == CMD_WRITE || (extended && flags & CMD_FLAG_PAYLOAD_LEN != 0);
+            if carries && length <= 8192 {
+                r.extend(std::iter::repeat_n(0xa5u8, length as usize));
+            }
+            r
+        },
+    )
+}
+
+/// A valid negotiation (with a random option mix) followed by requests.
+fn arb_session() -> impl Strategy<Value = Vec<u8>> {
+    let mode = 0u8..3;
+    (
+        mode,
+        any::<bool>(),
+        any::<bool>(),
+        prop::collection::vec(0u8..8, 0..4),
+    )
+        .prop_flat_map(|(mode, meta, export_name, extra)| {
+            let extended = mode == 2;
+            prop::collection::vec(arb_request(extended), 0..8).prop_map(move |requests| {
+                let mut out = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+                for e in &extra {
+                    out.extend(match e {
+                        0 => option(OPT_LIST, &[]),
+                        1 => option(OPT_INFO, &info_data("disk", &[INFO_NAME, INFO_BLOCK_SIZE])),
+                        2 => option(OPT_STARTTLS, &[]),
+                        3 => option(OPT_LIST_META_CONTEXT, &meta_data("", &["base:"])),
+                        4 => option(0x99, b"whatever"),
+                        5 => option(OPT_INFO, &info_data("missing", &[])),
+                        6 => option(OPT_PEEK_EXPORT, &[]),
+                        _ => option(OPT_GO, &info_data("wrong", &[])),
+                    });
+                }
+                match mode {
+                    1 => out.extend(option(OPT_STRUCTURED_REPLY, &[])),
+                    2 => out.extend(option(OPT_EXTENDED_HEADERS, &[])),
+                    _ => {}
+                }
+                if meta {
+                    out.extend(option(
+                        OPT_SET_META_CONTEXT,
+                        &meta_data("", &[BASE_ALLOCATION]),
+                    ));
+                }
+                if export_name && !extended {
+                    out.extend(option(OPT_EXPORT_NAME, b"disk"));
+                } else {
+                    out.extend(option(OPT_GO, &info_data("", &[INFO_BLOCK_SIZE])));
+                }
+                for r in requests {
+                    out.extend(r);
+                }
+                out
+            })
+        })
+}
+
+#[derive(Debug, Clone)]
+enum Mutation {
+    Flip { at: usize, mask: u8 },
+    Overwrite32 { at: usize, value: u32 },
+    Insert { at: usize, bytes: Vec<u8> },
+    Remove { at: usize, len: usize },
+    Truncate { at: usize },
+}
+
+fn arb_mutation() -> impl Strategy<Value = Mutation> {
+    let interesting = prop_oneof![
+        Just(0u32),
+        Just(1),
+        Just(0xffff_ffff),
+        Just(0x7fff_ffff),
+        Just(4096),
+        Just(4097),
+        Just(1025),
+        Just(0x0200_0001),
+        Just(IHAVEOPT as u32),
+        Just(REQUEST_MAGIC),
+        Just(EXTENDED_REQUEST_MAGIC),
+        any::<u32>(),
+    ];
+    prop_oneof![
+        3 => (any::<usize>(), 1u8..=255).prop_map(|(at, mask)| Mutation::Flip { at, mask }),
+        3 => (any::<usize>(), interesting).prop_map(|(at, value)| Mutation::Overwrite32 { at, value }),
+        1 => (any::<usize>(), prop::collection::vec(any::<u8>(), 1..16)).prop_map(|(at, bytes)| Mutation::Insert { at, bytes }),
+        1 => (any::<usize>(), 1usize..32).prop_map(|(at, len)| Mutation::Remove { at, len }),
+        1 => any::<usize>().prop_map(|at| Mutation::Truncate { at }),
+    ]
+}
+
+fn apply(mut input: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
+    for m in mutations {
+        if input.is_empty() {
+            break;
+        }
+        let n = input.len();
+        match m {
+            Mutation::Flip { at, mask } => input[at % n] ^= mask,
+            Mutation::Overwrite32 { at, value } => {
+                let at = at % n;
+                for (i, b) in value.to_be_bytes().iter().enumerate() {
+                    if at + i < n {
+                        input[at + i] = *b;
+                    }
+                }
+            }
+            Mutation::Insert { at, bytes } => {
+                let at = at % (n + 1);
+                input.splice(at..at, bytes.iter().copied());
+            }
+            Mutation::Remove { at, len } => {
+                let at = at % n;
+                let end = (at + len).min(n);
+                input.drain(at..end);
+            }
+            Mutation::Truncate { at } => input.truncate(at % n),
+        }
+    }
+    input
+}
+
+fn run_strategy<S: Strategy>(
+    name: &str,
+    strategy: S,
+    body: impl Fn(&mut Stats, S::Value) -> Result<(), TestCaseError>,
+) where
+    S::Value: std::fmt::Debug,
+{
+    let mut runner = TestRunner::new(Config {
+        cases: cases(),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    // The runner takes an Fn closure, hence the cells.
+    let stats = std::cell::RefCell::new(Stats::default());
+    let ran = Cell::new(0u64);
+    let result = runner.run(&strategy, |value| {
+        ran.set(ran.get() + 1);
+        body(&mut stats.borrow_mut(), value)
+    });
+    report(name, ran.get(), &stats.borrow());
+    if let Err(e) = result {
+        panic!("{name}: {e}");
+    }
+}
+
+#[test]
+fn fuzz_random_bytes() {
+    let strategy = (
+        prop::collection::vec(any::<u8>(), 0..2048),
+        chunking(),
+        any::<bool>(),
+    );
+    run_strategy("random bytes", strategy, |stats, (tail, chunks, small)| {
+        let limits = if small {
+            small_limits()
+        } else {
+            Limits::default()
+        };
+        let info = export(1 << 20, true);
+        // Raw garbage, and garbage after a valid greeting reply (client
+        // flags) so the option parser sees it too.
+        check(stats, &info, &limits, &tail, &chunks)?;
+        let mut input = client_flags(FLAG_C_FIXED_NEWSTYLE);
+        input.extend_from_slice(&tail);
+        check(stats, &info, &limits, &input, &chunks)
+    });
+}
+
+#[test]
+fn fuzz_mutated_sessions() {
+    let strategy = (
+        arb_session(),
+        prop::collection::vec(arb_mutation(), 0..6),
+        chunking(),
+        any::<bool>(),
+        any::<bool>(),
+    );
+    run_strategy(
+        "mutated sessions",
+        strategy,
+        |stats, (session, mutations, chunks, small, ext)| {
+            let limits = if small {
+                small_limits()
+            } else {
+                Limits::default()
+            };
+            let info = export(1 << 20, ext);
+            let input = apply(session, &mutations);
+            check(stats, &info, &limits, &input, &chunks)
+        },
+    );
+}
+
+#[test]
+fn fuzz_valid_session_then_garbage() {
+    let strategy = (
+        arb_session(),
+        prop::collection::vec(any::<u8>(), 0..512),
+        chunking(),
+    );
+    run_strategy(
+        "valid session + random tail",
+        strategy,
+        |stats, (mut input, tail, chunks)| {
+            input.extend(tail);
+            check(
+                stats,
+                &export(1 << 30, true),
+                &Limits::default(),
+                &input,
+                &chunks,
+            )
+        },
+    );
+}
