@@ -973,6 +973,11 @@ fn other_request_rules() {
         NBD_EINVAL
     );
     executed(action(&aligned, &request(false, 0, CMD_READ, 1, 512, 1024)));
+    executed(action(
+        &aligned,
+        &request(false, 0, CMD_BLOCK_STATUS, 1, 1, 100),
+    ));
+    executed(action(&aligned, &request(false, 0, CMD_CACHE, 1, 1, 100)));
     // An unaligned tail is reachable when the export size is unaligned.
     aligned.size_bytes = SIZE - 100;
     executed(action(

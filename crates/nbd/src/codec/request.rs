@@ -257,7 +257,9 @@ fn validate(
             fail(NBD_EINVAL, "request extends past the end of the export")
         };
     }
-    if session.block_sizes_agreed {
+    // Alignment binds the data commands; BLOCK_STATUS and CACHE are hints.
+    let aligned_command = matches!(command, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+    if session.block_sizes_agreed && aligned_command {
         let min = session.block_sizes.min_bytes.max(1) as u64;
         // The tail of an export whose size is not a multiple of the minimum
         // block is still reachable.

@@ -161,8 +161,8 @@ struct Pending {
 }
 
 /// A deliberately simple blocking client that speaks every reply format.
-pub struct Client {
-    pub stream: UnixStream,
+pub struct Client<S = UnixStream> {
+    pub stream: S,
     pub mode: Mode,
     pub size_bytes: u64,
     pub transmission_flags: u16,
@@ -171,11 +171,25 @@ pub struct Client {
     next_cookie: u64,
 }
 
-impl Client {
+impl Client<UnixStream> {
     /// Connect and do the greeting + client flags; options come next.
     pub fn connect(path: &Path) -> io::Result<Client> {
-        let mut stream = UnixStream::connect(path)?;
+        let stream = UnixStream::connect(path)?;
         stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+        Client::over(stream)
+    }
+
+    /// Connect and negotiate straight into transmission.
+    pub fn open(path: &Path, mode: Mode, meta: bool) -> io::Result<Client> {
+        let mut c = Client::connect(path)?;
+        c.negotiate(mode, meta)?;
+        Ok(c)
+    }
+}
+
+impl<S: Read + Write> Client<S> {
+    /// Greeting + client flags over an already connected stream.
+    pub fn over(mut stream: S) -> io::Result<Client<S>> {
         let mut greeting = [0u8; 18];
         stream.read_exact(&mut greeting)?;
         assert_eq!(&greeting[0..8], &NBDMAGIC.to_be_bytes());
@@ -196,9 +210,9 @@ impl Client {
         })
     }
 
-    /// Connect and negotiate straight into transmission.
-    pub fn open(path: &Path, mode: Mode, meta: bool) -> io::Result<Client> {
-        let mut c = Client::connect(path)?;
+    /// Negotiate `mode` (and `base:allocation`), then GO.
+    pub fn negotiate(&mut self, mode: Mode, meta: bool) -> io::Result<()> {
+        let c = self;
         match mode {
             Mode::Simple => {}
             Mode::Structured => assert_eq!(
@@ -236,7 +250,7 @@ impl Client {
                 c.transmission_flags = u16::from_be_bytes([r.data[10], r.data[11]]);
             }
         }
-        Ok(c)
+        Ok(())
     }
 
     pub fn send_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
@@ -301,6 +315,20 @@ impl Client {
         );
         self.stream.write_all(&bytes)?;
         Ok(cookie)
+    }
+
+    /// Register a request sent by other means (e.g. another thread writing
+    /// a pipelined batch) so its reply can be parsed.
+    pub fn expect_reply(&mut self, cookie: u64, command: u16, offset: u64, length: u64) -> u64 {
+        self.pending.insert(
+            cookie,
+            Pending {
+                command,
+                offset,
+                length,
+            },
+        );
+        cookie
     }
 
     /// Read until one whole reply is complete; replies may come in any order.
