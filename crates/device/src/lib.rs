@@ -11,7 +11,8 @@
 //!   and fail the Nth I/O, all reproducible from a seed.
 //!
 //! [`open_local`] picks the best backend for a local path (io_uring, falling
-//! back to pread/pwrite) and is what the daemon should call.
+//! back to pread/pwrite); [`open_path_or_uri`] also takes NBD URIs. These are
+//! what the daemon should call.
 
 mod file;
 mod local;
@@ -20,7 +21,9 @@ mod sim;
 mod uring;
 
 pub use file::{FileDevice, OpenMode};
-pub use local::{open_local, open_local_with, IoBackend, LocalOptions, IO_BACKEND_ENV};
+pub use local::{
+    open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,
+};
 pub use nbd_client::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 pub use sim::{CrashPlan, FaultMode, PendingWrite, SimCounters, SimDevice, SECTOR_BYTES};
 pub use uring::{UringDevice, UringOptions};

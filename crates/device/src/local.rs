@@ -11,7 +11,7 @@ use std::path::Path;
 
 use crate::file::{open_locked, OpenedFile};
 use crate::uring::{OpenFileFn, RingPool, UringDevice, UringOptions};
-use crate::{Device, DeviceError, DeviceResult, FileDevice, OpenMode};
+use crate::{Device, DeviceError, DeviceResult, FileDevice, NbdDevice, OpenMode};
 
 /// The environment variable that forces a backend for [`open_local`].
 pub const IO_BACKEND_ENV: &str = "CAIRN_IO_BACKEND";
@@ -95,6 +95,18 @@ pub fn open_local_with(
         &|uring: &UringOptions| RingPool::new(uring.ring_count, uring.queue_depth),
         &open_locked,
     )
+}
+
+/// Open an origin or cache given either a local path or an NBD URI
+/// (`nbd://...`, `nbd+unix://...`), so front ends need not tell them apart.
+/// `mode` only applies to local paths: a remote export cannot be locked from
+/// here, so exclusivity there is the operator's job.
+pub fn open_path_or_uri(spec: &str, mode: OpenMode) -> DeviceResult<Box<dyn Device>> {
+    let lower = spec.to_ascii_lowercase();
+    if lower.starts_with("nbd://") || lower.starts_with("nbd+") || lower.starts_with("nbds") {
+        return Ok(Box::new(NbdDevice::open(spec)?));
+    }
+    open_local(Path::new(spec), mode)
 }
 
 /// The policy, with ring setup and file opening injectable so tests can
@@ -273,6 +285,26 @@ mod tests {
         let mut back = [0u8; 3];
         device.read_at(3, &mut back).unwrap();
         assert_eq!(&back, b"odd");
+        drop(device);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn path_or_uri_dispatches_on_the_scheme() {
+        let path = temp_file("dispatch", 1 << 20);
+        let device = open_path_or_uri(path.to_str().unwrap(), OpenMode::Shared).unwrap();
+        assert!(["pread", "uring-direct", "uring-buffered"].contains(&device.backend()));
+        let missing = format!(
+            "nbd+unix:///x?socket={}",
+            path.with_extension("sock").display()
+        );
+        match open_path_or_uri(&missing, OpenMode::Shared) {
+            Err(err @ DeviceError::Open { .. }) => {
+                assert!(err.to_string().contains("NBD"), "{err}")
+            }
+            Err(other) => panic!("unexpected error {other}"),
+            Ok(device) => panic!("opened {}", device.backend()),
+        }
         drop(device);
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }

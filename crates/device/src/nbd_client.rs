@@ -955,6 +955,30 @@ struct Counters {
     peak_in_flight: AtomicU64,
 }
 
+/// Attempts at one batch when the connection breaks before any of it left.
+const MAX_BATCH_ATTEMPTS: u32 = 3;
+
+/// How one attempt at a batch failed.
+enum Attempt {
+    /// Nothing of the batch reached the server; it may be resent.
+    NotSent(DeviceError),
+    Failed(DeviceError),
+}
+
+struct SendError {
+    error: io::Error,
+    /// The request never fully left and the connection is dead.
+    retryable: bool,
+}
+
+fn first_offset(commands: &[Command<'_>]) -> u64 {
+    commands.first().map_or(0, |c| c.offset)
+}
+
+fn first_len(commands: &[Command<'_>]) -> u64 {
+    commands.first().map_or(0, |c| c.len as u64)
+}
+
 /// One request of a batch.
 struct Command<'a> {
     command: u16,
@@ -1160,20 +1184,56 @@ impl NbdDevice {
             return Ok(Vec::new());
         }
         let first = &commands[0];
-        let conn = self
-            .connection()
-            .map_err(|err| self.io_error(first.offset, first.len as u64, err))?;
+        let mut attempt = 1;
+        loop {
+            let conn = self
+                .connection()
+                .map_err(|err| self.io_error(first.offset, first.len as u64, err))?;
+            match self.execute_on(&conn, commands) {
+                Ok(results) => return Ok(results),
+                // The connection died before the first request fully left:
+                // the server cannot have run any of the batch, so resending it
+                // on a new connection is safe. (A request that was sent and
+                // then lost is ambiguous and fails; the engine decides.)
+                Err(Attempt::NotSent(err)) if attempt < MAX_BATCH_ATTEMPTS => {
+                    tracing::debug!(device = %self.name, "resending a batch that never reached the server: {err}");
+                    attempt += 1;
+                }
+                Err(Attempt::NotSent(err) | Attempt::Failed(err)) => return Err(err),
+            }
+        }
+    }
+
+    fn execute_on(
+        &self,
+        conn: &Conn,
+        commands: &[Command<'_>],
+    ) -> Result<Vec<Option<Vec<u8>>>, Attempt> {
         let batch = Arc::new(Batch::new(commands.len()));
         let mut sent_at: Vec<Instant> = Vec::with_capacity(commands.len());
-        let mut send_error: Option<(usize, io::Error)> = None;
+        let mut send_error: Option<(usize, SendError)> = None;
         for (index, command) in commands.iter().enumerate() {
-            if let Err(err) = self.send(&conn, &batch, index, command) {
+            if let Err(err) = self.send(conn, &batch, index, command) {
                 send_error = Some((index, err));
                 break;
             }
             sent_at.push(Instant::now());
         }
-        self.wait(&conn, &batch, &sent_at);
+        self.wait(conn, &batch, &sent_at);
+        if let Some((
+            0,
+            SendError {
+                error,
+                retryable: true,
+            },
+        )) = send_error
+        {
+            return Err(Attempt::NotSent(self.io_error(
+                first_offset(commands),
+                first_len(commands),
+                error,
+            )));
+        }
         let mut state = batch.lock();
         let mut results = Vec::with_capacity(commands.len());
         let mut first_error: Option<DeviceError> = None;
@@ -1191,11 +1251,15 @@ impl NbdDevice {
             }
         }
         if let Some(err) = first_error {
-            return Err(err);
+            return Err(Attempt::Failed(err));
         }
         if let Some((index, err)) = send_error {
             let command = &commands[index];
-            return Err(self.io_error(command.offset, command.len as u64, err));
+            return Err(Attempt::Failed(self.io_error(
+                command.offset,
+                command.len as u64,
+                err.error,
+            )));
         }
         Ok(results)
     }
@@ -1207,17 +1271,17 @@ impl NbdDevice {
         batch: &Arc<Batch>,
         index: usize,
         command: &Command<'_>,
-    ) -> io::Result<()> {
+    ) -> Result<(), SendError> {
         let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
         let deadline = Instant::now() + self.request_timeout();
         {
             let mut state = conn.shared.lock();
             loop {
                 if let Some(reason) = &state.dead {
-                    return Err(io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        reason.clone(),
-                    ));
+                    return Err(SendError {
+                        error: io::Error::new(io::ErrorKind::ConnectionAborted, reason.clone()),
+                        retryable: true,
+                    });
                 }
                 if state.in_flight < self.options.max_in_flight.max(1) {
                     break;
@@ -1231,7 +1295,10 @@ impl NbdDevice {
                         self.options.request_timeout_ms
                     );
                     conn.kill(message.clone());
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, message));
+                    return Err(SendError {
+                        error: io::Error::new(io::ErrorKind::TimedOut, message),
+                        retryable: false,
+                    });
                 }
                 state = conn
                     .shared
@@ -1267,7 +1334,16 @@ impl NbdDevice {
             // Part of a request may be on the wire: the stream is unusable.
             // The reader fails this request (and the others in flight).
             conn.kill(format!("sending a request failed: {err}"));
-            return Err(err);
+            // A send timeout means the server stopped reading: not worth
+            // resending. A broken connection is.
+            let retryable = !matches!(
+                err.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            );
+            return Err(SendError {
+                error: err,
+                retryable,
+            });
         }
         Ok(())
     }

@@ -82,6 +82,8 @@ const MAX_IOVECS: usize = 1024;
 /// The all-zero buffer used to write zeroes when the kernel cannot zero a
 /// range itself.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
+/// Scratch entries a ring keeps between calls.
+const SCRATCH_KEEP_OPS: usize = 1024;
 /// How long io_uring_enter may keep failing with EAGAIN/EBUSY (the kernel is
 /// out of memory for requests) before we give up.
 const ENTER_RETRY_BUDGET_MS: u64 = 5_000;
@@ -709,6 +711,10 @@ impl UringDevice {
             }
         }
         ring.iovecs.clear();
+        // A huge batch (write_zeroes of gigabytes) must not pin its scratch
+        // memory on the ring for ever.
+        ring.ops.shrink_to(SCRATCH_KEEP_OPS);
+        ring.iovecs.shrink_to(MAX_IOVECS);
         result
     }
 
