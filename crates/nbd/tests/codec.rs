@@ -643,7 +643,7 @@ fn data_pipelined_during_negotiation_is_handled_in_order() {
     // CVE-2017-7539 / CVE-2017-9524: a client that sends everything at
     // once. The bytes after GO belong to transmission.
     let read = request(true, 0, CMD_READ, 9, 4096, 512);
-    let input = session_bytes(true, true, true, &[read.clone()]);
+    let input = session_bytes(true, true, true, std::slice::from_ref(&read));
     let mut n = Negotiation::new(export(), limits());
     let d = drive(&mut n, &input);
     let session = match d.steps.last() {

@@ -183,7 +183,7 @@ fn arb_request(extended: bool) -> impl Strategy<Value = Vec<u8>> {
             // Supply the payload for plausible writes so the stream stays framed.
             let carries = command == CMD_WRITE || (extended && flags & CMD_FLAG_PAYLOAD_LEN != 0);
             if carries && length <= 8192 {
-                r.extend(std::iter::repeat_n(0xa5u8, length as usize));
+                r.resize(r.len() + length as usize, 0xa5);
             }
             r
         },
