@@ -10,7 +10,10 @@ mod file;
 mod sim;
 
 pub use file::{FileDevice, OpenMode};
-pub use sim::{CrashPlan, FaultMode, PendingWrite, SimCounters, SimDevice, SECTOR_BYTES};
+pub use sim::{
+    build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, PendingWrite, SimCounters,
+    SimDevice, SECTOR_BYTES,
+};
 
 use std::io;
 
