@@ -155,6 +155,8 @@ pub struct Engine {
 }
 
 const SPACE_RETRIES_MAX: usize = 100_000;
+/// Blocks always kept free for an empty epoch-end record (plus a lap skip).
+const EPOCH_END_RESERVE_BLOCKS: u64 = 3;
 
 impl Engine {
     // ----------------------------------------------------------------- setup
@@ -1335,7 +1337,10 @@ impl Inner {
     /// skip) fit before the limit, reclaiming clean space as needed.
     fn ensure_space(&mut self, env: &Env, blocks: u64) -> EngineResult<Space> {
         let headers = blocks / env.record_data_max + 2;
-        let needed = blocks + headers + env.record_data_max + 1;
+        // The slack keeps room for a lap skip and for an empty epoch-end
+        // record, so a flush can always seal even when the log is full of
+        // dirty data (write-back needs that epoch end to make progress).
+        let needed = blocks + headers + env.record_data_max + 1 + EPOCH_END_RESERVE_BLOCKS;
         let from = match &self.open {
             Some(open) => open.start + 1 + open.data_count(),
             None => self.head,
@@ -1346,21 +1351,7 @@ impl Inner {
             }
             let target = from + needed - self.n;
             // 1. Evict clean slots up to the persisted write-back position.
-            while self.tail < target && self.tail < self.wb_persisted {
-                let slot = self.phys(self.tail);
-                if self.slots.is_live(slot) {
-                    assert!(!self.slot_is_dirty(slot), "tail passed dirty data");
-                    if self.slots.state(slot) & state::CORRUPT != 0 {
-                        // Dirty data that failed its checksum is leaving the
-                        // log: remember it reads as EIO, never as stale data.
-                        self.lost.insert(self.slots.lba(slot));
-                    }
-                    self.retire_slot(slot);
-                    Counters::add(&env.counters.evictions, 1);
-                }
-                self.slots.clear(slot);
-                self.tail += 1;
-            }
+            self.evict_until(env, target);
             if from + needed <= self.limit() {
                 return Ok(Space::Ready);
             }
@@ -1383,6 +1374,26 @@ impl Inner {
         }
     }
 
+    /// Advance the tail towards `target`, evicting clean blocks, but never
+    /// past the persisted write-back position (dirty data stays).
+    fn evict_until(&mut self, env: &Env, target: u64) {
+        while self.tail < target && self.tail < self.wb_persisted {
+            let slot = self.phys(self.tail);
+            if self.slots.is_live(slot) {
+                assert!(!self.slot_is_dirty(slot), "tail passed dirty data");
+                if self.slots.state(slot) & state::CORRUPT != 0 {
+                    // Dirty data that failed its checksum is leaving the
+                    // log: remember it reads as EIO, never as stale data.
+                    self.lost.insert(self.slots.lba(slot));
+                }
+                self.retire_slot(slot);
+                Counters::add(&env.counters.evictions, 1);
+            }
+            self.slots.clear(slot);
+            self.tail += 1;
+        }
+    }
+
     /// Seal the open record into the log (one vectored write, no barrier).
     /// With `epoch_end`, also seals an empty record if there is nothing open
     /// but earlier records of this epoch exist.
@@ -1396,6 +1407,11 @@ impl Inner {
                 let mut start = self.head;
                 if self.phys(start) as u64 + 2 > self.n {
                     start = start.div_ceil(self.n) * self.n;
+                }
+                if start + 1 > self.limit() {
+                    // Only right after recovery: the tail restarts at the
+                    // checkpoint's, behind clean data it may now evict.
+                    self.evict_until(env, start + 1 - self.n);
                 }
                 assert!(start < self.limit(), "no room for an epoch-end record");
                 self.head = start;
