@@ -177,12 +177,11 @@ impl Engine {
             }
         }
         let bs = opts.block_size_bytes;
-        let layout = Layout::compute(cache.size_bytes(), bs).map_err(|source| {
-            EngineError::Layout {
+        let layout =
+            Layout::compute(cache.size_bytes(), bs).map_err(|source| EngineError::Layout {
                 device: cache.name().to_string(),
                 source,
-            }
-        })?;
+            })?;
         check_origin_size(origin.as_ref(), bs)?;
         let uuid: [u8; 16] = rand::random();
         let ckpt = CheckpointHeader {
@@ -295,12 +294,11 @@ impl Engine {
                 recorded_bytes: sb.cache_size_bytes,
             });
         }
-        let layout = Layout::compute(sb.cache_size_bytes, bs).map_err(|source| {
-            EngineError::Layout {
+        let layout =
+            Layout::compute(sb.cache_size_bytes, bs).map_err(|source| EngineError::Layout {
                 device: cache.name().to_string(),
                 source,
-            }
-        })?;
+            })?;
         if layout.log_blocks != sb.log_blocks
             || layout.checkpoint_slot_bytes != sb.checkpoint_slot_bytes
         {
@@ -546,12 +544,20 @@ impl Engine {
                     Counters::add(&c.checksum_mismatches, 1);
                 }
                 if inner.slot_is_dirty(now_slot) {
-                    tracing::error!(lba, slot = now_slot, "dirty cache block failed its checksum");
+                    tracing::error!(
+                        lba,
+                        slot = now_slot,
+                        "dirty cache block failed its checksum"
+                    );
                     inner.mark_corrupt(now_slot);
                     return Err(EngineError::DirtyBlockCorrupt { lba });
                 }
                 // Clean: the origin has the data. Serve it and repair.
-                tracing::warn!(lba, slot = now_slot, "clean cache block bad; serving from origin and repairing");
+                tracing::warn!(
+                    lba,
+                    slot = now_slot,
+                    "clean cache block bad; serving from origin and repairing"
+                );
                 self.env
                     .origin
                     .read_at(lba * self.env.bs as u64, block)
@@ -767,7 +773,10 @@ impl Engine {
 
     /// Write back the oldest complete epoch group.
     fn writeback_group(&self) -> EngineResult<WritebackProgress> {
-        let _serial = self.writeback_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _serial = self
+            .writeback_lock
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let env = &self.env;
         let bs = env.bs;
         let (start, limit, n) = {
@@ -785,12 +794,13 @@ impl Engine {
         let mut records: Vec<(u64, RecordHeader, Vec<u8>)> = Vec::new();
         let mut pos = start;
         for _ in 0..n {
-            let (at, header) = crate::recovery::read_record_header(env, pos, n)?.ok_or_else(|| {
-                EngineError::LogDamaged {
-                    device: env.cache.name().to_string(),
-                    detail: format!("no valid record at write-back position {pos}"),
-                }
-            })?;
+            let (at, header) =
+                crate::recovery::read_record_header(env, pos, n)?.ok_or_else(|| {
+                    EngineError::LogDamaged {
+                        device: env.cache.name().to_string(),
+                        detail: format!("no valid record at write-back position {pos}"),
+                    }
+                })?;
             let data_count = header.data_count();
             let mut data = vec![0u8; data_count * bs];
             if data_count > 0 {
@@ -904,8 +914,14 @@ impl Engine {
         for &(lba, logical) in &bad {
             let slot = (logical % n) as u32;
             Counters::add(&env.counters.writeback_skipped_corrupt, 1);
-            if inner.slots.is_live(slot) && inner.slots.lba(slot) == lba && inner.logical_of(slot) == logical {
-                tracing::error!(lba, "dirty block failed its checksum during write-back; not copied to the origin");
+            if inner.slots.is_live(slot)
+                && inner.slots.lba(slot) == lba
+                && inner.logical_of(slot) == logical
+            {
+                tracing::error!(
+                    lba,
+                    "dirty block failed its checksum during write-back; not copied to the origin"
+                );
                 Counters::add(&env.counters.checksum_mismatches, 1);
                 if inner.slots.state(slot) & state::CORRUPT == 0 {
                     inner.mark_corrupt(slot);
@@ -1112,7 +1128,11 @@ impl Inner {
             if let Some(k) = self.open_slot_index(slot) {
                 let open = self.open.as_ref().expect("open record");
                 block.copy_from_slice(&open.data[k * bs..(k + 1) * bs]);
-                assert_eq!(block_checksum(lba, block), self.slots.crc(slot), "open record data");
+                assert_eq!(
+                    block_checksum(lba, block),
+                    self.slots.crc(slot),
+                    "open record data"
+                );
                 Counters::add(&env.counters.read_hits, 1);
                 return Ok(Plan::Done);
             }
@@ -1165,7 +1185,9 @@ impl Inner {
             start = start.div_ceil(self.n) * self.n;
         }
         assert!(start < self.limit(), "open_record without reserved space");
-        let capacity_data = env.record_data_max.min(self.n - self.phys(start) as u64 - 1);
+        let capacity_data = env
+            .record_data_max
+            .min(self.n - self.phys(start) as u64 - 1);
         assert!(capacity_data >= 1);
         // Skipped slots at the end of a lap and the header slot hold nothing.
         for logical in self.head..=start {
@@ -1186,7 +1208,13 @@ impl Inner {
 
     /// Add a full block to the open record (or overwrite it in place if the
     /// open record already holds this address).
-    pub fn append_data(&mut self, env: &Env, lba: u64, block: &[u8], clean: bool) -> EngineResult<()> {
+    pub fn append_data(
+        &mut self,
+        env: &Env,
+        lba: u64,
+        block: &[u8],
+        clean: bool,
+    ) -> EngineResult<()> {
         let bs = env.bs;
         assert_eq!(block.len(), bs);
         assert!(lba < env.volume_blocks);
@@ -1250,7 +1278,13 @@ impl Inner {
         Ok(())
     }
 
-    fn append_range(&mut self, env: &Env, kind: RangeKind, lba: u64, count: u64) -> EngineResult<()> {
+    fn append_range(
+        &mut self,
+        env: &Env,
+        kind: RangeKind,
+        lba: u64,
+        count: u64,
+    ) -> EngineResult<()> {
         assert!(count > 0 && count <= u32::MAX as u64);
         let end = lba + count;
         // Drop cached copies inside the range.
@@ -1294,7 +1328,13 @@ impl Inner {
     }
 
     /// Read-modify-write of part of one block.
-    fn write_partial(&mut self, env: &Env, lba: u64, within: usize, src: &[u8]) -> EngineResult<()> {
+    fn write_partial(
+        &mut self,
+        env: &Env,
+        lba: u64,
+        within: usize,
+        src: &[u8],
+    ) -> EngineResult<()> {
         let bs = env.bs;
         let mut block = vec![0u8; bs];
         match self.plan_read(env, lba, &mut block)? {
@@ -1441,12 +1481,18 @@ impl Inner {
         let (hbuf, hcrc) = header.encode(env.bs as u32);
         let at = env.layout.slot_offset_bytes(self.phys(open.start) as u64);
         let length = header.length_blocks();
-        assert!(self.phys(open.start) as u64 + length <= self.n, "record wraps");
+        assert!(
+            self.phys(open.start) as u64 + length <= self.n,
+            "record wraps"
+        );
         assert_eq!(open.data.len(), open.data_count() as usize * env.bs);
         // Check data before writing it: every block must match its entry.
         for (k, &ei) in open.data_entry.iter().enumerate() {
             if let RecordEntry::Data { lba, crc, .. } = open.entries[ei as usize] {
-                debug_assert_eq!(block_checksum(lba, &open.data[k * env.bs..(k + 1) * env.bs]), crc);
+                debug_assert_eq!(
+                    block_checksum(lba, &open.data[k * env.bs..(k + 1) * env.bs]),
+                    crc
+                );
             }
         }
         let result = if open.data.is_empty() {
@@ -1459,7 +1505,10 @@ impl Inner {
             return Err(self.fail(env, "sealing a log record", e));
         }
         Counters::add(&env.counters.records_sealed, 1);
-        Counters::add(&env.counters.cache_bytes_written, (length as usize * env.bs) as u64);
+        Counters::add(
+            &env.counters.cache_bytes_written,
+            (length as usize * env.bs) as u64,
+        );
         self.prev_crc = hcrc;
         self.next_seq += 1;
         self.head = open.start + length;

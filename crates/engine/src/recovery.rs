@@ -7,8 +7,8 @@
 //! refused rather than silently serving older data.
 
 use cairn_format::{
-    block_checksum, CheckpointEntry, CheckpointHeader, PendingRange, RecordEntry, RecordHeader,
-    Reader, Superblock, CHECKPOINT_HEADER_BYTES, RECORD_MAGIC,
+    block_checksum, CheckpointEntry, CheckpointHeader, PendingRange, Reader, RecordEntry,
+    RecordHeader, Superblock, CHECKPOINT_HEADER_BYTES, RECORD_MAGIC,
 };
 
 use crate::engine::{Env, Inner};
@@ -117,7 +117,12 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
             if e.slot as u64 >= n || e.lba >= env.volume_blocks || slots.is_live(e.slot) {
                 return Err(damaged(env, format!("bad entry {e:?}")));
             }
-            slots.set(e.slot, e.lba, e.crc, (e.state & state::PERSISTED) | state::LIVE);
+            slots.set(
+                e.slot,
+                e.lba,
+                e.crc,
+                (e.state & state::PERSISTED) | state::LIVE,
+            );
             if map.insert(e.lba, e.slot, &slots).is_some() {
                 return Err(damaged(env, format!("block {} mapped twice", e.lba)));
             }
@@ -168,14 +173,20 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
         let mut k = 0;
         for entry in &header.entries {
             if let RecordEntry::Data { lba, crc, .. } = *entry {
-                valid.push(lba < env.volume_blocks && block_checksum(lba, &data[k * bs..(k + 1) * bs]) == crc);
+                valid.push(
+                    lba < env.volume_blocks
+                        && block_checksum(lba, &data[k * bs..(k + 1) * bs]) == crc,
+                );
                 k += 1;
             } else if let RecordEntry::Range {
                 lba, block_count, ..
             } = *entry
             {
                 if lba + block_count as u64 > env.volume_blocks {
-                    return Err(log_damaged(env, format!("record {} has a range past the end", header.sequence)));
+                    return Err(log_damaged(
+                        env,
+                        format!("record {} has a range past the end", header.sequence),
+                    ));
                 }
             }
         }
@@ -233,7 +244,11 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
                             // previous value stands.
                             continue;
                         }
-                        tracing::error!(lba, seq = rec.header.sequence, "acknowledged block failed its checksum at recovery");
+                        tracing::error!(
+                            lba,
+                            seq = rec.header.sequence,
+                            "acknowledged block failed its checksum at recovery"
+                        );
                         if clean {
                             if let Some(old) = map.get(lba, &slots) {
                                 drop_slot(&mut slots, &mut map, old);
@@ -300,7 +315,11 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
             }
         }
     }
-    if wb > ckpt.head_offset && !replayed.iter().any(|r| r.at + r.header.length_blocks() == wb) {
+    if wb > ckpt.head_offset
+        && !replayed
+            .iter()
+            .any(|r| r.at + r.header.length_blocks() == wb)
+    {
         return Err(log_damaged(
             env,
             format!("write-back position {wb} is not a record boundary"),
@@ -347,7 +366,10 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
         }
         let logical = inner.logical_of(slot);
         if logical >= head {
-            return Err(log_damaged(env, format!("live slot {slot} lies outside the log")));
+            return Err(log_damaged(
+                env,
+                format!("live slot {slot} lies outside the log"),
+            ));
         }
         if inner.slots.state(slot) & state::CORRUPT != 0 {
             inner.corrupt_blocks += 1;

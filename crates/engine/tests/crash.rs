@@ -28,14 +28,21 @@ struct Shadow {
 
 impl Shadow {
     fn of(dev: &SimDevice) -> Shadow {
-        Shadow { durable: dev.durable_image(), pending: dev.pending_writes() }
+        Shadow {
+            durable: dev.durable_image(),
+            pending: dev.pending_writes(),
+        }
     }
     fn write(&mut self, offset: u64, data: &[u8]) {
-        self.pending.push(PendingWrite { offset, data: data.to_vec() });
+        self.pending.push(PendingWrite {
+            offset,
+            data: data.to_vec(),
+        });
     }
     fn flush(&mut self) {
         for w in self.pending.drain(..) {
-            self.durable[w.offset as usize..w.offset as usize + w.data.len()].copy_from_slice(&w.data);
+            self.durable[w.offset as usize..w.offset as usize + w.data.len()]
+                .copy_from_slice(&w.data);
         }
     }
 }
@@ -82,12 +89,18 @@ fn check_state(
         // the first recovery left gives the same volume.
         drop(engine);
         let again = SimDevice::from_image("cache", cache.live_image());
-        let engine = open(&again, &origin).unwrap_or_else(|e| panic!("{ctx}: second recovery: {e}"));
+        let engine =
+            open(&again, &origin).unwrap_or_else(|e| panic!("{ctx}: second recovery: {e}"));
         let vol2 = read_volume(&engine).expect("read after second recovery");
         assert!(vol2 == vol, "{ctx}: second recovery differs from the first");
         // And write-back after recovery makes the origin equal the volume.
-        engine.drain().unwrap_or_else(|e| panic!("{ctx}: drain after recovery: {e}"));
-        assert!(origin.live_image() == vol, "{ctx}: origin differs from volume after drain");
+        engine
+            .drain()
+            .unwrap_or_else(|e| panic!("{ctx}: drain after recovery: {e}"));
+        assert!(
+            origin.live_image() == vol,
+            "{ctx}: origin differs from volume after drain"
+        );
     }
     STATES.fetch_add(1, Ordering::Relaxed);
 }
@@ -114,7 +127,12 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
         let h_pre = crc(&model.image);
         let mut touched: Vec<(u64, u64)> = Vec::new();
         match &op {
-            Op::Write { offset, len, fua, seed: s } => {
+            Op::Write {
+                offset,
+                len,
+                fua,
+                seed: s,
+            } => {
                 let data = pattern(*s, *len as usize);
                 rig.engine().write(*offset, &data, *fua).expect("write");
                 model.write(*offset, &data);
@@ -123,7 +141,10 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
             Op::Read { offset, len } => {
                 let mut buf = vec![0u8; *len as usize];
                 rig.engine().read(*offset, &mut buf).expect("read");
-                assert!(buf == model.image[*offset as usize..(*offset + *len) as usize], "seed {seed} op {i}: read differs");
+                assert!(
+                    buf == model.image[*offset as usize..(*offset + *len) as usize],
+                    "seed {seed} op {i}: read differs"
+                );
             }
             Op::Flush => rig.engine().flush().expect("flush"),
             Op::Discard { offset, len } => {
@@ -156,10 +177,18 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
         }
         let events = journal.since(cursor);
         cursor += events.len();
-        let expect = Expect { durable_model: &durable_model, allowed: &allowed, volume_blocks };
+        let expect = Expect {
+            durable_model: &durable_model,
+            allowed: &allowed,
+            volume_blocks,
+        };
         for (k, ev) in events.iter().enumerate() {
             match ev {
-                JournalEvent::Write { device: 0, offset, data } => cache_shadow.write(*offset, data),
+                JournalEvent::Write {
+                    device: 0,
+                    offset,
+                    data,
+                } => cache_shadow.write(*offset, data),
                 JournalEvent::Flush { device: 0 } => cache_shadow.flush(),
                 JournalEvent::Write { offset, data, .. } => {
                     origin_shadow.write(*offset, data);
@@ -172,7 +201,10 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
             }
             CUTS.fetch_add(1, Ordering::Relaxed);
             let ctx = |plan: &str| {
-                format!("seed {seed} op #{i} {op:?} event {k} plan {plan}; {}", repro("crash", seed))
+                format!(
+                    "seed {seed} op #{i} {op:?} event {k} plan {plan}; {}",
+                    repro("crash", seed)
+                )
             };
             // The origin on its own (the cache died here) is the volume as
             // of some past flush.
@@ -186,13 +218,26 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
             if !cache_shadow.pending.is_empty() {
                 plans.push(("keep-all", CrashPlan::KeepAll));
                 for _ in 0..random_states_per_cut {
-                    plans.push(("random", CrashPlan::Random { keep: 0.5, tear: 0.3 }));
+                    plans.push((
+                        "random",
+                        CrashPlan::Random {
+                            keep: 0.5,
+                            tear: 0.3,
+                        },
+                    ));
                 }
             }
             for (p, (name, plan)) in plans.into_iter().enumerate() {
-                let img = build_crash_image(&cache_shadow.durable, &cache_shadow.pending, plan, &mut rng);
+                let img =
+                    build_crash_image(&cache_shadow.durable, &cache_shadow.pending, plan, &mut rng);
                 let deep = p < 2 && k % 3 == 0;
-                check_state(&ctx(name), img, origin_shadow.durable.clone(), &expect, deep);
+                check_state(
+                    &ctx(name),
+                    img,
+                    origin_shadow.durable.clone(),
+                    &expect,
+                    deep,
+                );
             }
         }
         let completes_flush = matches!(
@@ -230,7 +275,10 @@ fn run_seeds(seeds: &[u64]) {
 // Two tests so the harness uses both cores.
 #[test]
 fn crash_states_odd_seeds() {
-    let seeds: Vec<u64> = seeds(160).into_iter().filter(|s| s % 2 == 1 || std::env::var("CAIRN_SEED").is_ok()).collect();
+    let seeds: Vec<u64> = seeds(160)
+        .into_iter()
+        .filter(|s| s % 2 == 1 || std::env::var("CAIRN_SEED").is_ok())
+        .collect();
     run_seeds(&seeds);
     DONE.fetch_add(1, Ordering::Relaxed);
 }

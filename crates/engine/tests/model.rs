@@ -14,49 +14,87 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64) -> usize {
         let op = wl.next_op();
         let ctx = || format!("seed {seed} op #{i} {op:?}; {}", repro("model", seed));
         match &op {
-            Op::Write { offset, len, fua, seed: s } => {
+            Op::Write {
+                offset,
+                len,
+                fua,
+                seed: s,
+            } => {
                 let data = pattern(*s, *len as usize);
-                rig.engine().write(*offset, &data, *fua).unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                rig.engine()
+                    .write(*offset, &data, *fua)
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
                 model.write(*offset, &data);
             }
             Op::Read { offset, len } => {
                 let mut buf = vec![0u8; *len as usize];
-                rig.engine().read(*offset, &mut buf).unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                rig.engine()
+                    .read(*offset, &mut buf)
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
                 let want = &model.image[*offset as usize..(*offset + *len) as usize];
                 if buf != want {
                     let at = buf.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
                     panic!("{}: divergence at byte {}", ctx(), *offset + at as u64);
                 }
             }
-            Op::Flush => rig.engine().flush().unwrap_or_else(|e| panic!("{}: {e}", ctx())),
+            Op::Flush => rig
+                .engine()
+                .flush()
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
             Op::Discard { offset, len } => {
-                rig.engine().discard(*offset, *len).unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                rig.engine()
+                    .discard(*offset, *len)
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
                 model.discard(*offset, *len);
             }
             Op::Zero { offset, len } => {
-                rig.engine().write_zeroes(*offset, *len).unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                rig.engine()
+                    .write_zeroes(*offset, *len)
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
                 model.zero(*offset, *len);
             }
             Op::WritebackStep => {
-                rig.engine().writeback_step().unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                rig.engine()
+                    .writeback_step()
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
             }
             Op::Drain => {
-                let p = rig.engine().drain().unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                let p = rig
+                    .engine()
+                    .drain()
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
                 assert_eq!(p.dirty_blocks, 0, "{}", ctx());
                 // Drained: the origin alone is the volume.
-                assert!(rig.origin.live_image() == model.image, "{}: origin differs after drain", ctx());
+                assert!(
+                    rig.origin.live_image() == model.image,
+                    "{}: origin differs after drain",
+                    ctx()
+                );
             }
-            Op::Checkpoint => rig.engine().checkpoint().unwrap_or_else(|e| panic!("{}: {e}", ctx())),
+            Op::Checkpoint => rig
+                .engine()
+                .checkpoint()
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
             Op::ReopenClean => rig.reopen_clean(),
         }
     }
     let vol = read_volume(rig.engine()).expect("final read");
-    assert!(vol == model.image, "seed {seed}: final volume differs; {}", repro("model", seed));
+    assert!(
+        vol == model.image,
+        "seed {seed}: final volume differs; {}",
+        repro("model", seed)
+    );
     rig.engine().drain().expect("final drain");
-    assert!(rig.origin.live_image() == model.image, "seed {seed}: origin differs after final drain");
+    assert!(
+        rig.origin.live_image() == model.image,
+        "seed {seed}: origin differs after final drain"
+    );
     rig.reopen_clean();
     let vol = read_volume(rig.engine()).expect("read after reopen");
-    assert!(vol == model.image, "seed {seed}: volume differs after reopen");
+    assert!(
+        vol == model.image,
+        "seed {seed}: volume differs after reopen"
+    );
     let s = rig.engine().stats();
     assert_eq!(s.checksum_mismatches, 0);
     if seed % 8 == 1 {
@@ -72,7 +110,10 @@ fn model_small_volume_many_seeds() {
     for &seed in &seeds {
         total += run_seed(seed, 3000, 512);
     }
-    println!("model: {} seeds, {total} operations, 0 divergences", seeds.len());
+    println!(
+        "model: {} seeds, {total} operations, 0 divergences",
+        seeds.len()
+    );
 }
 
 #[test]
@@ -84,5 +125,8 @@ fn model_volume_larger_than_cache() {
     for &seed in &seeds {
         total += run_seed(seed, 3000, 8192);
     }
-    println!("model (volume > cache): {} seeds, {total} operations, 0 divergences", seeds.len());
+    println!(
+        "model (volume > cache): {} seeds, {total} operations, 0 divergences",
+        seeds.len()
+    );
 }

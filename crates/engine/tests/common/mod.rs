@@ -48,8 +48,12 @@ impl Rig {
             &FormatOptions::default(),
         )
         .expect("format");
-        let engine = Engine::open(Arc::new(cache.clone()), Arc::new(origin.clone()), &open_opts())
-            .expect("open");
+        let engine = Engine::open(
+            Arc::new(cache.clone()),
+            Arc::new(origin.clone()),
+            &open_opts(),
+        )
+        .expect("open");
         Rig {
             cache,
             origin,
@@ -80,11 +84,25 @@ pub fn open(cache: &SimDevice, origin: &SimDevice) -> Result<Engine, cairn_engin
 
 #[derive(Debug, Clone)]
 pub enum Op {
-    Write { offset: u64, len: u64, fua: bool, seed: u64 },
-    Read { offset: u64, len: u64 },
+    Write {
+        offset: u64,
+        len: u64,
+        fua: bool,
+        seed: u64,
+    },
+    Read {
+        offset: u64,
+        len: u64,
+    },
     Flush,
-    Discard { offset: u64, len: u64 },
-    Zero { offset: u64, len: u64 },
+    Discard {
+        offset: u64,
+        len: u64,
+    },
+    Zero {
+        offset: u64,
+        len: u64,
+    },
     WritebackStep,
     Drain,
     Checkpoint,
@@ -126,7 +144,11 @@ impl Workload {
         let vol = self.volume_blocks * BS;
         // Small hot region half of the time, so blocks are overwritten often.
         let hot = self.rng.gen_bool(0.5);
-        let span_blocks = if hot { (self.volume_blocks / 8).max(4) } else { self.volume_blocks };
+        let span_blocks = if hot {
+            (self.volume_blocks / 8).max(4)
+        } else {
+            self.volume_blocks
+        };
         match self.rng.gen_range(0..10) {
             0..=6 => {
                 let blocks = self.rng.gen_range(1..=8u64).min(span_blocks);
@@ -152,7 +174,12 @@ impl Workload {
             0..=449 => {
                 let (offset, len) = self.extent();
                 self.next_seed += 1;
-                Op::Write { offset, len, fua: self.rng.gen_bool(0.05), seed: self.next_seed }
+                Op::Write {
+                    offset,
+                    len,
+                    fua: self.rng.gen_bool(0.05),
+                    seed: self.next_seed,
+                }
             }
             450..=719 => {
                 let (offset, len) = self.extent();
@@ -183,7 +210,9 @@ pub struct Model {
 
 impl Model {
     pub fn new(volume_blocks: u64) -> Model {
-        Model { image: vec![0u8; (volume_blocks * BS) as usize] }
+        Model {
+            image: vec![0u8; (volume_blocks * BS) as usize],
+        }
     }
 
     pub fn write(&mut self, offset: u64, data: &[u8]) {
