@@ -25,7 +25,10 @@ pub use local::{
     open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,
 };
 pub use nbd_client::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
-pub use sim::{CrashPlan, FaultMode, PendingWrite, SimCounters, SimDevice, SECTOR_BYTES};
+pub use sim::{
+    build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, PendingWrite, SimCounters,
+    SimDevice, SECTOR_BYTES,
+};
 pub use uring::{UringDevice, UringOptions};
 
 use std::io;

@@ -64,6 +64,41 @@ struct SimState {
     fail_at_op: Option<(u64, FaultMode)>,
     misdirect_next_write_to: Option<u64>,
     discard_zeroes: bool,
+    journal: Option<(Journal, u8)>,
+}
+
+/// One device event, as recorded in a [`Journal`].
+#[derive(Debug, Clone)]
+pub enum JournalEvent {
+    Write { device: u8, offset: u64, data: Vec<u8> },
+    Flush { device: u8 },
+}
+
+/// A shared, ordered log of the writes and flushes of one or more simulated
+/// devices. The crash harness replays it to rebuild the durable image and
+/// the unflushed writes at every single event: a cut point after each one.
+#[derive(Clone, Default)]
+pub struct Journal {
+    events: Arc<Mutex<Vec<JournalEvent>>>,
+}
+
+impl Journal {
+    pub fn len(&self) -> usize {
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Events from index `from` on.
+    pub fn since(&self, from: usize) -> Vec<JournalEvent> {
+        self.events.lock().unwrap_or_else(|p| p.into_inner())[from..].to_vec()
+    }
+
+    fn push(&self, e: JournalEvent) {
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+    }
 }
 
 /// A cloneable handle: the engine owns one clone, the test keeps another to
@@ -93,6 +128,7 @@ impl SimDevice {
                 fail_at_op: None,
                 misdirect_next_write_to: None,
                 discard_zeroes: true,
+                journal: None,
             })),
             name: name.to_string(),
             size_bytes,
@@ -103,6 +139,11 @@ impl SimDevice {
         // A panic while holding the lock poisons it; the state is still
         // coherent (every mutation is a single step), so keep going.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record every later write and flush of this device in `journal`.
+    pub fn attach_journal(&self, journal: &Journal, device: u8) {
+        self.lock().journal = Some((journal.clone(), device));
     }
 
     pub fn counters(&self) -> SimCounters {
@@ -283,6 +324,13 @@ impl Device for SimDevice {
             offset: target,
             data: buf.to_vec(),
         });
+        if let Some((j, device)) = &s.journal {
+            j.push(JournalEvent::Write {
+                device: *device,
+                offset: target,
+                data: buf.to_vec(),
+            });
+        }
         Ok(())
     }
 
@@ -297,6 +345,9 @@ impl Device for SimDevice {
         let mut s = self.lock();
         self.account(&mut s, "flush")?;
         s.counters.flushes += 1;
+        if let Some((j, device)) = &s.journal {
+            j.push(JournalEvent::Flush { device: *device });
+        }
         let pending = std::mem::take(&mut s.pending);
         for w in pending {
             let at = w.offset as usize;
@@ -318,6 +369,13 @@ impl Device for SimDevice {
             let mut s = self.lock();
             self.account(&mut s, "discard")?;
             s.live[offset as usize..(offset + len) as usize].fill(0);
+            if let Some((j, device)) = &s.journal {
+                j.push(JournalEvent::Write {
+                    device: *device,
+                    offset,
+                    data: zeroes.clone(),
+                });
+            }
             s.pending.push(PendingWrite {
                 offset,
                 data: zeroes,

@@ -1,1 +1,30 @@
+//! The cairn engine: a log-structured, checksummed write-back cache between
+//! a fast cache device and a slow origin, with ordered write-back.
+//!
+//! Shape (see `docs/design.md`):
+//! - Writes are appended to an in-memory *open record*; a client FLUSH (or a
+//!   FUA write) seals it into the circular log with one vectored write and
+//!   costs one device barrier.
+//! - The index maps origin blocks to log slots (15 bytes per slot).
+//! - Write-back copies sealed records to the origin in log order, one epoch
+//!   group (the records between two flushes) at a time, flushing the origin
+//!   after each group, so the origin alone is always the volume as of some
+//!   past flush.
+//! - Recovery loads the newest checkpoint and replays the log after it.
+//!
+//! The engine has no threads and no clocks of its own: the daemon drives
+//! background write-back by calling [`Engine::writeback_step`], and tests
+//! drive everything deterministically.
 
+mod engine;
+mod error;
+mod index;
+mod ranges;
+mod recovery;
+mod stats;
+
+pub use engine::{Engine, EngineConfig, FormatOptions, OpenOptions, WritebackProgress};
+pub use error::{EngineError, EngineResult};
+pub use stats::StatsSnapshot;
+
+pub use cairn_format::Superblock;

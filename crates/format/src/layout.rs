@@ -112,7 +112,10 @@ mod tests {
                 let end = l.log_offset_bytes() + l.log_blocks * bs as u64;
                 assert!(end <= size);
                 // Wastes less than a few blocks plus alignment.
-                assert!(size - end < 4 * bs as u64 + 2 * bs as u64 + 64 * 32, "{bs} {size}");
+                assert!(
+                    size - end < 4 * bs as u64 + 2 * bs as u64 + 64 * 32,
+                    "{bs} {size}"
+                );
             }
         }
     }

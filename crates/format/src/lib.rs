@@ -24,7 +24,7 @@ pub use layout::{Layout, LayoutError};
 pub use records::{
     CheckpointEntry, CheckpointHeader, PendingRange, RangeKind, RecordEntry, RecordHeader,
     CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES,
-    RECORD_HEADER_FIXED_BYTES,
+    RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
 pub use superblock::{Superblock, ORIGIN_IDENTITY_MAX_BYTES};
 
@@ -46,7 +46,7 @@ pub const BLOCK_SIZE_MIN_BYTES: u32 = 4096;
 pub const BLOCK_SIZE_MAX_BYTES: u32 = 65536;
 
 /// A record never carries more data than this, so one record is one bounded I/O.
-pub const RECORD_DATA_MAX_BYTES: u32 = 1 << 20;
+pub const RECORD_DATA_MAX_BYTES: u32 = 256 << 10;
 
 /// At most this many zero/discard ranges may wait for write-back at once.
 /// Bounded so the checkpoint slot has a fixed size.
@@ -117,7 +117,7 @@ mod tests {
         assert!(!block_size_valid(2048));
         assert!(!block_size_valid(6144));
         assert!(!block_size_valid(131072));
-        assert_eq!(record_data_blocks_max(4096), 252);
-        assert_eq!(record_data_blocks_max(65536), 16);
+        assert_eq!(record_data_blocks_max(4096), 64);
+        assert_eq!(record_data_blocks_max(65536), 4);
     }
 }

@@ -288,7 +288,8 @@ pub struct CheckpointHeader {
 
 impl CheckpointHeader {
     pub fn payload_bytes(entry_count: u64, range_count: u32) -> u64 {
-        entry_count * CHECKPOINT_ENTRY_BYTES as u64 + range_count as u64 * PENDING_RANGE_BYTES as u64
+        entry_count * CHECKPOINT_ENTRY_BYTES as u64
+            + range_count as u64 * PENDING_RANGE_BYTES as u64
     }
 
     pub fn encode(&self) -> Vec<u8> {

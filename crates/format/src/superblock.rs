@@ -3,9 +3,7 @@
 //! wins, so a torn superblock write leaves the older copy in charge.
 
 use crate::codec::{check_magic, check_version, Reader, Writer};
-use crate::{
-    block_size_valid, DecodeError, FORMAT_VERSION, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
-};
+use crate::{block_size_valid, DecodeError, FORMAT_VERSION, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC};
 
 pub const ORIGIN_IDENTITY_MAX_BYTES: usize = 512;
 const CRC_OFFSET: usize = SUPERBLOCK_BYTES - 4;
@@ -200,7 +198,10 @@ mod tests {
         for i in 0..buf.len() {
             let mut bad = buf.clone();
             bad[i] ^= 0x40;
-            assert!(Superblock::decode(&bad).is_err(), "flip at {i} not detected");
+            assert!(
+                Superblock::decode(&bad).is_err(),
+                "flip at {i} not detected"
+            );
         }
     }
 

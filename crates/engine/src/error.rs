@@ -1,0 +1,89 @@
+use cairn_device::DeviceError;
+use cairn_format::{DecodeError, LayoutError};
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    #[error(
+        "{device} is not a cairn cache (no valid superblock). Format it first: cairn format --cache {device} --origin ORIGIN"
+    )]
+    NotFormatted { device: String },
+    #[error(
+        "{device} already holds a cairn cache (formatted for origin {origin}). Formatting would destroy it; pass --force if that is what you want"
+    )]
+    AlreadyFormatted { device: String, origin: String },
+    #[error("{device}: both superblock copies are damaged (copy A: {copy_a}; copy B: {copy_b}). The cache cannot be opened")]
+    SuperblockDamaged {
+        device: String,
+        copy_a: DecodeError,
+        copy_b: DecodeError,
+    },
+    #[error(
+        "this cache was formatted for origin {recorded}, but it is being opened with origin {given}. Use the origin it was formatted for, or pass --force to adopt the new one (dirty data would be written to it)"
+    )]
+    WrongOrigin { recorded: String, given: String },
+    #[error(
+        "origin {origin} is {given_bytes} bytes, but the cache recorded {recorded_bytes} bytes. The origin changed size; use the original device, or reformat the cache"
+    )]
+    OriginSizeChanged {
+        origin: String,
+        recorded_bytes: u64,
+        given_bytes: u64,
+    },
+    #[error("origin {origin} is too large: {size_bytes} bytes exceeds the {max_bytes}-byte limit for block size {block_size_bytes}")]
+    OriginTooLarge {
+        origin: String,
+        size_bytes: u64,
+        max_bytes: u64,
+        block_size_bytes: u32,
+    },
+    #[error("origin {origin} is {size_bytes} bytes; it must be a non-zero multiple of the block size {block_size_bytes}")]
+    OriginSizeUnaligned {
+        origin: String,
+        size_bytes: u64,
+        block_size_bytes: u32,
+    },
+    #[error("cache {device}: {source}")]
+    Layout {
+        device: String,
+        #[source]
+        source: LayoutError,
+    },
+    #[error("cache {device} is {size_bytes} bytes but the superblock records {recorded_bytes}; it was truncated or is the wrong device")]
+    CacheShrunk {
+        device: String,
+        size_bytes: u64,
+        recorded_bytes: u64,
+    },
+    #[error("cache {device}: checkpoint damaged: {detail}. The cache cannot be opened safely")]
+    CheckpointDamaged { device: String, detail: String },
+    #[error("cache {device}: log damaged: {detail}. Refusing to open, because acknowledged writes would be missing")]
+    LogDamaged { device: String, detail: String },
+    #[error("cache device: {0}")]
+    Cache(#[source] DeviceError),
+    #[error("origin: {0}")]
+    Origin(#[source] DeviceError),
+    #[error("block {lba} is dirty in the cache and failed its checksum; its data is lost")]
+    DirtyBlockCorrupt { lba: u64 },
+    #[error("request at offset {offset} length {length_bytes} is past the end of the {size_bytes}-byte volume")]
+    OutOfRange {
+        offset: u64,
+        length_bytes: u64,
+        size_bytes: u64,
+    },
+    #[error("the engine stopped after an earlier cache device failure ({0}); restart to recover")]
+    Failed(String),
+}
+
+impl EngineError {
+    /// The errno a client should see.
+    pub fn errno(&self) -> i32 {
+        match self {
+            EngineError::OutOfRange { .. } => libc::EINVAL,
+            EngineError::Cache(e) | EngineError::Origin(e) => e.errno(),
+            _ => libc::EIO,
+        }
+    }
+}
+
+pub type EngineResult<T> = Result<T, EngineError>;

@@ -1,0 +1,88 @@
+//! Counters. Monotonic event counts are atomics bumped on the I/O path;
+//! gauges (dirty/clean/free blocks) are read from the index under its lock
+//! when a snapshot is taken, so they are always exact.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! counters {
+    ($($name:ident),* $(,)?) => {
+        #[derive(Default)]
+        pub struct Counters { $(pub $name: AtomicU64,)* }
+
+        /// A point-in-time copy of every counter and gauge.
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct StatsSnapshot {
+            $(pub $name: u64,)*
+            pub dirty_blocks: u64,
+            pub clean_blocks: u64,
+            pub free_blocks: u64,
+            pub corrupt_blocks: u64,
+            pub cache_blocks: u64,
+            pub block_size_bytes: u64,
+            pub volume_size_bytes: u64,
+            pub pending_ranges: u64,
+            /// Logical log offsets: write-back has finished everything before
+            /// `writeback_offset`; `head_offset` is where the next record goes.
+            pub writeback_offset: u64,
+            pub head_offset: u64,
+            pub tail_offset: u64,
+            pub index_memory_bytes: u64,
+            pub writeback_paused: bool,
+            pub failed: bool,
+        }
+
+        impl Counters {
+            pub fn fill(&self, s: &mut StatsSnapshot) {
+                $(s.$name = self.$name.load(Ordering::Relaxed);)*
+            }
+        }
+
+        impl StatsSnapshot {
+            /// (name, value) for every monotonic counter, for metrics export.
+            pub fn counter_pairs(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
+    };
+}
+
+counters!(
+    reads,
+    read_bytes,
+    read_hits,
+    read_misses,
+    read_zero_hits,
+    writes,
+    write_bytes,
+    write_hits,
+    write_rmw,
+    fua_writes,
+    flushes,
+    discards,
+    write_zeroes,
+    checksum_mismatches,
+    repairs,
+    promotions,
+    evictions,
+    cache_read_errors,
+    cache_write_errors,
+    origin_read_errors,
+    origin_write_errors,
+    writeback_blocks,
+    writeback_bytes,
+    writeback_groups,
+    writeback_skipped_corrupt,
+    writeback_stalls,
+    cache_barriers,
+    cache_bytes_written,
+    records_sealed,
+    checkpoints,
+    superblock_writes,
+    internal_flushes,
+);
+
+impl Counters {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,266 @@
+//! Shared rig for the engine's model, crash, fault and corruption tests:
+//! simulated cache and origin devices, a seeded workload generator, and a
+//! reference model (a plain byte image of the volume).
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use cairn_device::{Device, SimDevice};
+use cairn_engine::{Engine, EngineConfig, FormatOptions, OpenOptions};
+use cairn_format::Layout;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub const BS: u64 = 4096;
+
+/// The smallest cache the format accepts, so the log wraps often.
+pub fn cache_bytes_small() -> u64 {
+    Layout::cache_bytes_min(BS as u32) + 64 * BS
+}
+
+pub fn config() -> EngineConfig {
+    EngineConfig {
+        promote_read_misses: true,
+        unsynced_blocks_max: 512,
+    }
+}
+
+pub fn open_opts() -> OpenOptions {
+    OpenOptions {
+        force_origin: false,
+        config: config(),
+    }
+}
+
+pub struct Rig {
+    pub cache: SimDevice,
+    pub origin: SimDevice,
+    pub engine: Option<Engine>,
+}
+
+impl Rig {
+    pub fn new(cache_bytes: u64, volume_blocks: u64) -> Rig {
+        let cache = SimDevice::new("cache", cache_bytes);
+        let origin = SimDevice::new("origin", volume_blocks * BS);
+        Engine::format(
+            Arc::new(cache.clone()),
+            Arc::new(origin.clone()),
+            &FormatOptions::default(),
+        )
+        .expect("format");
+        let engine = Engine::open(
+            Arc::new(cache.clone()),
+            Arc::new(origin.clone()),
+            &open_opts(),
+        )
+        .expect("open");
+        Rig {
+            cache,
+            origin,
+            engine: Some(engine),
+        }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        self.engine.as_ref().expect("engine open")
+    }
+
+    /// Clean close and reopen on the same devices.
+    pub fn reopen_clean(&mut self) {
+        let e = self.engine.take().expect("engine open");
+        e.close().expect("close");
+        drop(e);
+        self.engine = Some(open(&self.cache, &self.origin).expect("reopen"));
+    }
+}
+
+pub fn open(cache: &SimDevice, origin: &SimDevice) -> Result<Engine, cairn_engine::EngineError> {
+    Engine::open(
+        Arc::new(cache.clone()) as Arc<dyn Device>,
+        Arc::new(origin.clone()) as Arc<dyn Device>,
+        &open_opts(),
+    )
+}
+
+#[derive(Debug, Clone)]
+pub enum Op {
+    Write {
+        offset: u64,
+        len: u64,
+        fua: bool,
+        seed: u64,
+    },
+    Read {
+        offset: u64,
+        len: u64,
+    },
+    Flush,
+    Discard {
+        offset: u64,
+        len: u64,
+    },
+    Zero {
+        offset: u64,
+        len: u64,
+    },
+    WritebackStep,
+    Drain,
+    Checkpoint,
+    ReopenClean,
+}
+
+/// Deterministic, distinct bytes for a write.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+pub struct Workload {
+    rng: ChaCha8Rng,
+    volume_blocks: u64,
+    next_seed: u64,
+    pub allow_reopen: bool,
+}
+
+impl Workload {
+    pub fn new(seed: u64, volume_blocks: u64) -> Workload {
+        Workload {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            volume_blocks,
+            next_seed: seed << 20,
+            allow_reopen: true,
+        }
+    }
+
+    fn extent(&mut self) -> (u64, u64) {
+        let vol = self.volume_blocks * BS;
+        // Small hot region half of the time, so blocks are overwritten often.
+        let hot = self.rng.gen_bool(0.5);
+        let span_blocks = if hot {
+            (self.volume_blocks / 8).max(4)
+        } else {
+            self.volume_blocks
+        };
+        match self.rng.gen_range(0..10) {
+            0..=6 => {
+                let blocks = self.rng.gen_range(1..=8u64).min(span_blocks);
+                let lba = self.rng.gen_range(0..=span_blocks - blocks);
+                (lba * BS, blocks * BS)
+            }
+            7..=8 => {
+                let sectors = self.rng.gen_range(1..=16u64);
+                let max_start = span_blocks * BS / 512 - sectors;
+                (self.rng.gen_range(0..=max_start) * 512, sectors * 512)
+            }
+            _ => {
+                let len = self.rng.gen_range(1..=3 * BS);
+                let start = self.rng.gen_range(0..=(span_blocks * BS - len));
+                (start.min(vol - len), len)
+            }
+        }
+    }
+
+    pub fn next_op(&mut self) -> Op {
+        let roll = self.rng.gen_range(0..1000);
+        match roll {
+            0..=449 => {
+                let (offset, len) = self.extent();
+                self.next_seed += 1;
+                Op::Write {
+                    offset,
+                    len,
+                    fua: self.rng.gen_bool(0.05),
+                    seed: self.next_seed,
+                }
+            }
+            450..=719 => {
+                let (offset, len) = self.extent();
+                Op::Read { offset, len }
+            }
+            720..=819 => Op::Flush,
+            820..=849 => {
+                let (offset, len) = self.extent();
+                Op::Discard { offset, len }
+            }
+            850..=879 => {
+                let (offset, len) = self.extent();
+                Op::Zero { offset, len }
+            }
+            880..=969 => Op::WritebackStep,
+            970..=979 => Op::Drain,
+            980..=989 => Op::Checkpoint,
+            _ if self.allow_reopen => Op::ReopenClean,
+            _ => Op::Flush,
+        }
+    }
+}
+
+/// The reference model: the volume as a byte image.
+pub struct Model {
+    pub image: Vec<u8>,
+}
+
+impl Model {
+    pub fn new(volume_blocks: u64) -> Model {
+        Model {
+            image: vec![0u8; (volume_blocks * BS) as usize],
+        }
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        self.image[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+    }
+
+    /// Discard zeroes whole blocks only; partial edges are untouched.
+    pub fn discard(&mut self, offset: u64, len: u64) {
+        let first = offset.div_ceil(BS);
+        let end = (offset + len) / BS;
+        if first < end {
+            self.image[(first * BS) as usize..(end * BS) as usize].fill(0);
+        }
+    }
+
+    pub fn zero(&mut self, offset: u64, len: u64) {
+        self.image[offset as usize..(offset + len) as usize].fill(0);
+    }
+
+    pub fn block(&self, lba: u64) -> &[u8] {
+        &self.image[(lba * BS) as usize..((lba + 1) * BS) as usize]
+    }
+}
+
+pub fn read_volume(engine: &Engine) -> Result<Vec<u8>, cairn_engine::EngineError> {
+    let mut buf = vec![0u8; engine.size_bytes() as usize];
+    // In pieces, as a client would.
+    for (i, chunk) in buf.chunks_mut(64 * BS as usize).enumerate() {
+        engine.read(i as u64 * 64 * BS, chunk)?;
+    }
+    Ok(buf)
+}
+
+/// The tests' external tools are not needed here, but the seed and a
+/// one-line reproduction go to the output on failure.
+pub fn repro(test: &str, seed: u64) -> String {
+    format!("reproduce: CAIRN_SEED={seed} cargo test --release -p cairn-engine --test {test}")
+}
+
+pub fn seeds(default_count: u64) -> Vec<u64> {
+    if let Ok(s) = std::env::var("CAIRN_SEED") {
+        if let Ok(seed) = s.parse() {
+            return vec![seed];
+        }
+    }
+    let count = std::env::var("CAIRN_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default_count);
+    (1..=count).collect()
+}
