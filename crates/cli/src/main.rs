@@ -1,1 +1,417 @@
-fn main(){}
+//! The `cairn` command.
+
+mod daemon;
+mod export;
+mod status;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cairn_device::{open_local, open_path_or_uri, Device, OpenMode};
+use cairn_engine::{Engine, FormatOptions, OpenOptions};
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser)]
+#[command(
+    name = "cairn",
+    version,
+    about = "A checksummed userspace block cache: a fast device in front of a slow origin, served over NBD",
+    long_about = "cairn puts a small fast device (NVMe, SSD, Optane, or a file on one) in front of a large \
+slow origin (HDD, RAID, or a remote NBD export). Writes are absorbed write-back and reach the origin later, \
+in order, so the origin alone is always the volume as of some past flush. Every cached block is checksummed. \
+The combined volume is served over NBD, so Linux, qemu, libnbd tools and fio use it with no kernel module.\n\n\
+Typical use:\n  cairn format --cache /dev/nvme0n1p3 --origin /dev/sdb\n  cairn serve --cache /dev/nvme0n1p3 --socket /run/cairn.sock\n  \
+nbdfuse /mnt/vol --unix /run/cairn.sock   (or: nbd-client -unix /run/cairn.sock /dev/nbd0)\n\n\
+Try it first with `cairn demo`."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Writes are acknowledged once on the cache and written back later.
+    Writeback,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Format CACHE as a cairn cache for ORIGIN (destroys what CACHE held).
+    Format {
+        /// The fast device or file that will hold the cache.
+        #[arg(long)]
+        cache: PathBuf,
+        /// The slow device, file, or NBD URI (nbd://host/export, nbd+unix:///export?socket=PATH).
+        #[arg(long)]
+        origin: String,
+        /// Cache block size: a power of two from 4K to 64K (suffix K allowed).
+        #[arg(long, default_value = "4K", value_parser = parse_block_size)]
+        block_size: u32,
+        /// Overwrite a cache that is already formatted.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Serve the cached volume over NBD, in the foreground.
+    ///
+    /// The socket appears only once the volume is ready. SIGTERM or SIGINT
+    /// finishes in-flight requests, flushes, checkpoints and exits 0;
+    /// SIGKILL is safe at any moment (recovery replays the log).
+    Serve {
+        #[arg(long)]
+        cache: PathBuf,
+        /// Override the origin recorded at format time (its identity is checked).
+        #[arg(long)]
+        origin: Option<String>,
+        /// Unix socket to listen on (default ./cairn.sock).
+        #[arg(long, conflicts_with = "listen")]
+        socket: Option<PathBuf>,
+        /// Listen on TCP instead, e.g. 127.0.0.1:10809. Use loopback unless you mean otherwise.
+        #[arg(long)]
+        listen: Option<String>,
+        /// Cache mode.
+        #[arg(long, value_enum, default_value = "writeback")]
+        mode: Mode,
+        /// Keep dirty data on the cache until asked (write-back still runs when space runs out).
+        #[arg(long)]
+        no_writeback: bool,
+        /// Serve Prometheus metrics over HTTP on HOST:PORT.
+        #[arg(long)]
+        metrics: Option<String>,
+        /// Accept an origin whose identity differs from the recorded one.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Show the cache's state (asks the daemon if one serves it, else reads the devices).
+    Status {
+        #[arg(long)]
+        cache: PathBuf,
+        /// Print stable JSON with snake_case keys.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write back every dirty block to the origin (online or offline).
+    Flush {
+        #[arg(long)]
+        cache: PathBuf,
+    },
+    /// Verify every checksum on the cache; exits 1 if any block is bad.
+    Check {
+        #[arg(long)]
+        cache: PathBuf,
+    },
+    /// Create demo cache and origin files, format them, and serve them.
+    Demo {
+        /// Where the demo files and socket live.
+        #[arg(long, default_value = "cairn-demo")]
+        dir: PathBuf,
+    },
+}
+
+fn parse_block_size(s: &str) -> Result<u32, String> {
+    let t = s.trim();
+    let (num, mult) = match t.strip_suffix(['K', 'k']) {
+        Some(n) => (n, 1024u64),
+        None => (t, 1),
+    };
+    let v: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 4K, 8K or 65536"))?;
+    let bytes = v * mult;
+    if !bytes.is_power_of_two() || !(4096..=65536).contains(&bytes) {
+        return Err(format!(
+            "block size {bytes} is not a power of two between 4K and 64K; use 4K, 8K, 16K, 32K or 64K"
+        ));
+    }
+    Ok(bytes as u32)
+}
+
+fn open_cache(path: &Path, mode: OpenMode) -> Result<Arc<dyn Device>> {
+    let dev =
+        open_local(path, mode).map_err(|e| anyhow::anyhow!("cache {}: {e}", path.display()))?;
+    Ok(Arc::from(dev))
+}
+
+fn open_origin(spec: &str) -> Result<Arc<dyn Device>> {
+    let dev = open_path_or_uri(spec, OpenMode::Exclusive)
+        .map_err(|e| anyhow::anyhow!("origin {spec}: {e}"))?;
+    Ok(Arc::from(dev))
+}
+
+/// The origin recorded in the superblock, as something we can open.
+fn recorded_origin(cache: &dyn Device) -> Result<String> {
+    let sb = Engine::read_superblock(cache)?;
+    Ok(match sb.origin_identity.strip_prefix("file:") {
+        Some(path) => path.to_string(),
+        None => sb.origin_identity,
+    })
+}
+
+fn open_engine(cache_path: &Path, origin: Option<&str>, force: bool) -> Result<Arc<Engine>> {
+    let cache = open_cache(cache_path, OpenMode::Exclusive)?;
+    let origin_spec = match origin {
+        Some(o) => o.to_string(),
+        None => recorded_origin(cache.as_ref())?,
+    };
+    let origin = open_origin(&origin_spec)?;
+    let opts = OpenOptions {
+        force_origin: force,
+        ..OpenOptions::default()
+    };
+    Ok(Arc::new(Engine::open(cache, origin, &opts)?))
+}
+
+fn progress_bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
+fn cmd_format(cache: &Path, origin: &str, block_size: u32, force: bool) -> Result<()> {
+    let cache_dev = open_cache(cache, OpenMode::Exclusive)?;
+    let origin_dev = open_origin(origin)?;
+    let sb = Engine::format(
+        cache_dev,
+        origin_dev,
+        &FormatOptions {
+            block_size_bytes: block_size,
+            force,
+        },
+    )?;
+    println!(
+        "formatted {} for origin {}: {} cache blocks of {} bytes, volume {} bytes",
+        cache.display(),
+        sb.origin_identity,
+        sb.log_blocks,
+        sb.block_size_bytes,
+        sb.origin_size_bytes
+    );
+    Ok(())
+}
+
+fn cmd_status(cache: &Path, json: bool) -> Result<()> {
+    let mut out = String::new();
+    let v = match daemon::ask_daemon(cache, "status", |l| out.push_str(l)) {
+        Some(r) => {
+            r?;
+            serde_json::from_str(&out).context("parsing the daemon's status")?
+        }
+        None => {
+            let engine = open_engine(cache, None, false)?;
+            let v = status::status_json(&engine.stats(), &engine.superblock(), false);
+            engine.close()?;
+            v
+        }
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        status::print_human(&v);
+    }
+    Ok(())
+}
+
+fn cmd_flush(cache: &Path) -> Result<()> {
+    let mut written = 0u64;
+    let pb = progress_bar(0, "write-back");
+    let online = daemon::ask_daemon(cache, "drain", |line| {
+        let parts: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        if let [w, dirty] = parts[..] {
+            written = w;
+            pb.set_length(w + dirty);
+            pb.set_position(w);
+        }
+    });
+    match online {
+        Some(r) => r?,
+        None => {
+            let engine = open_engine(cache, None, false)?;
+            let p = engine.drain_with_progress(|p| {
+                pb.set_length(p.blocks_written + p.dirty_blocks);
+                pb.set_position(p.blocks_written);
+            })?;
+            written = p.blocks_written;
+            engine.close()?;
+        }
+    }
+    pb.finish_and_clear();
+    println!("write-back complete: {written} blocks written to the origin, 0 dirty");
+    Ok(())
+}
+
+fn cmd_check(cache: &Path) -> Result<ExitCode> {
+    let mut bad: Vec<u64> = Vec::new();
+    let online = daemon::ask_daemon(cache, "check", |line| {
+        if let Some(lba) = line.strip_prefix("bad ").and_then(|x| x.parse().ok()) {
+            bad.push(lba);
+        }
+    });
+    let block_size;
+    match online {
+        Some(r) => {
+            r?;
+            let cache_dev = open_local(cache, OpenMode::Shared).ok();
+            block_size = cache_dev
+                .and_then(|d| Engine::read_superblock(d.as_ref()).ok())
+                .map(|sb| sb.block_size_bytes)
+                .unwrap_or(4096);
+        }
+        None => {
+            let engine = open_engine(cache, None, false)?;
+            block_size = engine.block_size_bytes();
+            let pb = progress_bar(0, "checking");
+            bad = engine.check(|done, total| {
+                pb.set_length(total);
+                pb.set_position(done);
+            })?;
+            pb.finish_and_clear();
+            engine.close()?;
+        }
+    }
+    for lba in &bad {
+        println!(
+            "checksum mismatch: origin block {lba} (byte offset {})",
+            lba * block_size as u64
+        );
+    }
+    if bad.is_empty() {
+        println!("check passed: every cached block matches its checksum");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("check FAILED: {} bad blocks", bad.len());
+        Ok(ExitCode::from(1))
+    }
+}
+
+fn cmd_demo(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let cache = dir.join("cache.img");
+    let origin = dir.join("origin.img");
+    let socket = dir.join("cairn.sock");
+    for (path, size) in [(&cache, 64u64 << 20), (&origin, 256u64 << 20)] {
+        if !path.exists() {
+            let f = std::fs::File::create(path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            f.set_len(size)?;
+        }
+    }
+    let cache_dev = open_cache(&cache, OpenMode::Exclusive)?;
+    if Engine::read_superblock(cache_dev.as_ref()).is_err() {
+        let origin_dev = open_origin(&origin.to_string_lossy())?;
+        Engine::format(cache_dev.clone(), origin_dev, &FormatOptions::default())?;
+        println!(
+            "formatted demo cache {} for origin {}",
+            cache.display(),
+            origin.display()
+        );
+    }
+    drop(cache_dev);
+    let engine = open_engine(&cache, Some(&origin.to_string_lossy()), false)?;
+    let socket_abs = std::fs::canonicalize(dir)?.join("cairn.sock");
+    let uri = format!("nbd+unix:///?socket={}", socket_abs.display());
+    let cache_abs = std::fs::canonicalize(&cache)?;
+    let on_ready = Box::new(move |_: &str| {
+        println!(
+            "\ncairn is serving a 256 MiB volume (64 MiB cache in front of a 256 MiB origin)."
+        );
+        println!("URI: {uri}\n");
+        println!("Try, in another terminal:");
+        println!("  nbdinfo '{uri}'");
+        println!("  qemu-io -f raw '{uri}' -c 'write -P 0x5a 0 1M' -c 'read -P 0x5a 0 1M'");
+        println!(
+            "  fio --name=demo --ioengine=nbd --uri='{uri}' --rw=randwrite --bs=4k --size=64M --fsync=1 --runtime=10 --time_based"
+        );
+        println!("  cairn status --cache {}", cache_abs.display());
+        println!("\nPress Ctrl-C to stop (in-flight I/O finishes, data is flushed).");
+    });
+    daemon::serve_volume(
+        engine,
+        daemon::ServeOptions {
+            cache,
+            socket: Some(socket),
+            listen: None,
+            no_writeback: false,
+            metrics: None,
+            on_ready: Some(on_ready),
+        },
+    )
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Format {
+            cache,
+            origin,
+            block_size,
+            force,
+        } => cmd_format(&cache, &origin, block_size, force)?,
+        Command::Serve {
+            cache,
+            origin,
+            socket,
+            listen,
+            mode,
+            no_writeback,
+            metrics,
+            force,
+        } => {
+            if mode != Mode::Writeback {
+                bail!("mode {mode:?} is not supported yet");
+            }
+            if let Some(reply) = daemon::ask_daemon(&cache, "status", |_| {}) {
+                if reply.is_ok() {
+                    bail!(
+                        "cache {} is already being served by another cairn. Stop that daemon first",
+                        cache.display()
+                    );
+                }
+            }
+            let engine = open_engine(&cache, origin.as_deref(), force)?;
+            daemon::serve_volume(
+                engine,
+                daemon::ServeOptions {
+                    cache,
+                    socket,
+                    listen,
+                    no_writeback,
+                    metrics,
+                    on_ready: None,
+                },
+            )?
+        }
+        Command::Status { cache, json } => cmd_status(&cache, json)?,
+        Command::Flush { cache } => cmd_flush(&cache)?,
+        Command::Check { cache } => return cmd_check(&cache),
+        Command::Demo { dir } => cmd_demo(&dir)?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CAIRN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("cairn: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -77,10 +77,6 @@ impl SlotTable {
         self.lba_high_state[s] = (self.lba_high_state[s] & 0xff) | (st as u16) << 8;
     }
 
-    pub fn set_crc(&mut self, slot: u32, crc: u32) {
-        self.crc[slot as usize] = crc;
-    }
-
     pub fn clear(&mut self, slot: u32) {
         self.set(slot, 0, 0, 0);
     }
@@ -112,12 +108,9 @@ impl ForwardMap {
         }
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     pub fn memory_bytes(&self) -> usize {

@@ -24,16 +24,13 @@ impl RangeMap {
         self.parts.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.parts.is_empty()
-    }
-
     /// The kind of range covering `lba`, if any.
     pub fn covering(&self, lba: u64) -> Option<RangeKind> {
         let (_, part) = self.parts.range(..=lba).next_back()?;
         (lba < part.end).then_some(part.kind)
     }
 
+    #[cfg(test)]
     /// Length of the run starting at `lba` that is (true) or is not (false)
     /// covered, capped at `max_blocks`.
     pub fn run_from(&self, lba: u64, max_blocks: u64) -> (bool, u64) {

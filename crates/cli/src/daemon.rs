@@ -1,0 +1,302 @@
+//! `cairn serve`: open the cache, serve it over NBD, run write-back in the
+//! background, answer the admin socket and the metrics endpoint, and shut
+//! down cleanly on SIGTERM/SIGINT.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use cairn_engine::Engine;
+use cairn_nbd::{serve, Listener, ServerConfig};
+
+use crate::export::{EngineExport, Latencies, LATENCY_BUCKETS_US};
+use crate::status::status_json;
+
+pub struct ServeOptions {
+    pub cache: PathBuf,
+    pub socket: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub no_writeback: bool,
+    pub metrics: Option<String>,
+    /// Called once the volume is being served (the demo prints its hints).
+    pub on_ready: Option<Box<dyn FnOnce(&str) + Send>>,
+}
+
+/// Where the admin socket of the daemon serving `cache` lives.
+pub fn admin_socket_path(cache: &Path) -> PathBuf {
+    let canonical = std::fs::canonicalize(cache).unwrap_or_else(|_| cache.to_path_buf());
+    let key = crc32c::crc32c(canonical.to_string_lossy().as_bytes());
+    let dir = std::env::var_os("CAIRN_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    dir.join(format!("cairn-admin-{key:08x}.sock"))
+}
+
+/// Ask a running daemon; `None` if no daemon serves this cache.
+pub fn ask_daemon(
+    cache: &Path,
+    command: &str,
+    mut on_line: impl FnMut(&str),
+) -> Option<Result<()>> {
+    let path = admin_socket_path(cache);
+    let stream = UnixStream::connect(&path).ok()?;
+    Some((|| {
+        let mut w = stream.try_clone()?;
+        writeln!(w, "{command}")?;
+        for line in BufReader::new(stream).lines() {
+            let line = line?;
+            if let Some(err) = line.strip_prefix("error: ") {
+                bail!("{err}");
+            }
+            if line == "ok" {
+                return Ok(());
+            }
+            on_line(&line);
+        }
+        bail!("the daemon closed the admin connection early")
+    })())
+}
+
+pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
+    let latencies = Arc::new(Latencies::default());
+    engine.set_writeback_paused(opts.no_writeback);
+    let stop = Arc::new(AtomicBool::new(false));
+
+    // Admin socket (status, drain, check). Refuse a second daemon early.
+    let admin_path = admin_socket_path(&opts.cache);
+    if UnixStream::connect(&admin_path).is_ok() {
+        bail!(
+            "cache {} is already being served by another cairn (admin socket {} answers). Stop that daemon first",
+            opts.cache.display(),
+            admin_path.display()
+        );
+    }
+    let _ = std::fs::remove_file(&admin_path);
+    let admin = UnixListener::bind(&admin_path)
+        .with_context(|| format!("binding the admin socket {}", admin_path.display()))?;
+
+    // Data listener: socket activation, TCP when asked, else a unix socket.
+    let listener = if let Some(l) = Listener::from_systemd().context("socket activation")? {
+        l
+    } else if let Some(addr) = &opts.listen {
+        Listener::bind_tcp(addr.as_str()).with_context(|| format!("listening on {addr}"))?
+    } else {
+        let sock = opts
+            .socket
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("cairn.sock"));
+        Listener::bind_unix(&sock).with_context(|| format!("listening on {}", sock.display()))?
+    };
+    let description = listener.description().to_string();
+    let config = ServerConfig {
+        stop_when_idle: std::env::var_os("LISTEN_FDS").is_some(),
+        ..ServerConfig::default()
+    };
+    let export = Arc::new(EngineExport {
+        engine: engine.clone(),
+        latencies: latencies.clone(),
+    });
+    let server = serve(export, listener, config).context("starting the NBD server")?;
+    tracing::info!("serving {} on {description}", opts.cache.display());
+
+    // Background write-back: one epoch group at a time; idle waits short.
+    let wb_engine = engine.clone();
+    let wb_stop = stop.clone();
+    let writeback = std::thread::Builder::new()
+        .name("writeback".into())
+        .spawn(move || writeback_loop(&wb_engine, &wb_stop))?;
+
+    let admin_engine = engine.clone();
+    let admin_stop = stop.clone();
+    let admin_thread = std::thread::Builder::new()
+        .name("admin".into())
+        .spawn(move || admin_loop(admin, &admin_engine, &admin_stop))?;
+
+    if let Some(addr) = &opts.metrics {
+        let l = TcpListener::bind(addr).with_context(|| format!("metrics listener {addr}"))?;
+        let m_engine = engine.clone();
+        let m_lat = latencies.clone();
+        std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || metrics_loop(l, &m_engine, &m_lat))?;
+    }
+
+    if let Some(ready) = opts.on_ready {
+        ready(&description);
+    }
+
+    // Wait for SIGTERM/SIGINT, or for the server to stop by itself.
+    let trigger = server.trigger();
+    let signal_stop = stop.clone();
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
+        .context("installing signal handlers")?;
+    let signal_handle = signals.handle();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!("signal {sig}: finishing in-flight requests and shutting down");
+                signal_stop.store(true, Ordering::SeqCst);
+                trigger.shutdown();
+            }
+        })?;
+    server.wait().context("NBD server")?;
+    signal_handle.close();
+    stop.store(true, Ordering::SeqCst);
+    let _ = writeback.join();
+    // Wake the admin loop so it sees the stop flag.
+    let _ = UnixStream::connect(&admin_path);
+    let _ = admin_thread.join();
+    let _ = std::fs::remove_file(&admin_path);
+    engine.flush().context("final flush")?;
+    engine.close().context("final checkpoint")?;
+    tracing::info!("clean shutdown");
+    Ok(())
+}
+
+fn writeback_loop(engine: &Engine, stop: &AtomicBool) {
+    let mut last_flush = Instant::now();
+    let mut backoff_ms = 10u64;
+    while !stop.load(Ordering::SeqCst) {
+        // Dirty data the client never flushed still gets an epoch boundary
+        // once a second, so write-back can make progress.
+        if last_flush.elapsed() >= Duration::from_secs(1) && !engine.writeback_paused() {
+            if let Err(e) = engine.flush() {
+                tracing::warn!("periodic flush failed: {e}");
+            }
+            last_flush = Instant::now();
+        }
+        match engine.writeback_step() {
+            Ok(p) if p.groups > 0 => {
+                backoff_ms = 10;
+                continue;
+            }
+            Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => {
+                tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
+                std::thread::sleep(Duration::from_millis(backoff_ms));
+                backoff_ms = (backoff_ms * 2).min(5_000);
+            }
+        }
+    }
+}
+
+fn admin_loop(listener: UnixListener, engine: &Engine, stop: &AtomicBool) {
+    for conn in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = conn else { continue };
+        let _ = handle_admin(stream, engine);
+    }
+}
+
+fn handle_admin(stream: UnixStream, engine: &Engine) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut w = stream.try_clone()?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    match line.trim() {
+        "status" => {
+            writeln!(
+                w,
+                "{}",
+                status_json(&engine.stats(), &engine.superblock(), true)
+            )?;
+            writeln!(w, "ok")?;
+        }
+        "drain" => {
+            let r = engine.drain_with_progress(|p| {
+                let _ = writeln!(
+                    w.try_clone().expect("clone"),
+                    "progress {} {}",
+                    p.blocks_written,
+                    p.dirty_blocks
+                );
+            });
+            match r {
+                Ok(p) => writeln!(w, "done {} {}\nok", p.blocks_written, p.dirty_blocks)?,
+                Err(e) => writeln!(w, "error: {e}")?,
+            }
+        }
+        "check" => match engine.check(|_, _| {}) {
+            Ok(bad) => {
+                for lba in bad {
+                    writeln!(w, "bad {lba}")?;
+                }
+                writeln!(w, "ok")?;
+            }
+            Err(e) => writeln!(w, "error: {e}")?,
+        },
+        other => writeln!(w, "error: unknown admin command {other:?}")?,
+    }
+    Ok(())
+}
+
+fn metrics_loop(listener: TcpListener, engine: &Engine, latencies: &Latencies) {
+    for conn in listener.incoming() {
+        let Ok(mut stream) = conn else { continue };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut buf = [0u8; 1024];
+        let _ = std::io::Read::read(&mut stream, &mut buf);
+        let body = render_metrics(engine, latencies);
+        let _ = write!(
+            stream,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+}
+
+pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
+    use std::fmt::Write as _;
+    let s = engine.stats();
+    let mut out = String::new();
+    for (name, value) in s.counter_pairs() {
+        let _ = writeln!(
+            out,
+            "# TYPE cairn_{name}_total counter\ncairn_{name}_total {value}"
+        );
+    }
+    for (name, value) in [
+        ("dirty_blocks", s.dirty_blocks),
+        ("clean_blocks", s.clean_blocks),
+        ("free_blocks", s.free_blocks),
+        ("corrupt_blocks", s.corrupt_blocks),
+        ("cache_blocks", s.cache_blocks),
+        ("block_size_bytes", s.block_size_bytes),
+        ("volume_size_bytes", s.volume_size_bytes),
+        ("writeback_paused", s.writeback_paused as u64),
+        ("index_memory_bytes", s.index_memory_bytes),
+    ] {
+        let _ = writeln!(out, "# TYPE cairn_{name} gauge\ncairn_{name} {value}");
+    }
+    let _ = writeln!(out, "# TYPE cairn_request_latency_seconds histogram");
+    for (op, h) in latencies.all() {
+        let mut cumulative = 0u64;
+        for (i, bound) in LATENCY_BUCKETS_US.iter().enumerate() {
+            cumulative += h.buckets[i].load(Ordering::Relaxed);
+            let le = if *bound == u64::MAX {
+                "+Inf".to_string()
+            } else {
+                format!("{}", *bound as f64 / 1e6)
+            };
+            let _ = writeln!(
+                out,
+                "cairn_request_latency_seconds_bucket{{op=\"{op}\",le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "cairn_request_latency_seconds_sum{{op=\"{op}\"}} {}\ncairn_request_latency_seconds_count{{op=\"{op}\"}} {}",
+            h.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            h.count.load(Ordering::Relaxed)
+        );
+    }
+    out
+}

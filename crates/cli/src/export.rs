@@ -1,0 +1,152 @@
+//! Glue between the NBD server and the engine, plus per-operation latency
+//! histograms for the metrics endpoint.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cairn_engine::{Engine, EngineError};
+use cairn_nbd::{Export, ExportError, Extent, ExtentKind};
+
+/// Upper bounds of the latency buckets, in microseconds.
+pub const LATENCY_BUCKETS_US: [u64; 14] = [
+    50,
+    100,
+    250,
+    500,
+    1_000,
+    2_500,
+    5_000,
+    10_000,
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    1_000_000,
+    u64::MAX,
+];
+
+#[derive(Default)]
+pub struct Histogram {
+    pub buckets: [AtomicU64; 14],
+    pub sum_us: AtomicU64,
+    pub count: AtomicU64,
+}
+
+impl Histogram {
+    fn record(&self, started: Instant) {
+        let us = started.elapsed().as_micros() as u64;
+        let i = LATENCY_BUCKETS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(LATENCY_BUCKETS_US.len() - 1);
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Default)]
+pub struct Latencies {
+    pub read: Histogram,
+    pub write: Histogram,
+    pub flush: Histogram,
+    pub trim: Histogram,
+    pub zero: Histogram,
+    pub cache: Histogram,
+}
+
+impl Latencies {
+    pub fn all(&self) -> [(&'static str, &Histogram); 6] {
+        [
+            ("read", &self.read),
+            ("write", &self.write),
+            ("flush", &self.flush),
+            ("trim", &self.trim),
+            ("write_zeroes", &self.zero),
+            ("cache", &self.cache),
+        ]
+    }
+}
+
+pub struct EngineExport {
+    pub engine: Arc<Engine>,
+    pub latencies: Arc<Latencies>,
+}
+
+fn map_err(e: EngineError) -> ExportError {
+    ExportError::new(e.errno(), e.to_string())
+}
+
+impl Export for EngineExport {
+    fn size_bytes(&self) -> u64 {
+        self.engine.size_bytes()
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        let t = Instant::now();
+        let r = self.engine.read(offset, buf).map_err(map_err);
+        self.latencies.read.record(t);
+        r
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+        let t = Instant::now();
+        let r = self.engine.write(offset, data, fua).map_err(map_err);
+        self.latencies.write.record(t);
+        r
+    }
+
+    fn flush(&self) -> Result<(), ExportError> {
+        let t = Instant::now();
+        let r = self.engine.flush().map_err(map_err);
+        self.latencies.flush.record(t);
+        r
+    }
+
+    fn trim(&self, offset: u64, length: u64) -> Result<(), ExportError> {
+        let t = Instant::now();
+        let r = self.engine.discard(offset, length).map_err(map_err);
+        self.latencies.trim.record(t);
+        r
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        _may_trim: bool,
+        _fast_only: bool,
+    ) -> Result<(), ExportError> {
+        // Zeroing whole blocks is a logged range: always fast, no data I/O.
+        let t = Instant::now();
+        let r = self.engine.write_zeroes(offset, length).map_err(map_err);
+        self.latencies.zero.record(t);
+        r
+    }
+
+    fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError> {
+        // Prefetch: reading the range promotes its blocks as clean copies.
+        let t = Instant::now();
+        let chunk = 1u64 << 20;
+        let mut buf = vec![0u8; chunk.min(length) as usize];
+        let mut at = offset;
+        let end = offset + length;
+        while at < end {
+            let n = chunk.min(end - at) as usize;
+            self.engine.read(at, &mut buf[..n]).map_err(map_err)?;
+            at += n as u64;
+        }
+        self.latencies.cache.record(t);
+        Ok(())
+    }
+
+    fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError> {
+        // Everything is reported as data: cairn does not track origin holes.
+        let end = (offset + length).min(self.engine.size_bytes());
+        Ok(vec![Extent {
+            length: end.saturating_sub(offset).max(1),
+            kind: ExtentKind::Data,
+        }])
+    }
+}

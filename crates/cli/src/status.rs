@@ -1,0 +1,103 @@
+//! Status output: stable JSON (snake_case keys) and a human table.
+
+use cairn_engine::{StatsSnapshot, Superblock};
+use serde_json::{json, Map, Value};
+
+pub fn mode_name(_code: u8) -> &'static str {
+    "writeback"
+}
+
+pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
+    let mut m = Map::new();
+    m.insert("served".into(), json!(served));
+    m.insert("mode".into(), json!(mode_name(sb.mode)));
+    m.insert(
+        "state".into(),
+        json!(if s.failed { "failed" } else { "ok" }),
+    );
+    m.insert("origin".into(), json!(sb.origin_identity));
+    m.insert("block_size_bytes".into(), json!(s.block_size_bytes));
+    m.insert("volume_size_bytes".into(), json!(s.volume_size_bytes));
+    m.insert("cache_size_bytes".into(), json!(sb.cache_size_bytes));
+    m.insert("cache_blocks".into(), json!(s.cache_blocks));
+    m.insert("dirty_blocks".into(), json!(s.dirty_blocks));
+    m.insert("clean_blocks".into(), json!(s.clean_blocks));
+    m.insert("free_blocks".into(), json!(s.free_blocks));
+    m.insert("corrupt_blocks".into(), json!(s.corrupt_blocks));
+    m.insert("pending_ranges".into(), json!(s.pending_ranges));
+    m.insert("writeback_paused".into(), json!(s.writeback_paused));
+    m.insert("writeback_offset".into(), json!(s.writeback_offset));
+    m.insert("head_offset".into(), json!(s.head_offset));
+    m.insert("index_memory_bytes".into(), json!(s.index_memory_bytes));
+    let lookups = s.read_hits + s.read_misses;
+    // The ratio counts block lookups of client reads: cache hits over hits
+    // plus origin misses (zeroed ranges are neither).
+    m.insert(
+        "read_hit_ratio".into(),
+        json!(if lookups == 0 {
+            0.0
+        } else {
+            s.read_hits as f64 / lookups as f64
+        }),
+    );
+    m.insert("bypassed".into(), json!(0));
+    for (name, value) in s.counter_pairs() {
+        m.insert(name.into(), json!(value));
+    }
+    Value::Object(m)
+}
+
+pub fn print_human(v: &Value) {
+    let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
+    println!(
+        "cairn cache: {} (mode {}, {})",
+        get("origin"),
+        get("mode"),
+        get("state")
+    );
+    println!(
+        "  block size {} B, volume {} B, cache {} blocks",
+        get("block_size_bytes"),
+        get("volume_size_bytes"),
+        get("cache_blocks")
+    );
+    println!(
+        "  blocks: {} dirty, {} clean, {} free, {} corrupt",
+        get("dirty_blocks"),
+        get("clean_blocks"),
+        get("free_blocks"),
+        get("corrupt_blocks")
+    );
+    println!(
+        "  reads {} (hits {}, misses {}, hit ratio {}), writes {} (hits {}), bypassed {}",
+        get("reads"),
+        get("read_hits"),
+        get("read_misses"),
+        get("read_hit_ratio"),
+        get("writes"),
+        get("write_hits"),
+        get("bypassed")
+    );
+    println!(
+        "  flushes {}, discards {}, checksum mismatches {}, repairs {}",
+        get("flushes"),
+        get("discards"),
+        get("checksum_mismatches"),
+        get("repairs")
+    );
+    println!(
+        "  device errors: cache read {} write {}, origin read {} write {}",
+        get("cache_read_errors"),
+        get("cache_write_errors"),
+        get("origin_read_errors"),
+        get("origin_write_errors")
+    );
+    println!(
+        "  write-back: {} blocks in {} groups, paused {}, position {} of {}",
+        get("writeback_blocks"),
+        get("writeback_groups"),
+        get("writeback_paused"),
+        get("writeback_offset"),
+        get("head_offset")
+    );
+}
