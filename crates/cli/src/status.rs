@@ -16,6 +16,10 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
         json!(if s.failed { "failed" } else { "ok" }),
     );
     m.insert("origin".into(), json!(sb.origin_identity));
+    m.insert(
+        "origin_state".into(),
+        json!(if s.origin_failing { "failing" } else { "ok" }),
+    );
     m.insert("block_size_bytes".into(), json!(s.block_size_bytes));
     m.insert("volume_size_bytes".into(), json!(s.volume_size_bytes));
     m.insert("cache_size_bytes".into(), json!(sb.cache_size_bytes));
@@ -85,6 +89,7 @@ pub fn print_human(v: &Value) {
         get("checksum_mismatches"),
         get("repairs")
     );
+    println!("  origin: {}", get("origin_state"));
     println!(
         "  device errors: cache read {} write {}, origin read {} write {}",
         get("cache_read_errors"),

@@ -152,6 +152,10 @@ pub struct Engine {
     inner: Mutex<Inner>,
     writeback_lock: Mutex<()>,
     paused: AtomicBool,
+    /// Set while write-back to the origin keeps failing; the last error is
+    /// kept for status.
+    origin_failing: AtomicBool,
+    origin_last_error: Mutex<Option<String>>,
 }
 
 const SPACE_RETRIES_MAX: usize = 100_000;
@@ -334,6 +338,8 @@ impl Engine {
             inner: Mutex::new(inner),
             writeback_lock: Mutex::new(()),
             paused: AtomicBool::new(false),
+            origin_failing: AtomicBool::new(false),
+            origin_last_error: Mutex::new(None),
         })
     }
 
@@ -771,8 +777,35 @@ impl Engine {
         Ok(total)
     }
 
-    /// Write back the oldest complete epoch group.
+    /// Write back the oldest complete epoch group, tracking origin health.
     fn writeback_group(&self) -> EngineResult<WritebackProgress> {
+        let result = self.writeback_group_inner();
+        match &result {
+            Err(EngineError::Origin(e)) => {
+                if !self.origin_failing.swap(true, Ordering::Relaxed) {
+                    tracing::error!("origin is failing; dirty data stays on the cache: {e}");
+                }
+                *self.origin_last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            }
+            Ok(p) if p.groups > 0 => {
+                if self.origin_failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("origin recovered; write-back resumed");
+                }
+            }
+            _ => {}
+        }
+        result
+    }
+
+    /// The last origin error while the origin is failing.
+    pub fn origin_error(&self) -> Option<String> {
+        if !self.origin_failing.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.origin_last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn writeback_group_inner(&self) -> EngineResult<WritebackProgress> {
         let _serial = self
             .writeback_lock
             .lock()
@@ -974,6 +1007,7 @@ impl Engine {
         s.tail_offset = inner.tail;
         s.index_memory_bytes = (inner.slots.memory_bytes() + inner.map.memory_bytes()) as u64;
         s.writeback_paused = self.writeback_paused();
+        s.origin_failing = self.origin_failing.load(Ordering::Relaxed);
         s.failed = inner.failed.is_some();
         s
     }
@@ -1438,6 +1472,12 @@ impl Inner {
     /// With `epoch_end`, also seals an empty record if there is nothing open
     /// but earlier records of this epoch exist.
     fn seal(&mut self, env: &Env, epoch_end: bool) -> EngineResult<()> {
+        self.seal_with(env, epoch_end, false)
+    }
+
+    /// Seal; with `barrier`, the write and the barrier go down together (one
+    /// system call on io_uring).
+    fn seal_with(&mut self, env: &Env, epoch_end: bool, barrier: bool) -> EngineResult<()> {
         let open = match self.open.take() {
             Some(open) => open,
             None => {
@@ -1495,10 +1535,15 @@ impl Inner {
                 );
             }
         }
-        let result = if open.data.is_empty() {
-            env.cache.write_at(at, &hbuf)
+        let bufs: &[&[u8]] = if open.data.is_empty() {
+            &[&hbuf]
         } else {
-            env.cache.write_vectored_at(at, &[&hbuf, &open.data])
+            &[&hbuf, &open.data]
+        };
+        let result = if barrier {
+            env.cache.write_vectored_and_flush(at, bufs)
+        } else {
+            env.cache.write_vectored_at(at, bufs)
         };
         if let Err(e) = result {
             self.open = Some(open);
@@ -1514,16 +1559,11 @@ impl Inner {
         self.head = open.start + length;
         self.unsynced_blocks += length;
         self.epoch_open = !epoch_end;
-        Ok(())
-    }
-
-    fn barrier(&mut self, env: &Env) -> EngineResult<()> {
-        if let Err(e) = env.cache.flush() {
-            return Err(self.fail(env, "flushing the cache device", e));
+        if barrier {
+            Counters::add(&env.counters.cache_barriers, 1);
+            self.durable_seq = self.next_seq - 1;
+            self.unsynced_blocks = 0;
         }
-        Counters::add(&env.counters.cache_barriers, 1);
-        self.durable_seq = self.next_seq - 1;
-        self.unsynced_blocks = 0;
         Ok(())
     }
 
@@ -1535,8 +1575,7 @@ impl Inner {
             // wait: losing it loses nothing).
             return Ok(());
         }
-        self.seal(env, true)?;
-        self.barrier(env)?;
+        self.seal_with(env, true, true)?;
         self.wb_limit = self.head;
         Ok(())
     }
@@ -1570,8 +1609,7 @@ impl Inner {
         self.flush(env)?;
         // Clean fills still open are sealed too, so the snapshot has them.
         if self.open.is_some() {
-            self.seal(env, true)?;
-            self.barrier(env)?;
+            self.seal_with(env, true, true)?;
             self.wb_limit = self.head;
         }
         assert!(self.open.is_none());

@@ -28,6 +28,8 @@ macro_rules! counters {
             pub tail_offset: u64,
             pub index_memory_bytes: u64,
             pub writeback_paused: bool,
+            /// Write-back to the origin is failing (retrying with backoff).
+            pub origin_failing: bool,
             pub failed: bool,
         }
 
