@@ -1,7 +1,7 @@
 //! The engine proper: write path, read path, flush, write-back, checkpoints.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cairn_device::Device;
@@ -13,6 +13,7 @@ use cairn_format::{
 
 use crate::error::{EngineError, EngineResult};
 use crate::index::{remove_mapping, state, ForwardMap, SlotTable};
+use crate::policy::{CacheMode, HitFilter, SequentialDetector};
 use crate::ranges::RangeMap;
 use crate::stats::{Counters, StatsSnapshot};
 
@@ -41,6 +42,11 @@ pub struct EngineConfig {
     /// a damaged one was acknowledged, and gives write-back epoch boundaries
     /// during long streams without client flushes.
     pub unsynced_blocks_max: u64,
+    /// Promote a missed block on its Nth miss (Open CAS nhit); 1 = always.
+    pub promote_after_misses: u32,
+    /// Reads continuing a sequential stream longer than this are not
+    /// promoted (counted as bypassed); 0 disables the cutoff.
+    pub sequential_cutoff_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -48,6 +54,8 @@ impl Default for EngineConfig {
         EngineConfig {
             promote_read_misses: true,
             unsynced_blocks_max: 4096,
+            promote_after_misses: 1,
+            sequential_cutoff_bytes: 4 << 20,
         }
     }
 }
@@ -156,6 +164,9 @@ pub struct Engine {
     /// kept for status.
     origin_failing: AtomicBool,
     origin_last_error: Mutex<Option<String>>,
+    mode: AtomicU8,
+    sequential: SequentialDetector,
+    hit_filter: HitFilter,
 }
 
 const SPACE_RETRIES_MAX: usize = 100_000;
@@ -322,6 +333,10 @@ impl Engine {
             record_data_max: record_data_blocks_max(bs) as u64,
             entries_max: RecordHeader::entries_max(bs),
         };
+        let mode = CacheMode::from_code(sb.mode).ok_or_else(|| EngineError::CheckpointDamaged {
+            device: env.cache.name().to_string(),
+            detail: format!("unknown cache mode code {} in the superblock", sb.mode),
+        })?;
         let mut inner = crate::recovery::recover(&env, sb)?;
         if opts.force_origin && inner.sb.origin_identity != env.origin.identity() {
             let mut identity = env.origin.identity();
@@ -340,6 +355,9 @@ impl Engine {
             paused: AtomicBool::new(false),
             origin_failing: AtomicBool::new(false),
             origin_last_error: Mutex::new(None),
+            mode: AtomicU8::new(mode.code()),
+            sequential: SequentialDetector::default(),
+            hit_filter: HitFilter::default(),
         })
     }
 
@@ -400,9 +418,15 @@ impl Engine {
         } else {
             vec![0u8; count * self.env.bs]
         };
+        let bypass = self.sequential.observe(
+            offset,
+            buf.len() as u64,
+            self.env.config.sequential_cutoff_bytes,
+        );
+        let promote = self.env.config.promote_read_misses && self.mode().caches_reads() && !bypass;
         {
             let blocks: &mut [u8] = if aligned { buf } else { &mut staging };
-            self.read_blocks(first, blocks)?;
+            self.read_blocks(first, blocks, promote, bypass)?;
         }
         if !aligned {
             let skip = (offset - first * bs) as usize;
@@ -412,7 +436,13 @@ impl Engine {
     }
 
     /// Read whole blocks starting at block `first` into `out`.
-    fn read_blocks(&self, first: u64, out: &mut [u8]) -> EngineResult<()> {
+    fn read_blocks(
+        &self,
+        first: u64,
+        out: &mut [u8],
+        promote: bool,
+        bypass: bool,
+    ) -> EngineResult<()> {
         let bs = self.env.bs;
         let count = out.len() / bs;
         let c = &self.env.counters;
@@ -486,13 +516,24 @@ impl Engine {
             self.read_block_slow(lba, slot, crc, block)?;
         }
         // Promote misses as clean copies.
-        if self.env.config.promote_read_misses && !miss_runs.is_empty() {
+        if bypass {
+            let missed: usize = miss_runs.iter().map(|&(s, e)| e - s).sum();
+            Counters::add(&c.bypassed, missed as u64);
+        }
+        if promote && !miss_runs.is_empty() {
             let mut inner = self.lock()?;
             if inner.mutations == mutations_before {
                 for &(start, end) in &miss_runs {
                     for i in start..end {
                         let lba = first + i as u64;
                         if inner.map.get(lba, &inner.slots).is_some() {
+                            continue;
+                        }
+                        if !self
+                            .hit_filter
+                            .miss(lba, self.env.config.promote_after_misses)
+                        {
+                            Counters::add(&c.promotions_skipped, 1);
                             continue;
                         }
                         if !inner.promote(&self.env, lba, &out[i * bs..(i + 1) * bs])? {
@@ -619,7 +660,77 @@ impl Engine {
         if fua {
             inner.flush(&self.env)?;
         }
+        drop(inner);
+        let mode = self.mode();
+        if mode != CacheMode::WriteBack {
+            let first = offset / bs;
+            let end_block = end.div_ceil(bs);
+            self.write_through(mode, first, end_block)?;
+        }
         Ok(())
+    }
+
+    /// The modes other than write-back acknowledge a write only once the
+    /// origin has it: the write goes through the log as usual (so ordering
+    /// and crash safety are the same), is made durable, and is written back
+    /// before the reply. Write-around and pass-through then drop the new
+    /// cached copy.
+    fn write_through(&self, mode: CacheMode, first: u64, end: u64) -> EngineResult<()> {
+        Counters::add(&self.env.counters.writethrough_waits, 1);
+        self.flush_internal()?;
+        // The write is sealed before the last durable epoch end now.
+        let target = self.lock()?.wb_limit;
+        for _ in 0..=self.env.layout.log_blocks {
+            if self.lock()?.wb >= target {
+                break;
+            }
+            self.writeback_group()?;
+        }
+        let mut inner = self.lock()?;
+        assert!(inner.wb >= target, "write-through did not reach the origin");
+        if !mode.keeps_written_copy() && end - first <= 65536 {
+            for lba in first..end {
+                if let Some(slot) = inner.map.get(lba, &inner.slots) {
+                    if !inner.slot_is_dirty(slot) {
+                        inner.retire_slot(slot);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A flush the engine needs for itself (not counted as a client flush).
+    fn flush_internal(&self) -> EngineResult<()> {
+        let mut inner = self.lock()?;
+        inner.flush(&self.env)
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        CacheMode::from_code(self.mode.load(Ordering::Relaxed)).unwrap_or(CacheMode::WriteBack)
+    }
+
+    /// Switch the cache mode online. New writes follow the new mode at
+    /// once; leaving write-back drains the dirty data first (with progress).
+    /// The mode is persisted in the superblock.
+    pub fn set_mode(
+        &self,
+        mode: CacheMode,
+        progress: impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
+        self.mode.store(mode.code(), Ordering::SeqCst);
+        {
+            let mut inner = self.lock()?;
+            inner.sb.mode = mode.code();
+            inner.write_superblock(&self.env)?;
+        }
+        if mode == CacheMode::WriteBack {
+            return Ok(WritebackProgress {
+                dirty_blocks: self.lock()?.dirty_blocks,
+                ..Default::default()
+            });
+        }
+        self.drain_with_progress(progress)
     }
 
     /// Make every write acknowledged so far durable. Costs one cache barrier
@@ -684,6 +795,11 @@ impl Engine {
                 inner.append_range(&self.env, kind, lba, count)?;
                 lba += count;
             }
+        }
+        drop(inner);
+        let mode = self.mode();
+        if mode != CacheMode::WriteBack {
+            self.write_through(mode, offset / bs, end.div_ceil(bs))?;
         }
         Ok(())
     }
@@ -785,7 +901,10 @@ impl Engine {
                 if !self.origin_failing.swap(true, Ordering::Relaxed) {
                     tracing::error!("origin is failing; dirty data stays on the cache: {e}");
                 }
-                *self.origin_last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                *self
+                    .origin_last_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
             }
             Ok(p) if p.groups > 0 => {
                 if self.origin_failing.swap(false, Ordering::Relaxed) {
@@ -802,7 +921,10 @@ impl Engine {
         if !self.origin_failing.load(Ordering::Relaxed) {
             return None;
         }
-        self.origin_last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.origin_last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn writeback_group_inner(&self) -> EngineResult<WritebackProgress> {
@@ -1008,6 +1130,8 @@ impl Engine {
         s.index_memory_bytes = (inner.slots.memory_bytes() + inner.map.memory_bytes()) as u64;
         s.writeback_paused = self.writeback_paused();
         s.origin_failing = self.origin_failing.load(Ordering::Relaxed);
+        s.mode = self.mode().name();
+        s.policy_memory_bytes = self.hit_filter.memory_bytes() as u64;
         s.failed = inner.failed.is_some();
         s
     }

@@ -19,12 +19,14 @@
 mod engine;
 mod error;
 mod index;
+mod policy;
 mod ranges;
 mod recovery;
 mod stats;
 
 pub use engine::{Engine, EngineConfig, FormatOptions, OpenOptions, WritebackProgress};
 pub use error::{EngineError, EngineResult};
+pub use policy::CacheMode;
 pub use stats::StatsSnapshot;
 
 pub use cairn_format::Superblock;

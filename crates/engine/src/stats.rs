@@ -31,6 +31,8 @@ macro_rules! counters {
             /// Write-back to the origin is failing (retrying with backoff).
             pub origin_failing: bool,
             pub failed: bool,
+            pub mode: &'static str,
+            pub policy_memory_bytes: u64,
         }
 
         impl Counters {
@@ -65,6 +67,9 @@ counters!(
     checksum_mismatches,
     repairs,
     promotions,
+    promotions_skipped,
+    bypassed,
+    writethrough_waits,
     evictions,
     cache_read_errors,
     cache_write_errors,

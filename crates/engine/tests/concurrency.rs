@@ -53,7 +53,10 @@ fn concurrent_writers_readers_flush_and_writeback() {
             steps
         })
     };
-    let lasts: Vec<Vec<u64>> = handles.into_iter().map(|h| h.join().expect("writer")).collect();
+    let lasts: Vec<Vec<u64>> = handles
+        .into_iter()
+        .map(|h| h.join().expect("writer"))
+        .collect();
     stop.store(true, Ordering::Relaxed);
     let steps = bg.join().expect("background");
     let mut expected = vec![0u8; (volume_blocks * BS) as usize];
@@ -71,7 +74,10 @@ fn concurrent_writers_readers_flush_and_writeback() {
     let vol = read_volume(&engine).expect("read volume");
     assert!(vol == expected, "volume differs after concurrent run");
     engine.drain().expect("drain");
-    assert!(rig.origin.live_image() == expected, "origin differs after drain");
+    assert!(
+        rig.origin.live_image() == expected,
+        "origin differs after drain"
+    );
     let s = engine.stats();
     println!(
         "concurrency: {THREADS} writers x 3000 writes, {steps} flush+write-back steps, {} blocks written back, 0 divergences",

@@ -7,9 +7,15 @@ mod common;
 use common::*;
 
 fn run_seed(seed: u64, ops: usize, volume_blocks: u64) -> usize {
+    run_seed_modes(seed, ops, volume_blocks, false)
+}
+
+fn run_seed_modes(seed: u64, ops: usize, volume_blocks: u64, modes: bool) -> usize {
+    use cairn_engine::CacheMode;
     let mut rig = Rig::new(cache_bytes_small(), volume_blocks);
     let mut model = Model::new(volume_blocks);
     let mut wl = Workload::new(seed, volume_blocks);
+    wl.allow_mode_switch = modes;
     for i in 0..ops {
         let op = wl.next_op();
         let ctx = || format!("seed {seed} op #{i} {op:?}; {}", repro("model", seed));
@@ -76,6 +82,22 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64) -> usize {
                 .checkpoint()
                 .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
             Op::ReopenClean => rig.reopen_clean(),
+            Op::SetMode(m) => {
+                let p = rig
+                    .engine()
+                    .set_mode(*m, |_| {})
+                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+                if *m != CacheMode::WriteBack {
+                    // Leaving write-back drains: the origin is the volume.
+                    assert_eq!(p.dirty_blocks, 0, "{}", ctx());
+                    assert!(
+                        rig.origin.live_image() == model.image,
+                        "{}: origin differs after switching to {}",
+                        ctx(),
+                        m.name()
+                    );
+                }
+            }
         }
     }
     let vol = read_volume(rig.engine()).expect("final read");
@@ -97,9 +119,6 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64) -> usize {
     );
     let s = rig.engine().stats();
     assert_eq!(s.checksum_mismatches, 0);
-    if seed % 8 == 1 {
-        println!("seed {seed}: {s:?}");
-    }
     ops
 }
 
@@ -112,6 +131,19 @@ fn model_small_volume_many_seeds() {
     }
     println!(
         "model: {} seeds, {total} operations, 0 divergences",
+        seeds.len()
+    );
+}
+
+#[test]
+fn model_with_mode_switches_and_policies() {
+    let mut total = 0;
+    let seeds: Vec<u64> = seeds(12).into_iter().map(|s| s + 2000).collect();
+    for &seed in &seeds {
+        total += run_seed_modes(seed, 3000, 1024, true);
+    }
+    println!(
+        "model (mode switches, sequential cutoff): {} seeds, {total} operations, 0 divergences",
         seeds.len()
     );
 }

@@ -22,6 +22,8 @@ pub fn config() -> EngineConfig {
     EngineConfig {
         promote_read_misses: true,
         unsynced_blocks_max: 512,
+        promote_after_misses: 1,
+        sequential_cutoff_bytes: 64 << 10,
     }
 }
 
@@ -107,6 +109,7 @@ pub enum Op {
     Drain,
     Checkpoint,
     ReopenClean,
+    SetMode(cairn_engine::CacheMode),
 }
 
 /// Deterministic, distinct bytes for a write.
@@ -128,6 +131,7 @@ pub struct Workload {
     volume_blocks: u64,
     next_seed: u64,
     pub allow_reopen: bool,
+    pub allow_mode_switch: bool,
 }
 
 impl Workload {
@@ -137,6 +141,7 @@ impl Workload {
             volume_blocks,
             next_seed: seed << 20,
             allow_reopen: true,
+            allow_mode_switch: false,
         }
     }
 
@@ -196,7 +201,18 @@ impl Workload {
             }
             880..=969 => Op::WritebackStep,
             970..=979 => Op::Drain,
-            980..=989 => Op::Checkpoint,
+            980..=984 => Op::Checkpoint,
+            985..=989 if self.allow_mode_switch => {
+                // Mostly back to write-back, so every mode sees traffic.
+                let modes = cairn_engine::CacheMode::ALL;
+                let m = if self.rng.gen_bool(0.4) {
+                    modes[0]
+                } else {
+                    modes[self.rng.gen_range(1..4)]
+                };
+                Op::SetMode(m)
+            }
+            985..=989 => Op::Checkpoint,
             _ if self.allow_reopen => Op::ReopenClean,
             _ => Op::Flush,
         }

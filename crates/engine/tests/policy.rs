@@ -1,0 +1,100 @@
+//! Read-caching policies: sequential cutoff keeps a long stream from
+//! flushing the cache, random reads of a small working set become hits, and
+//! n-hit promotion waits for the Nth miss.
+
+mod common;
+use common::*;
+
+use std::sync::Arc;
+
+use cairn_device::{Device, SimDevice};
+use cairn_engine::{Engine, EngineConfig, FormatOptions, OpenOptions};
+
+fn rig(cache_bytes: u64, volume_bytes: u64, config: EngineConfig) -> (SimDevice, Engine) {
+    let cache = SimDevice::new("cache", cache_bytes);
+    let origin = SimDevice::new("origin", volume_bytes);
+    Engine::format(
+        Arc::new(cache.clone()),
+        Arc::new(origin.clone()),
+        &FormatOptions::default(),
+    )
+    .unwrap();
+    let e = Engine::open(
+        Arc::new(cache) as Arc<dyn Device>,
+        Arc::new(origin.clone()) as Arc<dyn Device>,
+        &OpenOptions {
+            force_origin: false,
+            config,
+        },
+    )
+    .unwrap();
+    (origin, e)
+}
+
+#[test]
+fn sequential_cutoff_bypasses_long_streams() {
+    let mib = 1u64 << 20;
+    let (_origin, e) = rig(16 * mib, 80 * mib, EngineConfig::default());
+    let mut buf = vec![0u8; mib as usize];
+    for i in 0..64 {
+        e.read(i * mib, &mut buf).unwrap();
+    }
+    let s = e.stats();
+    let occupancy_bytes = s.clean_blocks * BS;
+    println!(
+        "64 MiB sequential read: {} blocks bypassed, cache occupancy {} KiB",
+        s.bypassed,
+        occupancy_bytes >> 10
+    );
+    assert!(
+        s.bypassed * BS >= 59 * mib,
+        "most of the stream bypassed the cache"
+    );
+    assert!(
+        occupancy_bytes <= 5 * mib,
+        "occupancy stays near the cutoff, not the stream size"
+    );
+
+    // A small random working set becomes hits after one pass.
+    let set: Vec<u64> = (0..256u64).map(|i| (i * 7919) % (80 * mib / BS)).collect();
+    let mut block = vec![0u8; BS as usize];
+    for &lba in &set {
+        e.read(lba * BS, &mut block).unwrap();
+    }
+    let before = e.stats();
+    for &lba in &set {
+        e.read(lba * BS, &mut block).unwrap();
+    }
+    let after = e.stats();
+    assert_eq!(
+        after.read_hits - before.read_hits,
+        set.len() as u64,
+        "second pass all hits"
+    );
+    assert_eq!(after.read_misses, before.read_misses);
+}
+
+#[test]
+fn nhit_promotion_waits_for_the_nth_miss() {
+    let mib = 1u64 << 20;
+    let config = EngineConfig {
+        promote_after_misses: 3,
+        ..EngineConfig::default()
+    };
+    let (_origin, e) = rig(16 * mib, 32 * mib, config);
+    let mut block = vec![0u8; BS as usize];
+    for pass in 1..=4u64 {
+        e.read(100 * BS, &mut block).unwrap();
+        let s = e.stats();
+        match pass {
+            1 | 2 => assert_eq!((s.promotions, s.read_hits), (0, 0), "pass {pass}"),
+            3 => assert_eq!(
+                (s.promotions, s.read_hits),
+                (1, 0),
+                "promoted on the 3rd miss"
+            ),
+            _ => assert_eq!(s.read_hits, 1, "then a hit"),
+        }
+    }
+    assert_eq!(e.stats().promotions_skipped, 2);
+}
