@@ -17,6 +17,9 @@ use cairn_nbd::{serve, Listener, ServerConfig};
 use crate::export::{EngineExport, Latencies, LATENCY_BUCKETS_US};
 use crate::status::status_json;
 
+/// Called once the volume is being served, with the listener's description.
+pub type ReadyHook = Box<dyn FnOnce(&str) + Send>;
+
 pub struct ServeOptions {
     pub cache: PathBuf,
     pub socket: Option<PathBuf>,
@@ -24,7 +27,7 @@ pub struct ServeOptions {
     pub no_writeback: bool,
     pub metrics: Option<String>,
     /// Called once the volume is being served (the demo prints its hints).
-    pub on_ready: Option<Box<dyn FnOnce(&str) + Send>>,
+    pub on_ready: Option<ReadyHook>,
 }
 
 /// Where the admin socket of the daemon serving `cache` lives.
@@ -211,13 +214,9 @@ fn handle_admin(stream: UnixStream, engine: &Engine) -> std::io::Result<()> {
             writeln!(w, "ok")?;
         }
         "drain" => {
+            let mut progress = w.try_clone()?;
             let r = engine.drain_with_progress(|p| {
-                let _ = writeln!(
-                    w.try_clone().expect("clone"),
-                    "progress {} {}",
-                    p.blocks_written,
-                    p.dirty_blocks
-                );
+                let _ = writeln!(progress, "progress {} {}", p.blocks_written, p.dirty_blocks);
             });
             match r {
                 Ok(p) => writeln!(w, "done {} {}\nok", p.blocks_written, p.dirty_blocks)?,
@@ -226,8 +225,9 @@ fn handle_admin(stream: UnixStream, engine: &Engine) -> std::io::Result<()> {
         }
         "check" => match engine.check(|_, _| {}) {
             Ok(bad) => {
+                let bs = engine.block_size_bytes() as u64;
                 for lba in bad {
-                    writeln!(w, "bad {lba}")?;
+                    writeln!(w, "bad {lba} {}", lba * bs)?;
                 }
                 writeln!(w, "ok")?;
             }

@@ -14,6 +14,15 @@ use cairn_engine::{Engine, FormatOptions, OpenOptions};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
+/// `println!` that returns an error instead of panicking when stdout is
+/// closed (`cairn status | head -1`).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
+
 #[derive(Parser)]
 #[command(
     name = "cairn",
@@ -185,14 +194,14 @@ fn cmd_format(cache: &Path, origin: &str, block_size: u32, force: bool) -> Resul
             force,
         },
     )?;
-    println!(
+    say!(
         "formatted {} for origin {}: {} cache blocks of {} bytes, volume {} bytes",
         cache.display(),
         sb.origin_identity,
         sb.log_blocks,
         sb.block_size_bytes,
         sb.origin_size_bytes
-    );
+    )?;
     Ok(())
 }
 
@@ -211,9 +220,9 @@ fn cmd_status(cache: &Path, json: bool) -> Result<()> {
         }
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        say!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        status::print_human(&v);
+        status::print_human(&v)?;
     }
     Ok(())
 }
@@ -246,50 +255,53 @@ fn cmd_flush(cache: &Path) -> Result<()> {
         }
     }
     pb.finish_and_clear();
-    println!("write-back complete: {written} blocks written to the origin, 0 dirty");
+    say!("write-back complete: {written} blocks written to the origin, 0 dirty")?;
     Ok(())
 }
 
 fn cmd_check(cache: &Path) -> Result<ExitCode> {
-    let mut bad: Vec<u64> = Vec::new();
+    // The daemon reports "bad LBA BYTE_OFFSET": only it knows the block
+    // size, since it holds the cache device's exclusive lock.
+    let mut bad: Vec<(u64, u64)> = Vec::new();
     let online = daemon::ask_daemon(cache, "check", |line| {
-        if let Some(lba) = line.strip_prefix("bad ").and_then(|x| x.parse().ok()) {
-            bad.push(lba);
+        let nums: Vec<u64> = line
+            .strip_prefix("bad ")
+            .map(|rest| {
+                rest.split_whitespace()
+                    .filter_map(|x| x.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let [lba, offset] = nums[..] {
+            bad.push((lba, offset));
         }
     });
-    let block_size;
     match online {
-        Some(r) => {
-            r?;
-            let cache_dev = open_local(cache, OpenMode::Shared).ok();
-            block_size = cache_dev
-                .and_then(|d| Engine::read_superblock(d.as_ref()).ok())
-                .map(|sb| sb.block_size_bytes)
-                .unwrap_or(4096);
-        }
+        Some(r) => r?,
         None => {
             let engine = open_engine(cache, None, false)?;
-            block_size = engine.block_size_bytes();
+            let block_size = engine.block_size_bytes() as u64;
             let pb = progress_bar(0, "checking");
-            bad = engine.check(|done, total| {
-                pb.set_length(total);
-                pb.set_position(done);
-            })?;
+            bad = engine
+                .check(|done, total| {
+                    pb.set_length(total);
+                    pb.set_position(done);
+                })?
+                .into_iter()
+                .map(|lba| (lba, lba * block_size))
+                .collect();
             pb.finish_and_clear();
             engine.close()?;
         }
     }
-    for lba in &bad {
-        println!(
-            "checksum mismatch: origin block {lba} (byte offset {})",
-            lba * block_size as u64
-        );
+    for (lba, offset) in &bad {
+        say!("checksum mismatch: origin block {lba} (byte offset {offset})")?;
     }
     if bad.is_empty() {
-        println!("check passed: every cached block matches its checksum");
+        say!("check passed: every cached block matches its checksum")?;
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("check FAILED: {} bad blocks", bad.len());
+        say!("check FAILED: {} bad blocks", bad.len())?;
         Ok(ExitCode::from(1))
     }
 }
@@ -398,6 +410,29 @@ fn run(cli: Cli) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// stdout went away (`cairn status | head -1`): exit quietly, as if killed
+/// by SIGPIPE (128 + 13), without printing an error nobody reads.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// The error and its causes, each said once: some errors already include
+/// their source in their own message, which `{:#}` would repeat.
+fn error_message(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -405,12 +440,14 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
+        Err(e) if is_broken_pipe(&e) => ExitCode::from(141),
         Err(e) => {
-            eprintln!("cairn: error: {e:#}");
+            eprintln!("cairn: error: {}", error_message(&e));
             ExitCode::from(2)
         }
     }

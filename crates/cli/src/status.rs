@@ -51,28 +51,36 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     Value::Object(m)
 }
 
-pub fn print_human(v: &Value) {
+/// The human table. A closed stdout (`cairn status | head -1`) is an
+/// error for the caller, not a panic.
+pub fn print_human(v: &Value) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
-    println!(
+    writeln!(
+        out,
         "cairn cache: {} (mode {}, {})",
         get("origin"),
         get("mode"),
         get("state")
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  block size {} B, volume {} B, cache {} blocks",
         get("block_size_bytes"),
         get("volume_size_bytes"),
         get("cache_blocks")
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  blocks: {} dirty, {} clean, {} free, {} corrupt",
         get("dirty_blocks"),
         get("clean_blocks"),
         get("free_blocks"),
         get("corrupt_blocks")
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  reads {} (hits {}, misses {}, hit ratio {}), writes {} (hits {}), bypassed {}",
         get("reads"),
         get("read_hits"),
@@ -81,28 +89,32 @@ pub fn print_human(v: &Value) {
         get("writes"),
         get("write_hits"),
         get("bypassed")
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  flushes {}, discards {}, checksum mismatches {}, repairs {}",
         get("flushes"),
         get("discards"),
         get("checksum_mismatches"),
         get("repairs")
-    );
-    println!("  origin: {}", get("origin_state"));
-    println!(
+    )?;
+    writeln!(out, "  origin: {}", get("origin_state"))?;
+    writeln!(
+        out,
         "  device errors: cache read {} write {}, origin read {} write {}",
         get("cache_read_errors"),
         get("cache_write_errors"),
         get("origin_read_errors"),
         get("origin_write_errors")
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  write-back: {} blocks in {} groups, paused {}, position {} of {}",
         get("writeback_blocks"),
         get("writeback_groups"),
         get("writeback_paused"),
         get("writeback_offset"),
         get("head_offset")
-    );
+    )?;
+    Ok(())
 }

@@ -1,0 +1,387 @@
+//! Bad input to the real binary: every case must exit non-zero with a clear
+//! message on stderr that names the problem and the fix, and never panic.
+
+mod common;
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn missing_cache_path_is_a_clear_error_for_every_command() {
+    let ctx = Ctx::new("missing_cache");
+    let origin = ctx.file("origin.img", 64 * MIB);
+    let o = origin.to_string_lossy();
+    let missing = ctx.path("no-such-dir/cache.img");
+    let m = missing.to_string_lossy();
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy();
+    for args in [
+        vec!["serve", "--cache", &m, "--socket", &s],
+        vec!["status", "--cache", &m],
+        vec!["status", "--cache", &m, "--json"],
+        vec!["flush", "--cache", &m],
+        vec!["check", "--cache", &m],
+        vec!["format", "--cache", &m, "--origin", &o],
+    ] {
+        let out = ctx.cairn(&args);
+        // The problem (path, no such file) and the fix (check the path).
+        assert_clean_failure(&out, &[&m, "no such file", "check the path exists"]);
+    }
+    assert!(!sock.exists(), "a failed serve must not leave a socket");
+}
+
+#[test]
+fn unusable_cache_path_is_a_clear_error() {
+    let ctx = Ctx::new("unusable_cache");
+    let origin = ctx.file("origin.img", 64 * MIB);
+    let o = origin.to_string_lossy();
+    // A directory where a device or file is expected.
+    let dir = ctx.path("a-directory");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let d = dir.to_string_lossy();
+    let out = ctx.cairn(&["format", "--cache", &d, "--origin", &o]);
+    assert_clean_failure(&out, &[&d, "is a directory", "check the path"]);
+    let out = ctx.cairn(&["status", "--cache", &d]);
+    assert_clean_failure(&out, &[&d, "is a directory"]);
+
+    // Unreadable: root ignores file modes, so this half needs a normal user.
+    let unreadable = ctx.file("unreadable.img", 64 * MIB);
+    std::fs::set_permissions(
+        &unreadable,
+        std::os::unix::fs::PermissionsExt::from_mode(0o000),
+    )
+    .expect("chmod 000");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        eprintln!("note: running as root, the mode-000 cache case is not meaningful; skipped");
+        return;
+    }
+    let u = unreadable.to_string_lossy();
+    let out = ctx.cairn(&["status", "--cache", &u]);
+    assert_clean_failure(
+        &out,
+        &[&u, "permission denied", "you may read and write it"],
+    );
+}
+
+#[test]
+fn cache_smaller_than_the_minimum_is_refused() {
+    let ctx = Ctx::new("small_cache");
+    let cache = ctx.file("cache.img", MIB);
+    let origin = ctx.file("origin.img", 64 * MIB);
+    let out = ctx.cairn(&[
+        "format",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--origin",
+        &origin.to_string_lossy(),
+    ]);
+    // Names the size it has and the size it needs.
+    assert_clean_failure(&out, &["too small", "1048576 bytes", "needs at least"]);
+    // One statement of the problem, not the same sentence twice.
+    let err = stderr(&out);
+    assert_eq!(
+        err.matches("too small").count(),
+        1,
+        "the message repeats itself: {err}"
+    );
+    // Nothing was written: still not a cairn cache.
+    let out = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
+    assert_clean_failure(&out, &["not a cairn cache"]);
+}
+
+#[test]
+fn unformatted_cache_is_refused_with_the_format_command() {
+    let ctx = Ctx::new("blank_cache");
+    let blank = ctx.file("blank.img", 64 * MIB);
+    let b = blank.to_string_lossy();
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy();
+    for args in [
+        vec!["serve", "--cache", &b, "--socket", &s],
+        vec!["status", "--cache", &b, "--json"],
+        vec!["flush", "--cache", &b],
+        vec!["check", "--cache", &b],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(
+            &out,
+            &["not a cairn cache", &format!("cairn format --cache {b}")],
+        );
+    }
+    assert!(!sock.exists(), "a failed serve must not leave a socket");
+    // Refusing must not have written anything.
+    assert!(
+        read_range(&blank, 0, 1 << 20).iter().all(|&x| x == 0),
+        "a refused command wrote to the blank device"
+    );
+}
+
+#[test]
+fn cache_formatted_for_another_origin_is_refused() {
+    let ctx = Ctx::new("other_origin");
+    let (cache, origin_a) = ctx.setup(32 * MIB, 64 * MIB);
+    let origin_b = ctx.file("origin-b.img", 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let out = ctx.cairn(&[
+        "serve",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--origin",
+        &origin_b.to_string_lossy(),
+        "--socket",
+        &sock.to_string_lossy(),
+    ]);
+    let a = std::fs::canonicalize(&origin_a).expect("canonical A");
+    let b = std::fs::canonicalize(&origin_b).expect("canonical B");
+    assert_clean_failure(
+        &out,
+        &[
+            &format!("formatted for origin file:{}", a.display()),
+            &b.display().to_string(),
+            "--force",
+        ],
+    );
+    assert!(!sock.exists());
+    // The recorded origin still works.
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+}
+
+#[test]
+fn origin_that_changed_size_is_refused() {
+    let ctx = Ctx::new("origin_resized");
+    let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy();
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy();
+    for new_size in [32 * MIB, 128 * MIB] {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&origin)
+            .and_then(|f| f.set_len(new_size))
+            .expect("resizing the origin");
+        for args in [
+            vec!["serve", "--cache", &c, "--socket", &s],
+            vec!["status", "--cache", &c, "--json"],
+            vec!["flush", "--cache", &c],
+        ] {
+            let out = ctx.cairn(&args);
+            assert_clean_failure(
+                &out,
+                &[
+                    &format!("is {new_size} bytes"),
+                    &format!("recorded {} bytes", 64 * MIB),
+                    "use the original device",
+                ],
+            );
+        }
+        assert!(!sock.exists());
+    }
+}
+
+#[test]
+fn unknown_mode_is_refused() {
+    let ctx = Ctx::new("bogus_mode");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let out = ctx.cairn(&[
+        "serve",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--socket",
+        &sock.to_string_lossy(),
+        "--mode",
+        "bogus",
+    ]);
+    assert_clean_failure(&out, &["bogus", "--mode", "possible values", "writeback"]);
+    assert!(!sock.exists());
+}
+
+#[test]
+fn block_size_must_be_a_power_of_two_in_range() {
+    let ctx = Ctx::new("block_size");
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let origin = ctx.file("origin.img", 64 * MIB);
+    let c = cache.to_string_lossy();
+    let o = origin.to_string_lossy();
+    for bad in ["6K", "2K", "128K", "12288", "four"] {
+        let out = ctx.cairn(&["format", "--cache", &c, "--origin", &o, "--block-size", bad]);
+        assert_clean_failure(&out, &[bad, "--block-size", "4K"]);
+    }
+    let out = ctx.cairn(&[
+        "format",
+        "--cache",
+        &c,
+        "--origin",
+        &o,
+        "--block-size",
+        "6K",
+    ]);
+    assert_clean_failure(&out, &["not a power of two"]);
+    // Nothing was formatted by the refusals.
+    assert_clean_failure(
+        &ctx.cairn(&["status", "--cache", &c]),
+        &["not a cairn cache"],
+    );
+    // Good sizes work, with or without the suffix.
+    for good in ["8K", "65536"] {
+        ctx.cairn_ok(&[
+            "format",
+            "--cache",
+            &c,
+            "--origin",
+            &o,
+            "--block-size",
+            good,
+            "--force",
+        ]);
+    }
+    assert_eq!(u64_of(&ctx.status(&cache), "block_size_bytes"), 65536);
+}
+
+#[test]
+fn format_over_a_formatted_cache_needs_force() {
+    let ctx = Ctx::new("reformat");
+    let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy();
+    let o = origin.to_string_lossy();
+    let before = std::fs::read(&cache).expect("read cache");
+    let out = ctx.cairn(&["format", "--cache", &c, "--origin", &o]);
+    assert_clean_failure(&out, &["already holds a cairn cache", "--force"]);
+    assert!(
+        std::fs::read(&cache).expect("read cache") == before,
+        "a refused format changed the cache"
+    );
+    let out = ctx.cairn_ok(&["format", "--cache", &c, "--origin", &o, "--force"]);
+    assert!(stdout(&out).contains("formatted"), "{}", describe(&out));
+}
+
+#[test]
+fn socket_in_use_by_a_live_server_is_refused_and_not_stolen() {
+    if !require_python_nbd("socket_in_use") {
+        return;
+    }
+    let ctx = Ctx::new("socket_in_use");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let cache2 = ctx.file("cache2.img", 32 * MIB);
+    let origin2 = ctx.file("origin2.img", 64 * MIB);
+    ctx.format(&cache2, &origin2.to_string_lossy(), &[]);
+    let sock = ctx.path("nbd.sock");
+    let mut first = ctx.serve(&cache, &sock, &[]);
+    nbd_write(&first.uri(), 0, &[0x5au8; 4096], true);
+
+    let out = ctx.cairn(&[
+        "serve",
+        "--cache",
+        &cache2.to_string_lossy(),
+        "--socket",
+        &sock.to_string_lossy(),
+    ]);
+    assert_clean_failure(
+        &out,
+        &[&sock.display().to_string(), "already listening", "stop it"],
+    );
+    // The first server still owns the socket and serves its own volume.
+    assert!(first.proc.try_status().is_none(), "first server died");
+    assert_eq!(nbd_read(&first.uri(), 0, 4096), vec![0x5au8; 4096]);
+    // The failed daemon left no admin socket that answers for cache2.
+    let st = ctx.status(&cache2);
+    assert_eq!(st["served"], false, "{st}");
+    assert!(first.terminate().success());
+}
+
+#[test]
+fn second_serve_of_the_same_cache_is_refused() {
+    let ctx = Ctx::new("second_serve");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let sock2 = ctx.path("other.sock");
+    let mut first = ctx.serve(&cache, &sock, &[]);
+    let out = ctx.cairn(&[
+        "serve",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--socket",
+        &sock2.to_string_lossy(),
+    ]);
+    assert_clean_failure(&out, &["already being served", "stop that daemon first"]);
+    assert!(!sock2.exists(), "the refused daemon created its socket");
+    assert!(first.proc.try_status().is_none(), "first server died");
+    // The first daemon still answers its admin socket.
+    assert_eq!(ctx.status(&cache)["served"], true);
+
+    // Same with the daemon's admin socket unreachable (another runtime
+    // dir): the cache lock alone must refuse the second daemon.
+    let other_run = ctx.path("other-run");
+    std::fs::create_dir(&other_run).expect("mkdir");
+    let mut cmd = ctx.cmd(&[
+        "serve",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--socket",
+        &sock2.to_string_lossy(),
+    ]);
+    cmd.env("CAIRN_RUNTIME_DIR", &other_run);
+    let out = run(&mut cmd, TOOL_TIMEOUT);
+    assert_clean_failure(&out, &["in use by another process", "stop the other cairn"]);
+    assert!(!sock2.exists());
+    assert!(first.terminate().success());
+}
+
+#[test]
+fn metrics_address_in_use_is_a_clean_error() {
+    let ctx = Ctx::new("metrics_in_use");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let sock = ctx.path("nbd.sock");
+    let mut p = ctx.spawn_serve(&cache, &sock, &["--metrics", &addr]);
+    let status = p
+        .wait_timeout(Duration::from_secs(30))
+        .expect("serve with a taken metrics port must exit, not hang");
+    let log = p.log_text();
+    assert!(!status.success(), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(log.contains(&addr) && log.contains("metrics"), "{log}");
+    // A daemon that failed to start leaves neither socket behind, and the
+    // cache opens again.
+    assert!(!sock.exists(), "stale NBD socket left behind");
+    assert_eq!(ctx.status(&cache)["served"], false);
+}
+
+#[test]
+fn status_into_a_closed_pipe_does_not_panic() {
+    let ctx = Ctx::new("closed_pipe");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    for args in [
+        vec!["status", "--cache", &*cache.to_string_lossy()],
+        vec!["status", "--json", "--cache", &*cache.to_string_lossy()],
+        vec!["check", "--cache", &*cache.to_string_lossy()],
+        vec!["--help"],
+    ] {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe(2) fills two fds we then own.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: fds[0] and fds[1] are fresh fds owned by nobody else.
+        let (read_end, write_end) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        drop(read_end); // like `cairn status | head -0`
+        let out = ctx
+            .cmd(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(write_end))
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|c| c.wait_with_output())
+            .expect("running cairn");
+        let err = stderr(&out);
+        assert!(!err.contains("panicked"), "cairn {args:?}: {err}");
+        assert_ne!(out.status.code(), Some(101), "cairn {args:?}: {err}");
+    }
+}
