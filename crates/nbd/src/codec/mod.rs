@@ -158,6 +158,7 @@ pub fn transmission_flags(info: &ExportInfo, mode: ReplyMode) -> u16 {
 /// A client violation that ends the session (a hard disconnect). The
 /// server logs it and closes only this connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ProtocolError {
     #[error("client sent unknown handshake flags {flags:#x}")]
     BadClientFlags { flags: u32 },

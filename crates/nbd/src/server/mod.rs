@@ -188,6 +188,7 @@ impl ServerConfig {
 }
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServerError {
     #[error("invalid server configuration: {0}")]
     Config(String),
@@ -207,6 +208,8 @@ pub enum ServerError {
     Spawn(#[source] io::Error),
     #[error("final flush of the export failed: {0}")]
     FinalFlush(#[source] ExportError),
+    #[error("the listening socket failed: {0}")]
+    Listener(#[source] io::Error),
     #[error("a server thread panicked")]
     Panicked,
 }
@@ -397,13 +400,12 @@ fn accept_loop(
     pool: Pool,
 ) -> Result<(), ServerError> {
     let mut next_id = 0u64;
+    let mut failure = None;
     while !shared.stopping.load(Ordering::SeqCst) {
-        match wait_readable(listener.raw_fd(), wake_rx.as_raw_fd()) {
-            Ok(()) => {}
-            Err(e) => {
-                tracing::error!(error = %e, "poll failed; stopping the server");
-                break;
-            }
+        if let Err(e) = wait_readable(listener.raw_fd(), wake_rx.as_raw_fd()) {
+            tracing::error!(error = %e, "poll failed; stopping the server");
+            failure = Some(e);
+            break;
         }
         if shared.stopping.load(Ordering::SeqCst) {
             break;
@@ -420,6 +422,17 @@ fn accept_loop(
             {
                 continue
             }
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK)
+                ) =>
+            {
+                // The listener itself is gone: retrying cannot help.
+                tracing::error!(error = %e, "listener failed; stopping the server");
+                failure = Some(e);
+                break;
+            }
             Err(e) => {
                 // Out of fds or memory: back off instead of spinning on a
                 // listener that stays readable.
@@ -434,7 +447,11 @@ fn accept_loop(
     // Stop accepting before anything else; this also removes our unix
     // socket file.
     drop(listener);
-    drain(&shared, pool)
+    drain(&shared, pool)?;
+    match failure {
+        Some(e) => Err(ServerError::Listener(e)),
+        None => Ok(()),
+    }
 }
 
 fn start_connection(shared: &Arc<Shared>, pool: &Pool, id: u64, stream: Stream) {
