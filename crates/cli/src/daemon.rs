@@ -82,6 +82,18 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     let _ = std::fs::remove_file(&admin_path);
     let admin = UnixListener::bind(&admin_path)
         .with_context(|| format!("binding the admin socket {}", admin_path.display()))?;
+    // Removed on every way out, so a daemon that fails to start leaves no
+    // stale admin socket behind.
+    let _admin_file = RemoveOnDrop(admin_path.clone());
+
+    // Metrics before the data socket: once the socket appears, everything
+    // answers, and a taken metrics port fails before any client connects.
+    let metrics_listener = match &opts.metrics {
+        Some(addr) => Some(TcpListener::bind(addr).with_context(|| {
+            format!("metrics listener {addr}: address unusable; pick another --metrics HOST:PORT")
+        })?),
+        None => None,
+    };
 
     // Data listener: socket activation, TCP when asked, else a unix socket.
     let listener = if let Some(l) = Listener::from_systemd().context("socket activation")? {
@@ -120,8 +132,7 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
         .name("admin".into())
         .spawn(move || admin_loop(admin, &admin_engine, &admin_stop))?;
 
-    if let Some(addr) = &opts.metrics {
-        let l = TcpListener::bind(addr).with_context(|| format!("metrics listener {addr}"))?;
+    if let Some(l) = metrics_listener {
         let m_engine = engine.clone();
         let m_lat = latencies.clone();
         std::thread::Builder::new()
@@ -160,6 +171,14 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     engine.close().context("final checkpoint")?;
     tracing::info!("clean shutdown");
     Ok(())
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn writeback_loop(engine: &Engine, stop: &AtomicBool) {
@@ -242,14 +261,23 @@ fn metrics_loop(listener: TcpListener, engine: &Engine, latencies: &Latencies) {
     for conn in listener.incoming() {
         let Ok(mut stream) = conn else { continue };
         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        // Read the whole request head before answering: closing a socket
+        // with unread request bytes resets the connection, and the client
+        // may lose the response.
+        let mut head = Vec::new();
         let mut buf = [0u8; 1024];
-        let _ = std::io::Read::read(&mut stream, &mut buf);
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+            match std::io::Read::read(&mut stream, &mut buf) {
+                Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
+                _ => break,
+            }
+        }
         let body = render_metrics(engine, latencies);
-        let _ = write!(
-            stream,
+        let response = format!(
             "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
+        let _ = stream.write_all(response.as_bytes());
     }
 }
 

@@ -1,0 +1,464 @@
+//! The management commands against the real binary, with a daemon running
+//! (online, answered over the admin socket) and without one (offline, the
+//! command opens the devices itself): `status --json`, `flush`, `check`,
+//! the metrics endpoint and SIGTERM.
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+/// Writes that cover aligned, unaligned and overlapping cases; returns the
+/// expected image of the first `len` bytes of the volume.
+fn write_mix(uri: &str, len: usize, flush: bool) -> Vec<u8> {
+    let mut image = vec![0u8; len];
+    // libnbd obeys the advertised 512-byte minimum; byte-unaligned I/O is
+    // covered through qemu-io in the interop tests.
+    let writes: [(u64, usize, u64); 4] = [
+        (0, 1 << 20, 1),               // 1 MiB, aligned
+        (1024, 2560, 2),               // inside one block: read-modify-write
+        (5 * MIB + 512, 256 << 10, 3), // sub-block start and end, many blocks
+        (9 * MIB - 512, 1024, 4),      // straddles a block boundary
+    ];
+    for (offset, length, seed) in writes {
+        let data = pattern(seed, length);
+        nbd_write(uri, offset, &data, flush);
+        image[offset as usize..offset as usize + length].copy_from_slice(&data);
+    }
+    image
+}
+
+fn blocks_touched() -> u64 {
+    // 0..1M = 256 blocks (1024..3584 is inside block 0); 5M+512 .. +256K
+    // touches 65 blocks; 9M-512 .. 9M+512 touches 2.
+    256 + 65 + 2
+}
+
+const STATUS_KEYS: [&str; 8] = [
+    "dirty_blocks",
+    "read_hits",
+    "read_misses",
+    "checksum_mismatches",
+    "mode",
+    "served",
+    "origin_write_errors",
+    "volume_size_bytes",
+];
+
+fn assert_status_shape(v: &serde_json::Value) {
+    for key in STATUS_KEYS {
+        assert!(v.get(key).is_some(), "status --json lacks {key}: {v}");
+    }
+    for key in [
+        "dirty_blocks",
+        "read_hits",
+        "read_misses",
+        "checksum_mismatches",
+    ] {
+        assert!(v[key].is_u64(), "{key} is not a count: {v}");
+    }
+    assert_eq!(v["mode"], "writeback", "{v}");
+    // Keys are stable snake_case.
+    for key in v.as_object().expect("an object").keys() {
+        assert!(
+            key.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+            "key {key:?} is not snake_case"
+        );
+    }
+}
+
+#[test]
+fn status_json_online_and_offline() {
+    if !require_python_nbd("status_json") {
+        return;
+    }
+    let ctx = Ctx::new("status_json");
+    let (cache, _origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+
+    let st = ctx.status(&cache);
+    assert_status_shape(&st);
+    assert_eq!(st["served"], true, "{st}");
+    assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 0);
+
+    // 16 blocks written (dirty), read back (16 hits), 16 never written
+    // blocks read from the origin (misses).
+    let data = pattern(7, 64 << 10);
+    nbd_write(&server.uri(), 0, &data, true);
+    assert_eq!(nbd_read(&server.uri(), 0, data.len()), data);
+    assert_eq!(
+        nbd_read(&server.uri(), 32 * MIB, 64 << 10),
+        vec![0; 64 << 10]
+    );
+    let st = ctx.status(&cache);
+    assert_status_shape(&st);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 16, "{st}");
+    assert!(u64_of(&st, "read_hits") >= 16, "{st}");
+    assert!(u64_of(&st, "read_misses") >= 16, "{st}");
+    assert_eq!(u64_of(&st, "checksum_mismatches"), 0, "{st}");
+
+    // The human form says the same.
+    let out = ctx.cairn_ok(&["status", "--cache", &cache.to_string_lossy()]);
+    assert!(
+        stdout(&out).contains("16 dirty"),
+        "human status: {}",
+        stdout(&out)
+    );
+
+    assert!(server.terminate().success());
+    let st = ctx.status(&cache);
+    assert_status_shape(&st);
+    assert_eq!(st["served"], false, "{st}");
+    assert_eq!(u64_of(&st, "dirty_blocks"), 16, "dirty data survives: {st}");
+}
+
+/// `cairn flush` with the daemon running drains through the admin socket.
+#[test]
+fn flush_online_writes_everything_back() {
+    if !require_python_nbd("flush_online") {
+        return;
+    }
+    let ctx = Ctx::new("flush_online");
+    let (cache, origin) = ctx.setup(32 * MIB, 16 * MIB);
+    let sock = ctx.path("nbd.sock");
+    // No background write-back: the data stays dirty until asked.
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    let image = write_mix(&server.uri(), 16 << 20, false);
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), blocks_touched(), "{st}");
+    assert!(
+        read_range(&origin, 0, 1 << 20).iter().all(|&b| b == 0),
+        "the origin changed before write-back"
+    );
+
+    let out = ctx.flush(&cache);
+    assert!(
+        stdout(&out).contains("write-back complete"),
+        "{}",
+        describe(&out)
+    );
+    let st = ctx.status(&cache);
+    assert_eq!(st["served"], true);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
+    assert_same_bytes(
+        "origin after online flush",
+        &std::fs::read(&origin).expect("read origin"),
+        &image,
+    );
+    // The volume still reads the same.
+    assert_same_bytes(
+        "volume after flush",
+        &nbd_read(&server.uri(), 0, 16 << 20),
+        &image,
+    );
+    assert!(server.terminate().success());
+}
+
+/// `cairn flush` with no daemon opens the cache and drains it itself.
+#[test]
+fn flush_offline_writes_everything_back() {
+    if !require_python_nbd("flush_offline") {
+        return;
+    }
+    let ctx = Ctx::new("flush_offline");
+    let (cache, origin) = ctx.setup(32 * MIB, 16 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    let image = write_mix(&server.uri(), 16 << 20, true);
+    // kill -9: the offline flush must also cope with a cache that needs
+    // log replay, not only with a cleanly closed one.
+    server.kill9();
+    let st = ctx.status(&cache);
+    assert_eq!(st["served"], false);
+    assert_eq!(u64_of(&st, "dirty_blocks"), blocks_touched(), "{st}");
+
+    let out = ctx.flush(&cache);
+    // Each write above was its own flush epoch, and write-back goes epoch
+    // by epoch, so block 0 (written twice) goes to the origin twice.
+    let written: u64 = stdout(&out)
+        .split_whitespace()
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no block count: {}", describe(&out)));
+    assert!(
+        (blocks_touched()..=blocks_touched() + 2).contains(&written),
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(u64_of(&ctx.status(&cache), "dirty_blocks"), 0);
+    assert_same_bytes(
+        "origin after offline flush",
+        &std::fs::read(&origin).expect("read origin"),
+        &image,
+    );
+    // A second flush has nothing to do and still succeeds.
+    let out = ctx.flush(&cache);
+    assert!(
+        stdout(&out).contains("0 blocks written"),
+        "{}",
+        describe(&out)
+    );
+}
+
+/// Find the only block-aligned copy of `block` in the cache file.
+fn find_block(cache: &Path, block: &[u8]) -> u64 {
+    let bytes = std::fs::read(cache).expect("read cache");
+    let hits: Vec<usize> = (0..bytes.len().saturating_sub(block.len()))
+        .step_by(4096)
+        .filter(|&at| &bytes[at..at + block.len()] == block)
+        .collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "expected the pattern once in the cache file, found it at {hits:?}"
+    );
+    hits[0] as u64
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open cache for corruption");
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).expect("read byte");
+    b[0] ^= 0x40;
+    f.write_all_at(&b, at).expect("write byte");
+    f.sync_all().expect("sync");
+}
+
+fn check(ctx: &Ctx, cache: &Path) -> std::process::Output {
+    let out = ctx.cairn(&["check", "--cache", &cache.to_string_lossy()]);
+    assert!(!stderr(&out).contains("panicked"), "{}", describe(&out));
+    out
+}
+
+/// `cairn check` passes on a good cache, online and offline; after a byte
+/// of a dirty block is flipped behind cairn's back it exits 1 and names
+/// the block's origin address, online and offline; reads of that block
+/// fail (never wrong data) and write-back does not copy it. Uses 8 KiB
+/// blocks so a block-number/byte-offset mix-up shows.
+#[test]
+fn check_finds_a_corrupted_dirty_block() {
+    if !require_python_nbd("check_corrupt") {
+        return;
+    }
+    let ctx = Ctx::new("check_corrupt");
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let origin = ctx.file("origin.img", 64 * MIB);
+    ctx.format(&cache, &origin.to_string_lossy(), &["--block-size", "8K"]);
+    let sock = ctx.path("nbd.sock");
+    const LBA: u64 = 5;
+    const BS: u64 = 8192;
+    let block = pattern(0xC0FFEE, BS as usize);
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    nbd_write(&server.uri(), LBA * BS, &block, true);
+    // Some clean and dirty neighbours that must stay good.
+    nbd_write(&server.uri(), 0, &pattern(1, 4 * BS as usize), true);
+    let _ = nbd_read(&server.uri(), 32 * MIB, 64 << 10);
+
+    let out = check(&ctx, &cache);
+    assert!(out.status.success(), "online check: {}", describe(&out));
+    assert!(stdout(&out).contains("check passed"), "{}", describe(&out));
+    assert!(server.terminate().success());
+    let out = check(&ctx, &cache);
+    assert_eq!(out.status.code(), Some(0), "offline: {}", describe(&out));
+    assert!(stdout(&out).contains("check passed"), "{}", describe(&out));
+
+    // Corrupt one byte of the cached copy, offline.
+    let at = find_block(&cache, &block);
+    flip_byte(&cache, at + 1234);
+    let want = format!("origin block {LBA} (byte offset {})", LBA * BS);
+    let out = check(&ctx, &cache);
+    assert_eq!(out.status.code(), Some(1), "offline: {}", describe(&out));
+    assert!(stdout(&out).contains(&want), "offline: {}", describe(&out));
+    assert!(stdout(&out).contains("1 bad blocks"), "{}", describe(&out));
+
+    // Online, the daemon answers the same.
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    let out = check(&ctx, &cache);
+    assert_eq!(out.status.code(), Some(1), "online: {}", describe(&out));
+    assert!(stdout(&out).contains(&want), "online: {}", describe(&out));
+
+    // Reading the block fails; the neighbours read fine.
+    let r = try_nbd_read(&server.uri(), LBA * BS, BS as usize);
+    assert!(
+        !r.status.success(),
+        "a read of a corrupt dirty block returned data"
+    );
+    assert_eq!(
+        nbd_read(&server.uri(), 0, 4 * BS as usize),
+        pattern(1, 4 * BS as usize)
+    );
+    let st = ctx.status(&cache);
+    assert!(u64_of(&st, "checksum_mismatches") >= 1, "{st}");
+
+    // Write-back never copies the bad block to the origin.
+    ctx.flush(&cache);
+    assert!(
+        read_range(&origin, LBA * BS, BS as usize)
+            .iter()
+            .all(|&b| b == 0),
+        "a block that failed its checksum reached the origin"
+    );
+    assert_eq!(
+        read_range(&origin, 0, 4 * BS as usize),
+        pattern(1, 4 * BS as usize)
+    );
+    assert!(server.terminate().success());
+}
+
+/// GET over plain HTTP/1.1. `split` sends the request in two segments
+/// with a pause between, as a slow client or a small MSS would.
+fn http_get(addr: &str, path: &str, split: bool) -> String {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if split {
+        s.write_all(&request.as_bytes()[..10]).expect("send");
+        // No answer to half a request: a server that answers and closes
+        // now resets the connection when the rest arrives.
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let mut one = [0u8; 1];
+        match s.read(&mut one) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            other => panic!("the metrics server answered half a request: {other:?}"),
+        }
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        s.write_all(&request.as_bytes()[10..])
+            .expect("send the rest");
+    } else {
+        s.write_all(request.as_bytes()).expect("send request");
+    }
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read response");
+    body
+}
+
+/// The value of an exposition line `NAME VALUE` (exact name with labels).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} not in metrics:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn metrics_endpoint_serves_prometheus_text() {
+    if !require_python_nbd("metrics") {
+        return;
+    }
+    let ctx = Ctx::new("metrics");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut server = ctx.serve(&cache, &sock, &["--metrics", &addr]);
+    let before = http_get(&addr, "/metrics", false);
+    assert!(before.starts_with("HTTP/1.1 200"), "{before}");
+    assert!(before.contains("text/plain"), "{before}");
+    let reads_before = metric(&before, "cairn_reads_total");
+
+    nbd_write(&server.uri(), 0, &pattern(3, 1 << 20), true);
+    for _ in 0..3 {
+        let _ = nbd_read(&server.uri(), 0, 64 << 10);
+    }
+    let text = http_get(&addr, "/metrics", true);
+    assert!(text.contains("# TYPE cairn_reads_total counter"), "{text}");
+    assert!(
+        metric(&text, "cairn_reads_total") >= reads_before + 3.0,
+        "{text}"
+    );
+    assert!(metric(&text, "cairn_writes_total") >= 1.0, "{text}");
+    assert!(
+        text.contains("# TYPE cairn_request_latency_seconds histogram"),
+        "{text}"
+    );
+    let inf = metric(
+        &text,
+        "cairn_request_latency_seconds_bucket{op=\"read\",le=\"+Inf\"}",
+    );
+    assert!(inf >= 3.0, "{text}");
+    assert_eq!(
+        inf,
+        metric(&text, "cairn_request_latency_seconds_count{op=\"read\"}"),
+        "+Inf bucket equals the count"
+    );
+    // Buckets are cumulative: non-decreasing in le order.
+    let buckets: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("cairn_request_latency_seconds_bucket{op=\"write\""))
+        .map(|l| l.rsplit(' ').next().unwrap_or("x").parse().expect("value"))
+        .collect();
+    assert!(buckets.len() > 3, "{text}");
+    assert!(buckets.windows(2).all(|w| w[0] <= w[1]), "{buckets:?}");
+    assert!(metric(&text, "cairn_volume_size_bytes") == (64 * MIB) as f64);
+    assert!(server.terminate().success());
+}
+
+/// SIGTERM finishes, flushes and exits 0; data written without a client
+/// flush is still there afterwards.
+#[test]
+fn sigterm_exits_zero_and_keeps_unflushed_writes() {
+    if !require_python_nbd("sigterm") {
+        return;
+    }
+    let ctx = Ctx::new("sigterm");
+    let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    let data = pattern(99, 3 << 20);
+    let offset = 7 * MIB + 4096;
+    nbd_write(&server.uri(), offset, &data, false); // no flush
+    let status = server.terminate();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "SIGTERM exit: {status:?}\n{}",
+        server.proc.log_text()
+    );
+    assert!(
+        server.proc.log_text().contains("clean shutdown"),
+        "{}",
+        server.proc.log_text()
+    );
+    assert!(!sock.exists(), "the socket was not removed on exit");
+
+    let st = ctx.status(&cache);
+    assert_eq!(st["served"], false);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 768, "{st}");
+    assert!(
+        read_range(&origin, offset, data.len())
+            .iter()
+            .all(|&b| b == 0),
+        "with write-back paused, the data should only be in the cache"
+    );
+
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert_same_bytes(
+        "data after SIGTERM and restart",
+        &nbd_read(&server.uri(), offset, data.len()),
+        &data,
+    );
+    // SIGINT behaves the same.
+    server.proc.signal(libc::SIGINT);
+    let st = server
+        .proc
+        .wait_timeout(Duration::from_secs(60))
+        .expect("exit after SIGINT");
+    assert_eq!(st.code(), Some(0));
+}
