@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use cairn_device::{open_local, open_path_or_uri, Device, OpenMode};
+use cairn_device::{open_local, open_path_or_uri, Device, DeviceError, OpenMode};
 use cairn_engine::{Engine, FormatOptions, OpenOptions};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -138,15 +138,26 @@ fn parse_block_size(s: &str) -> Result<u32, String> {
     Ok(bytes as u32)
 }
 
+/// "cache PATH: why", naming the device once (device errors usually start
+/// with the device's name already).
+fn device_error(role: &str, spec: &str, e: DeviceError) -> anyhow::Error {
+    let msg = e.to_string();
+    if msg.starts_with(spec) {
+        anyhow::anyhow!("{role} {msg}")
+    } else {
+        anyhow::anyhow!("{role} {spec}: {msg}")
+    }
+}
+
 fn open_cache(path: &Path, mode: OpenMode) -> Result<Arc<dyn Device>> {
-    let dev =
-        open_local(path, mode).map_err(|e| anyhow::anyhow!("cache {}: {e}", path.display()))?;
+    let dev = open_local(path, mode)
+        .map_err(|e| device_error("cache", &path.display().to_string(), e))?;
     Ok(Arc::from(dev))
 }
 
 fn open_origin(spec: &str) -> Result<Arc<dyn Device>> {
-    let dev = open_path_or_uri(spec, OpenMode::Exclusive)
-        .map_err(|e| anyhow::anyhow!("origin {spec}: {e}"))?;
+    let dev =
+        open_path_or_uri(spec, OpenMode::Exclusive).map_err(|e| device_error("origin", spec, e))?;
     Ok(Arc::from(dev))
 }
 

@@ -104,7 +104,9 @@ for i in range(count):
 "#;
 
 fn last_acknowledged(log: &str) -> Option<u64> {
-    log.lines().filter_map(|l| l.trim().parse().ok()).next_back()
+    log.lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .next_back()
 }
 
 #[test]

@@ -1,0 +1,231 @@
+//! The origin served over NBD by nbdkit: a slow origin (delay filter), a
+//! failing origin (error filter), and an origin that is not there.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+/// An origin file of `size` bytes filled with `pattern(seed)`, served by
+/// nbdkit's file plugin behind `filters` on a unix socket.
+struct NbdOrigin {
+    file: PathBuf,
+    socket: PathBuf,
+    proc: Proc,
+}
+
+impl NbdOrigin {
+    fn start(ctx: &Ctx, size: u64, seed: u64, filter_args: &[&str]) -> NbdOrigin {
+        let file = ctx.path("origin.img");
+        std::fs::write(&file, pattern(seed, size as usize)).expect("write origin");
+        let socket = ctx.path("origin.sock");
+        let file_arg = format!("file={}", file.display());
+        let mut args: Vec<&str> = filter_args
+            .iter()
+            .copied()
+            .filter(|a| a.starts_with("--"))
+            .collect();
+        args.push("file");
+        args.push(&file_arg);
+        args.extend(filter_args.iter().copied().filter(|a| !a.starts_with("--")));
+        let proc = start_nbdkit(ctx, &socket, &args);
+        NbdOrigin { file, socket, proc }
+    }
+
+    fn uri(&self) -> String {
+        nbd_unix_uri(&self.socket)
+    }
+}
+
+fn format_for(ctx: &Ctx, origin: &NbdOrigin, cache_bytes: u64) -> PathBuf {
+    let cache = ctx.file("cache.img", cache_bytes);
+    ctx.format(&cache, &origin.uri(), &[]);
+    cache
+}
+
+fn origin_bytes(path: &Path) -> Vec<u8> {
+    std::fs::read(path).expect("read origin file")
+}
+
+/// A slow origin (5 ms per I/O, like a disk seek) behind nbdkit: reads of
+/// data that only the origin has, writes through cairn, `cairn flush`, and
+/// the origin file holds exactly what was written.
+#[test]
+fn slow_nbd_origin_write_back() {
+    if !require_tools("nbd_delay", &["nbdkit"]) || !require_python_nbd("nbd_delay") {
+        return;
+    }
+    let ctx = Ctx::new("nbd_delay");
+    let size = 16 * MIB;
+    let origin = NbdOrigin::start(
+        &ctx,
+        size,
+        0x0A,
+        &["--filter=delay", "rdelay=5ms", "wdelay=5ms"],
+    );
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let st = ctx.status(&cache);
+    assert_eq!(st["origin"], origin.uri(), "{st}");
+    assert_eq!(u64_of(&st, "volume_size_bytes"), size);
+
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let mut image = pattern(0x0A, size as usize);
+    // Reads of untouched data come from the origin.
+    assert_same_bytes(
+        "origin data through cairn",
+        &nbd_read(&uri, 3 * MIB, MIB as usize),
+        &image[3 * MIB as usize..4 * MIB as usize],
+    );
+    for (offset, len, seed) in [(0u64, 2 << 20, 1u64), (5 * MIB + 512, 300_000, 2)] {
+        let len = len / 512 * 512;
+        let data = pattern(seed, len);
+        nbd_write(&uri, offset, &data, true);
+        image[offset as usize..offset as usize + len].copy_from_slice(&data);
+    }
+    let out = ctx.flush(&cache);
+    assert!(
+        stdout(&out).contains("write-back complete"),
+        "{}",
+        describe(&out)
+    );
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
+    assert_eq!(u64_of(&st, "origin_write_errors"), 0, "{st}");
+    assert_same_bytes("origin file", &origin_bytes(&origin.file), &image);
+    assert!(server.terminate().success());
+    drop(origin);
+}
+
+/// The origin starts failing every write: dirty data stays in the cache
+/// and readable, errors are counted, `cairn flush` fails cleanly; once the
+/// origin recovers, `cairn flush` writes everything back.
+#[test]
+fn failing_nbd_origin_keeps_dirty_data_until_it_recovers() {
+    if !require_tools("nbd_error", &["nbdkit"]) || !require_python_nbd("nbd_error") {
+        return;
+    }
+    let ctx = Ctx::new("nbd_error");
+    let size = 16 * MIB;
+    let error_file = ctx.path("origin-errors-on");
+    let error_file_arg = format!("error-file={}", error_file.display());
+    let origin = NbdOrigin::start(
+        &ctx,
+        size,
+        0x0B,
+        &["--filter=error", "error-pwrite-rate=100%", &error_file_arg],
+    );
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let mut image = pattern(0x0B, size as usize);
+
+    // Healthy origin: write, flush through.
+    let a = pattern(0xA1, MIB as usize);
+    nbd_write(&uri, 0, &a, true);
+    image[..a.len()].copy_from_slice(&a);
+    ctx.flush(&cache);
+    assert_same_bytes(
+        "origin after the first flush",
+        &origin_bytes(&origin.file),
+        &image,
+    );
+
+    // Errors on.
+    std::fs::write(&error_file, b"").expect("create the error file");
+    let b = pattern(0xB2, 512 << 10);
+    let b_at = 4 * MIB;
+    nbd_write(&uri, b_at, &b, true);
+    let mut last = serde_json::Value::Null;
+    let failing = eventually(Duration::from_secs(30), || {
+        last = ctx.status(&cache);
+        u64_of(&last, "origin_write_errors") > 0
+    });
+    assert!(failing, "write-back never hit the origin's errors: {last}");
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 128, "{st}");
+    assert_eq!(st["state"], "ok", "the cache itself is fine: {st}");
+    if let Some(state) = st.get("origin_state") {
+        assert_eq!(state, "failing", "{st}");
+    }
+    // Reads of the new data still succeed (from the cache).
+    assert_same_bytes(
+        "dirty data while the origin fails",
+        &nbd_read(&uri, b_at, b.len()),
+        &b,
+    );
+    // Writes keep being accepted.
+    let c = pattern(0xC3, 64 << 10);
+    let c_at = 9 * MIB;
+    nbd_write(&uri, c_at, &c, true);
+    assert_eq!(nbd_read(&uri, c_at, c.len()), c);
+    // A flush cannot finish: it fails with a clear error, and the daemon
+    // stays up.
+    let out = ctx.cairn(&["flush", "--cache", &cache.to_string_lossy()]);
+    assert_clean_failure(&out, &["origin", "input/output error"]);
+    assert!(server.proc.try_status().is_none(), "the daemon died");
+    // Nothing of the new data reached the origin.
+    assert_same_bytes(
+        "origin while failing",
+        &origin_bytes(&origin.file)[b_at as usize..b_at as usize + b.len()],
+        &image[b_at as usize..b_at as usize + b.len()],
+    );
+
+    // The origin recovers.
+    std::fs::remove_file(&error_file).expect("remove the error file");
+    image[b_at as usize..b_at as usize + b.len()].copy_from_slice(&b);
+    image[c_at as usize..c_at as usize + c.len()].copy_from_slice(&c);
+    ctx.flush(&cache);
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
+    if let Some(state) = st.get("origin_state") {
+        assert_eq!(state, "ok", "{st}");
+    }
+    assert_same_bytes("origin after recovery", &origin_bytes(&origin.file), &image);
+    assert!(server.terminate().success());
+}
+
+/// The NBD origin is not there when `cairn serve` starts: a clear error
+/// and a non-zero exit, for a missing socket and for a dead server's stale
+/// socket; status and flush say the same.
+#[test]
+fn unreachable_nbd_origin_at_start() {
+    if !require_tools("nbd_gone", &["nbdkit"]) {
+        return;
+    }
+    let ctx = Ctx::new("nbd_gone");
+    let mut origin = NbdOrigin::start(&ctx, 16 * MIB, 0x0C, &[]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let c = cache.to_string_lossy().into_owned();
+    let s = sock.to_string_lossy().into_owned();
+
+    // Dead server, stale socket file left behind.
+    origin.proc.kill9();
+    assert!(origin.socket.exists());
+    for args in [
+        vec!["serve", "--cache", &c, "--socket", &s],
+        vec!["status", "--cache", &c],
+        vec!["flush", "--cache", &c],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(&out, &[&origin.uri(), "cannot connect", "refused"]);
+        assert!(!sock.exists());
+    }
+    // No socket at all.
+    std::fs::remove_file(&origin.socket).expect("remove stale socket");
+    let out = ctx.cairn(&["serve", "--cache", &c, "--socket", &s]);
+    assert_clean_failure(&out, &[&origin.uri(), "cannot connect", "no such file"]);
+    assert!(!sock.exists());
+    // The cache is unharmed: with the origin back, it serves.
+    let origin = NbdOrigin::start(&ctx, 16 * MIB, 0x0C, &[]);
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+    drop(origin);
+}
