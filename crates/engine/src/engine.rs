@@ -412,7 +412,7 @@ impl Engine {
         let last = (offset + buf.len() as u64 - 1) / bs;
         let count = (last - first + 1) as usize;
         // Whole blocks are staged here when the request is unaligned.
-        let aligned = offset % bs == 0 && buf.len() as u64 % bs == 0;
+        let aligned = offset.is_multiple_of(bs) && (buf.len() as u64).is_multiple_of(bs);
         let mut staging = if aligned {
             Vec::new()
         } else {
@@ -554,7 +554,7 @@ impl Engine {
         let mut inner = self.lock()?;
         // Re-read under the lock: nothing can move now.
         match inner.plan_read(&self.env, lba, block)? {
-            Plan::Done => return Ok(()),
+            Plan::Done => Ok(()),
             Plan::Miss => {
                 drop(inner);
                 self.env
@@ -564,7 +564,7 @@ impl Engine {
                         Counters::add(&c.origin_read_errors, 1);
                         EngineError::Origin(e)
                     })?;
-                return Ok(());
+                Ok(())
             }
             Plan::Cache {
                 slot: now_slot,
@@ -718,6 +718,9 @@ impl Engine {
         mode: CacheMode,
         progress: impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
+        // A mode change is a management action: everything acknowledged
+        // before it is made durable first, whatever the new mode.
+        self.flush_internal()?;
         self.mode.store(mode.code(), Ordering::SeqCst);
         {
             let mut inner = self.lock()?;
@@ -906,10 +909,8 @@ impl Engine {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
             }
-            Ok(p) if p.groups > 0 => {
-                if self.origin_failing.swap(false, Ordering::Relaxed) {
-                    tracing::info!("origin recovered; write-back resumed");
-                }
+            Ok(p) if p.groups > 0 && self.origin_failing.swap(false, Ordering::Relaxed) => {
+                tracing::info!("origin recovered; write-back resumed");
             }
             _ => {}
         }
@@ -1193,7 +1194,7 @@ pub(crate) fn chain_seed(uuid: &[u8; 16]) -> u32 {
 
 fn check_origin_size(origin: &dyn Device, bs: u32) -> EngineResult<()> {
     let size = origin.size_bytes();
-    if size == 0 || size % bs as u64 != 0 {
+    if size == 0 || !size.is_multiple_of(bs as u64) {
         return Err(EngineError::OriginSizeUnaligned {
             origin: origin.name().to_string(),
             size_bytes: size,

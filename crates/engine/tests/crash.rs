@@ -9,6 +9,7 @@
 //!   written later: never stale data, garbage or another block's data;
 //! - recovering the recovered image again gives the same volume;
 //! - the origin alone equals the volume as of some past flush.
+//!
 //! A failure prints the seed, op and event index to reproduce it.
 
 mod common;
@@ -119,10 +120,15 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
     let mut flush_states: HashSet<u32> = HashSet::new();
     flush_states.insert(crc(&model.image));
     let mut wl = Workload::new(seed ^ 0xc4a5, volume_blocks);
+    // Every third seed also switches cache modes.
+    wl.allow_mode_switch = seed.is_multiple_of(3);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let origin_bytes = (volume_blocks * BS) as usize;
     for i in 0..ops {
         let op = wl.next_op();
+        if std::env::var("CAIRN_TRACE").is_ok() {
+            eprintln!("op #{i}: {op:?}");
+        }
         let barriers_before = rig.cache.counters().flushes;
         let h_pre = crc(&model.image);
         let mut touched: Vec<(u64, u64)> = Vec::new();
@@ -165,6 +171,9 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
             }
             Op::Checkpoint => rig.engine().checkpoint().expect("checkpoint"),
             Op::ReopenClean => rig.reopen_clean(),
+            Op::SetMode(m) => {
+                rig.engine().set_mode(*m, |_| {}).expect("set mode");
+            }
         }
         for &(offset, len) in &touched {
             for b in offset / BS..(offset + len).div_ceil(BS) {
@@ -240,10 +249,18 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64, random_states_per_cut: us
                 );
             }
         }
+        // Outside write-back, writes and zeroes are durable on return.
+        let through = rig.engine().mode() != cairn_engine::CacheMode::WriteBack;
         let completes_flush = matches!(
             op,
-            Op::Flush | Op::Drain | Op::Checkpoint | Op::ReopenClean | Op::Write { fua: true, .. }
-        );
+            Op::Flush
+                | Op::Drain
+                | Op::Checkpoint
+                | Op::ReopenClean
+                | Op::SetMode(_)
+                | Op::Write { fua: true, .. }
+        ) || (through
+            && matches!(op, Op::Write { .. } | Op::Zero { .. } | Op::Discard { .. }));
         if completes_flush {
             durable_model.copy_from_slice(&model.image);
             for a in allowed.iter_mut() {

@@ -15,7 +15,7 @@ const VOLUME_BLOCKS: u64 = 256;
 
 /// A rig with some durable, partly written-back data and its model.
 fn populated(seed: u64) -> (Rig, Model) {
-    let mut rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
     let mut model = Model::new(VOLUME_BLOCKS);
     for i in 0..300u64 {
         let lba = (i * 37 + seed) % VOLUME_BLOCKS;
@@ -346,7 +346,6 @@ fn wrong_origin_and_size_are_refused() {
         Arc::new(rig.origin.clone()) as Arc<dyn Device>,
         &FormatOptions::default(),
     )
-    .err()
-    .expect("must refuse to overwrite");
+    .expect_err("must refuse to overwrite");
     assert!(err.to_string().contains("--force"), "{err}");
 }
