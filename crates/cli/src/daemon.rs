@@ -8,7 +8,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use cairn_engine::Engine;
@@ -22,6 +22,7 @@ pub type ReadyHook = Box<dyn FnOnce(&str) + Send>;
 
 pub struct ServeOptions {
     pub cache: PathBuf,
+    pub writeback_policy: crate::writeback::WritebackPolicy,
     pub socket: Option<PathBuf>,
     pub listen: Option<String>,
     pub no_writeback: bool,
@@ -86,6 +87,13 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     // stale admin socket behind.
     let _admin_file = RemoveOnDrop(admin_path.clone());
 
+    // Catch SIGTERM/SIGINT before the socket appears: a signal that comes
+    // right after start-up must still shut down cleanly (it waits in
+    // `signals` until the handler thread runs).
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
+        .context("installing signal handlers")?;
+    let signal_handle = signals.handle();
+
     // Metrics before the data socket: once the socket appears, everything
     // answers, and a taken metrics port fails before any client connects.
     let metrics_listener = match &opts.metrics {
@@ -121,10 +129,11 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
 
     // Background write-back: one epoch group at a time; idle waits short.
     let wb_engine = engine.clone();
+    let wb_policy = opts.writeback_policy.clone();
     let wb_stop = stop.clone();
     let writeback = std::thread::Builder::new()
         .name("writeback".into())
-        .spawn(move || writeback_loop(&wb_engine, &wb_stop))?;
+        .spawn(move || crate::writeback::writeback_loop(&wb_engine, &wb_stop, wb_policy))?;
 
     let admin_engine = engine.clone();
     let admin_stop = stop.clone();
@@ -147,9 +156,6 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     // Wait for SIGTERM/SIGINT, or for the server to stop by itself.
     let trigger = server.trigger();
     let signal_stop = stop.clone();
-    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
-        .context("installing signal handlers")?;
-    let signal_handle = signals.handle();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -178,33 +184,6 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn writeback_loop(engine: &Engine, stop: &AtomicBool) {
-    let mut last_flush = Instant::now();
-    let mut backoff_ms = 10u64;
-    while !stop.load(Ordering::SeqCst) {
-        // Dirty data the client never flushed still gets an epoch boundary
-        // once a second, so write-back can make progress.
-        if last_flush.elapsed() >= Duration::from_secs(1) && !engine.writeback_paused() {
-            if let Err(e) = engine.flush() {
-                tracing::warn!("periodic flush failed: {e}");
-            }
-            last_flush = Instant::now();
-        }
-        match engine.writeback_step() {
-            Ok(p) if p.groups > 0 => {
-                backoff_ms = 10;
-                continue;
-            }
-            Ok(_) => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => {
-                tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
-                std::thread::sleep(Duration::from_millis(backoff_ms));
-                backoff_ms = (backoff_ms * 2).min(5_000);
-            }
-        }
     }
 }
 
@@ -252,6 +231,36 @@ fn handle_admin(stream: UnixStream, engine: &Engine) -> std::io::Result<()> {
             }
             Err(e) => writeln!(w, "error: {e}")?,
         },
+        other if other.starts_with("mode ") => {
+            let name = other.trim_start_matches("mode ").trim();
+            match cairn_engine::CacheMode::parse(name) {
+                None => writeln!(w, "error: unknown mode {name:?}; use writeback, writethrough, writearound or passthrough")?,
+                Some(mode) => {
+                    let mut progress = w.try_clone()?;
+                    let r = engine.set_mode(mode, |p| {
+                        let _ = writeln!(progress, "progress {} {}", p.blocks_written, p.dirty_blocks);
+                    });
+                    match r {
+                        Ok(p) => writeln!(w, "done {} {}\nok", p.blocks_written, p.dirty_blocks)?,
+                        Err(e) => writeln!(w, "error: {e}")?,
+                    }
+                }
+            }
+        }
+        other if other.starts_with("warm ") => {
+            let parts: Vec<u64> = other
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            match parts[..] {
+                [offset, length] => match warm(engine, offset, length) {
+                    Ok(blocks) => writeln!(w, "done {blocks}\nok")?,
+                    Err(e) => writeln!(w, "error: {e}")?,
+                },
+                _ => writeln!(w, "error: usage: warm OFFSET LENGTH")?,
+            }
+        }
         other => writeln!(w, "error: unknown admin command {other:?}")?,
     }
     Ok(())
@@ -327,4 +336,22 @@ pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
         );
     }
     out
+}
+
+/// Read a range so its blocks are promoted into the cache (the NBD CACHE
+/// command and `cairn warm`). Returns the blocks now cached.
+pub fn warm(engine: &Engine, offset: u64, length: u64) -> Result<u64, cairn_engine::EngineError> {
+    let chunk = 1u64 << 20;
+    let end = (offset.saturating_add(length)).min(engine.size_bytes());
+    let mut buf = vec![0u8; chunk.min(end.saturating_sub(offset)).max(1) as usize];
+    let mut at = offset;
+    while at < end {
+        let n = chunk.min(end - at) as usize;
+        engine.read_uncut(at, &mut buf[..n])?;
+        at += n as u64;
+    }
+    let bs = engine.block_size_bytes() as u64;
+    Ok((offset / bs..end.div_ceil(bs))
+        .filter(|&b| engine.is_cached(b))
+        .count() as u64)
 }

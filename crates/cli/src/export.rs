@@ -134,7 +134,7 @@ impl Export for EngineExport {
         let end = offset + length;
         while at < end {
             let n = chunk.min(end - at) as usize;
-            self.engine.read(at, &mut buf[..n]).map_err(map_err)?;
+            self.engine.read_uncut(at, &mut buf[..n]).map_err(map_err)?;
             at += n as u64;
         }
         self.latencies.cache.record(t);

@@ -3,6 +3,7 @@
 mod daemon;
 mod export;
 mod status;
+mod writeback;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -43,8 +44,25 @@ struct Cli {
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
 enum Mode {
-    /// Writes are acknowledged once on the cache and written back later.
+    /// Writes are acknowledged once on the cache and written back later (default).
     Writeback,
+    /// Writes are acknowledged once the origin has them; the cache keeps a clean copy.
+    Writethrough,
+    /// Writes go to the origin and drop cached copies; reads are cached.
+    Writearound,
+    /// The cache is not used for new data; dirty data is still served until drained.
+    Passthrough,
+}
+
+impl Mode {
+    fn engine(self) -> cairn_engine::CacheMode {
+        match self {
+            Mode::Writeback => cairn_engine::CacheMode::WriteBack,
+            Mode::Writethrough => cairn_engine::CacheMode::WriteThrough,
+            Mode::Writearound => cairn_engine::CacheMode::WriteAround,
+            Mode::Passthrough => cairn_engine::CacheMode::PassThrough,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -81,12 +99,32 @@ enum Command {
         /// Listen on TCP instead, e.g. 127.0.0.1:10809. Use loopback unless you mean otherwise.
         #[arg(long)]
         listen: Option<String>,
-        /// Cache mode.
-        #[arg(long, value_enum, default_value = "writeback")]
-        mode: Mode,
+        /// Switch to this cache mode at start (default: the mode recorded in the cache).
+        /// Leaving writeback drains dirty data first.
+        #[arg(long, value_enum)]
+        mode: Option<Mode>,
         /// Keep dirty data on the cache until asked (write-back still runs when space runs out).
         #[arg(long)]
         no_writeback: bool,
+        /// Reads continuing a sequential stream longer than this bypass the cache
+        /// (not promoted, counted as bypassed). 0 disables. Suffixes K, M, G.
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        sequential_cutoff: u64,
+        /// Promote a missed block on its Nth miss (1 = always; Open CAS "nhit").
+        #[arg(long, default_value_t = 1)]
+        promote_after: u32,
+        /// Start cleaning when dirty data exceeds this share of the cache (percent).
+        #[arg(long, default_value_t = 50)]
+        writeback_high_pct: u64,
+        /// Stop cleaning (while busy) once dirty data is below this share (percent).
+        #[arg(long, default_value_t = 10)]
+        writeback_low_pct: u64,
+        /// Write back dirty data older than this even while foreground I/O is busy.
+        #[arg(long, default_value_t = 30)]
+        writeback_max_age_secs: u64,
+        /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no cap).
+        #[arg(long, default_value = "0", value_parser = parse_size)]
+        writeback_rate: u64,
         /// Serve Prometheus metrics over HTTP on HOST:PORT.
         #[arg(long)]
         metrics: Option<String>,
@@ -112,12 +150,54 @@ enum Command {
         #[arg(long)]
         cache: PathBuf,
     },
+    /// Switch the cache mode (online through the daemon, or offline).
+    ///
+    /// Leaving writeback drains dirty data first, with progress; a mode
+    /// switch never loses or exposes stale data.
+    Mode {
+        #[arg(long)]
+        cache: PathBuf,
+        #[arg(value_enum)]
+        mode: Mode,
+    },
+    /// Prefetch a range of the volume into the cache (like the NBD CACHE command).
+    Warm {
+        #[arg(long)]
+        cache: PathBuf,
+        /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M.
+        range: String,
+    },
     /// Create demo cache and origin files, format them, and serve them.
     Demo {
         /// Where the demo files and socket live.
         #[arg(long, default_value = "cairn-demo")]
         dir: PathBuf,
     },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let v: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 4096, 64K, 4M or 1G"))?;
+    v.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+fn parse_range(s: &str) -> Result<(u64, u64)> {
+    let Some((a, b)) = s.split_once(':') else {
+        bail!("range {s:?} must be OFFSET:LENGTH, e.g. 0:64M");
+    };
+    Ok((
+        parse_size(a).map_err(anyhow::Error::msg)?,
+        parse_size(b).map_err(anyhow::Error::msg)?,
+    ))
 }
 
 fn parse_block_size(s: &str) -> Result<u32, String> {
@@ -171,6 +251,20 @@ fn recorded_origin(cache: &dyn Device) -> Result<String> {
 }
 
 fn open_engine(cache_path: &Path, origin: Option<&str>, force: bool) -> Result<Arc<Engine>> {
+    open_engine_with(
+        cache_path,
+        origin,
+        force,
+        cairn_engine::EngineConfig::default(),
+    )
+}
+
+fn open_engine_with(
+    cache_path: &Path,
+    origin: Option<&str>,
+    force: bool,
+    config: cairn_engine::EngineConfig,
+) -> Result<Arc<Engine>> {
     let cache = open_cache(cache_path, OpenMode::Exclusive)?;
     let origin_spec = match origin {
         Some(o) => o.to_string(),
@@ -179,7 +273,7 @@ fn open_engine(cache_path: &Path, origin: Option<&str>, force: bool) -> Result<A
     let origin = open_origin(&origin_spec)?;
     let opts = OpenOptions {
         force_origin: force,
-        ..OpenOptions::default()
+        config,
     };
     Ok(Arc::new(Engine::open(cache, origin, &opts)?))
 }
@@ -317,6 +411,70 @@ fn cmd_check(cache: &Path) -> Result<ExitCode> {
     }
 }
 
+fn cmd_mode(cache: &Path, mode: Mode) -> Result<()> {
+    let target = mode.engine();
+    let pb = progress_bar(0, "draining");
+    let mut written = 0u64;
+    let mut on_progress = |blocks_written: u64, dirty: u64| {
+        written = blocks_written;
+        pb.set_length(blocks_written + dirty);
+        pb.set_position(blocks_written);
+    };
+    let online = daemon::ask_daemon(cache, &format!("mode {}", target.name()), |line| {
+        let parts: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        if let [w, dirty] = parts[..] {
+            on_progress(w, dirty);
+        }
+    });
+    match online {
+        Some(r) => r?,
+        None => {
+            let engine = open_engine(cache, None, false)?;
+            engine.set_mode(target, |p| on_progress(p.blocks_written, p.dirty_blocks))?;
+            engine.close()?;
+        }
+    }
+    pb.finish_and_clear();
+    say!(
+        "mode is now {} ({written} dirty blocks written back first)",
+        target.name()
+    )?;
+    Ok(())
+}
+
+fn cmd_warm(cache: &Path, range: &str) -> Result<()> {
+    let (offset, length) = parse_range(range)?;
+    let mut cached = 0u64;
+    let online = daemon::ask_daemon(cache, &format!("warm {offset} {length}"), |line| {
+        if let Some(n) = line
+            .strip_prefix("done ")
+            .and_then(|x| x.trim().parse().ok())
+        {
+            cached = n;
+        }
+    });
+    match online {
+        Some(r) => r?,
+        None => {
+            let engine = open_engine(cache, None, false)?;
+            if offset >= engine.size_bytes() {
+                bail!(
+                    "range starts at {offset}, past the end of the {}-byte volume",
+                    engine.size_bytes()
+                );
+            }
+            cached = daemon::warm(&engine, offset, length)?;
+            engine.close()?;
+        }
+    }
+    say!("warmed {range}: {cached} blocks of the range are now cached")?;
+    Ok(())
+}
+
 fn cmd_demo(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let cache = dir.join("cache.img");
@@ -362,6 +520,7 @@ fn cmd_demo(dir: &Path) -> Result<()> {
         engine,
         daemon::ServeOptions {
             cache,
+            writeback_policy: writeback::WritebackPolicy::default(),
             socket: Some(socket),
             listen: None,
             no_writeback: false,
@@ -388,9 +547,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             no_writeback,
             metrics,
             force,
+            sequential_cutoff,
+            promote_after,
+            writeback_high_pct,
+            writeback_low_pct,
+            writeback_max_age_secs,
+            writeback_rate,
         } => {
-            if mode != Mode::Writeback {
-                bail!("mode {mode:?} is not supported yet");
+            if writeback_low_pct > writeback_high_pct || writeback_high_pct > 100 {
+                bail!(
+                    "--writeback-low-pct ({writeback_low_pct}) must not exceed --writeback-high-pct ({writeback_high_pct}), which must be at most 100"
+                );
             }
             if let Some(reply) = daemon::ask_daemon(&cache, "status", |_| {}) {
                 if reply.is_ok() {
@@ -400,11 +567,34 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     );
                 }
             }
-            let engine = open_engine(&cache, origin.as_deref(), force)?;
+            let config = cairn_engine::EngineConfig {
+                sequential_cutoff_bytes: sequential_cutoff,
+                promote_after_misses: promote_after.max(1),
+                ..cairn_engine::EngineConfig::default()
+            };
+            let engine = open_engine_with(&cache, origin.as_deref(), force, config)?;
+            if let Some(mode) = mode {
+                if engine.mode() != mode.engine() {
+                    let p = engine.set_mode(mode.engine(), |_| {})?;
+                    tracing::info!(
+                        "mode set to {} ({} blocks written back first)",
+                        mode.engine().name(),
+                        p.blocks_written
+                    );
+                }
+            }
+            let writeback_policy = writeback::WritebackPolicy {
+                high_watermark_pct: writeback_high_pct,
+                low_watermark_pct: writeback_low_pct,
+                max_age_ms: writeback_max_age_secs * 1000,
+                rate_limit_bytes_per_sec: writeback_rate,
+                ..writeback::WritebackPolicy::default()
+            };
             daemon::serve_volume(
                 engine,
                 daemon::ServeOptions {
                     cache,
+                    writeback_policy,
                     socket,
                     listen,
                     no_writeback,
@@ -413,6 +603,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 },
             )?
         }
+        Command::Mode { cache, mode } => cmd_mode(&cache, mode)?,
+        Command::Warm { cache, range } => cmd_warm(&cache, &range)?,
         Command::Status { cache, json } => cmd_status(&cache, json)?,
         Command::Flush { cache } => cmd_flush(&cache)?,
         Command::Check { cache } => return cmd_check(&cache),

@@ -3,14 +3,10 @@
 use cairn_engine::{StatsSnapshot, Superblock};
 use serde_json::{json, Map, Value};
 
-pub fn mode_name(_code: u8) -> &'static str {
-    "writeback"
-}
-
 pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
-    m.insert("mode".into(), json!(mode_name(sb.mode)));
+    m.insert("mode".into(), json!(s.mode));
     m.insert(
         "state".into(),
         json!(if s.failed { "failed" } else { "ok" }),
@@ -44,7 +40,6 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
             s.read_hits as f64 / lookups as f64
         }),
     );
-    m.insert("bypassed".into(), json!(0));
     for (name, value) in s.counter_pairs() {
         m.insert(name.into(), json!(value));
     }

@@ -400,6 +400,16 @@ impl Engine {
 
     /// Read `buf.len()` bytes at `offset`. Any alignment is accepted.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
+        self.read_with(offset, buf, false)
+    }
+
+    /// Read and promote every missed block, ignoring the sequential cutoff
+    /// and the n-hit policy: a prefetch (NBD CACHE, `cairn warm`).
+    pub fn read_uncut(&self, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
+        self.read_with(offset, buf, true)
+    }
+
+    fn read_with(&self, offset: u64, buf: &mut [u8], prefetch: bool) -> EngineResult<()> {
         self.check_range(offset, buf.len() as u64)?;
         let c = &self.env.counters;
         Counters::add(&c.reads, 1);
@@ -418,15 +428,16 @@ impl Engine {
         } else {
             vec![0u8; count * self.env.bs]
         };
-        let bypass = self.sequential.observe(
-            offset,
-            buf.len() as u64,
-            self.env.config.sequential_cutoff_bytes,
-        );
+        let bypass = !prefetch
+            && self.sequential.observe(
+                offset,
+                buf.len() as u64,
+                self.env.config.sequential_cutoff_bytes,
+            );
         let promote = self.env.config.promote_read_misses && self.mode().caches_reads() && !bypass;
         {
             let blocks: &mut [u8] = if aligned { buf } else { &mut staging };
-            self.read_blocks(first, blocks, promote, bypass)?;
+            self.read_blocks(first, blocks, promote, bypass, prefetch)?;
         }
         if !aligned {
             let skip = (offset - first * bs) as usize;
@@ -442,6 +453,7 @@ impl Engine {
         out: &mut [u8],
         promote: bool,
         bypass: bool,
+        prefetch: bool,
     ) -> EngineResult<()> {
         let bs = self.env.bs;
         let count = out.len() / bs;
@@ -529,9 +541,10 @@ impl Engine {
                         if inner.map.get(lba, &inner.slots).is_some() {
                             continue;
                         }
-                        if !self
-                            .hit_filter
-                            .miss(lba, self.env.config.promote_after_misses)
+                        if !prefetch
+                            && !self
+                                .hit_filter
+                                .miss(lba, self.env.config.promote_after_misses)
                         {
                             Counters::add(&c.promotions_skipped, 1);
                             continue;
@@ -1127,6 +1140,7 @@ impl Engine {
         s.pending_ranges = inner.ranges.len() as u64;
         s.writeback_offset = inner.wb;
         s.head_offset = inner.head;
+        s.writeback_limit_offset = inner.wb_limit;
         s.tail_offset = inner.tail;
         s.index_memory_bytes = (inner.slots.memory_bytes() + inner.map.memory_bytes()) as u64;
         s.writeback_paused = self.writeback_paused();

@@ -25,6 +25,8 @@ macro_rules! counters {
             /// `writeback_offset`; `head_offset` is where the next record goes.
             pub writeback_offset: u64,
             pub head_offset: u64,
+            /// End of the last durable epoch: write-back may go this far.
+            pub writeback_limit_offset: u64,
             pub tail_offset: u64,
             pub index_memory_bytes: u64,
             pub writeback_paused: bool,
