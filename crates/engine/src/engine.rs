@@ -1723,15 +1723,18 @@ impl Inner {
         self.sb.sequence += 1;
         let buf = self.sb.encode();
         let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(self.sb.sequence)];
-        if let Err(e) = env.cache.write_at(at, &buf) {
-            return Err(self.fail(env, "writing the superblock", e));
+        self.write_durably(env, at, &buf, "the superblock")?;
+        Counters::add(&env.counters.superblock_writes, 1);
+        Ok(())
+    }
+
+    /// Write metadata and make it durable (write, then one barrier).
+    fn write_durably(&mut self, env: &Env, at: u64, buf: &[u8], what: &str) -> EngineResult<()> {
+        if let Err(e) = env.cache.write_vectored_and_flush(at, &[buf]) {
+            return Err(self.fail(env, &format!("writing {what}"), e));
         }
         Counters::add(&env.counters.cache_bytes_written, buf.len() as u64);
-        if let Err(e) = env.cache.flush() {
-            return Err(self.fail(env, "flushing the superblock", e));
-        }
         Counters::add(&env.counters.cache_barriers, 1);
-        Counters::add(&env.counters.superblock_writes, 1);
         Ok(())
     }
 
@@ -1800,14 +1803,7 @@ impl Inner {
         buf[..CHECKPOINT_HEADER_BYTES].copy_from_slice(&header.encode());
         let target = 1 - self.sb.active_checkpoint;
         let at = env.layout.checkpoint_offset_bytes(target);
-        if let Err(e) = env.cache.write_at(at, &buf) {
-            return Err(self.fail(env, "writing a checkpoint", e));
-        }
-        Counters::add(&env.counters.cache_bytes_written, buf.len() as u64);
-        if let Err(e) = env.cache.flush() {
-            return Err(self.fail(env, "flushing a checkpoint", e));
-        }
-        Counters::add(&env.counters.cache_barriers, 1);
+        self.write_durably(env, at, &buf, "a checkpoint")?;
         self.sb.active_checkpoint = target;
         self.sb.checkpoint_sequence = header.sequence;
         self.sb.writeback_offset = self.wb;
