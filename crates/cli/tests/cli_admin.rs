@@ -462,3 +462,28 @@ fn sigterm_exits_zero_and_keeps_unflushed_writes() {
         .expect("exit after SIGINT");
     assert_eq!(st.code(), Some(0));
 }
+
+/// A SIGTERM that arrives the moment the socket appears still gets the
+/// clean shutdown (the handler is installed before the socket exists).
+#[test]
+fn sigterm_right_after_start_is_clean() {
+    let ctx = Ctx::new("sigterm_early");
+    let (cache, _) = ctx.setup(8 * MIB, 16 * MIB);
+    let sock = ctx.path("nbd.sock");
+    for round in 0..20 {
+        let mut p = ctx.spawn_serve(&cache, &sock, &[]);
+        // Spin, not sleep: signal within microseconds of the socket.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !sock.exists() {
+            assert!(std::time::Instant::now() < deadline, "no socket");
+            if p.try_status().is_some() {
+                panic!("serve exited early:\n{}", p.log_text());
+            }
+            std::hint::spin_loop();
+        }
+        let status = p.terminate(Duration::from_secs(60));
+        let log = p.log_text();
+        assert_eq!(status.code(), Some(0), "round {round}: {status:?}\n{log}");
+        assert!(log.contains("clean shutdown"), "round {round}:\n{log}");
+    }
+}

@@ -576,6 +576,15 @@ pub fn start_nbdkit(ctx: &Ctx, socket: &Path, args: &[&str]) -> Proc {
     cmd.arg("-f").arg("-U").arg(socket).args(args);
     let mut p = ctx.spawn("nbdkit", &mut cmd);
     wait_for_path(socket, &mut p);
+    // The file appears at bind(), a moment before listen(): wait until a
+    // connection is accepted.
+    assert!(
+        eventually(Duration::from_secs(30), || UnixStream::connect(socket)
+            .is_ok()),
+        "nbdkit does not accept connections on {}; log:\n{}",
+        socket.display(),
+        p.log_text()
+    );
     p
 }
 
