@@ -19,10 +19,14 @@
 mod engine;
 mod error;
 mod index;
+mod log;
 mod policy;
 mod ranges;
+mod read;
 mod recovery;
 mod stats;
+mod write;
+mod writeback;
 
 pub use engine::{Engine, EngineConfig, FormatOptions, OpenOptions, WritebackProgress};
 pub use error::{EngineError, EngineResult};

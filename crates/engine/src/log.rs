@@ -1,0 +1,308 @@
+//! The log: space (eviction at the tail), sealing records, flushes,
+//! superblock and checkpoint writes.
+
+use cairn_format::{
+    block_checksum, CheckpointEntry, CheckpointHeader, RecordEntry, RecordHeader, Superblock,
+    Writer, CHECKPOINT_HEADER_BYTES, SUPERBLOCK_OFFSETS,
+};
+
+use crate::engine::*;
+use crate::error::EngineResult;
+use crate::index::state;
+use crate::stats::Counters;
+
+impl Engine {
+    // ----------------------------------------------------------- checkpoints
+
+    /// Write a checkpoint of the index (and persist the write-back position).
+    pub fn checkpoint(&self) -> EngineResult<()> {
+        let mut inner = self.lock()?;
+        inner.checkpoint(&self.env)
+    }
+
+    /// Clean shutdown: flush, checkpoint. The engine stays usable.
+    pub fn close(&self) -> EngineResult<()> {
+        self.checkpoint()
+    }
+}
+
+impl Inner {
+    /// Make sure `blocks` more data blocks (plus headers and a possible lap
+    /// skip) fit before the limit, reclaiming clean space as needed.
+    pub(crate) fn ensure_space(&mut self, env: &Env, blocks: u64) -> EngineResult<Space> {
+        let headers = blocks / env.record_data_max + 2;
+        // The slack keeps room for a lap skip and for an empty epoch-end
+        // record, so a flush can always seal even when the log is full of
+        // dirty data (write-back needs that epoch end to make progress).
+        let needed = blocks + headers + env.record_data_max + 1 + EPOCH_END_RESERVE_BLOCKS;
+        let from = match &self.open {
+            Some(open) => open.start + 1 + open.data_count(),
+            None => self.head,
+        };
+        for _ in 0..4 {
+            if from + needed <= self.limit() {
+                return Ok(Space::Ready);
+            }
+            let target = from + needed - self.n;
+            // 1. Evict clean slots up to the persisted write-back position.
+            self.evict_until(env, target);
+            if from + needed <= self.limit() {
+                return Ok(Space::Ready);
+            }
+            // 2. Persist write-back progress so the tail may move further.
+            if self.tail >= self.wb_persisted && self.wb > self.wb_persisted {
+                self.persist_writeback(env)?;
+                continue;
+            }
+            // 3. The checkpoint's head is what blocks us: take a new one.
+            if self.ckpt_head < self.tail && self.ckpt_head + self.n < from + needed {
+                self.checkpoint(env)?;
+                continue;
+            }
+            break;
+        }
+        if from + needed <= self.limit() {
+            Ok(Space::Ready)
+        } else {
+            Ok(Space::NeedWriteback)
+        }
+    }
+
+    /// Advance the tail towards `target`, evicting clean blocks, but never
+    /// past the persisted write-back position (dirty data stays).
+    pub(crate) fn evict_until(&mut self, env: &Env, target: u64) {
+        while self.tail < target && self.tail < self.wb_persisted {
+            let slot = self.phys(self.tail);
+            if self.slots.is_live(slot) {
+                assert!(!self.slot_is_dirty(slot), "tail passed dirty data");
+                if self.slots.state(slot) & state::CORRUPT != 0 {
+                    // Dirty data that failed its checksum is leaving the
+                    // log: remember it reads as EIO, never as stale data.
+                    self.lost.insert(self.slots.lba(slot));
+                }
+                self.retire_slot(slot);
+                Counters::add(&env.counters.evictions, 1);
+            }
+            self.slots.clear(slot);
+            self.tail += 1;
+        }
+    }
+
+    /// Seal the open record into the log (one vectored write, no barrier).
+    /// With `epoch_end`, also seals an empty record if there is nothing open
+    /// but earlier records of this epoch exist.
+    pub(crate) fn seal(&mut self, env: &Env, epoch_end: bool) -> EngineResult<()> {
+        self.seal_with(env, epoch_end, false)
+    }
+
+    /// Seal; with `barrier`, the write and the barrier go down together (one
+    /// system call on io_uring).
+    pub(crate) fn seal_with(
+        &mut self,
+        env: &Env,
+        epoch_end: bool,
+        barrier: bool,
+    ) -> EngineResult<()> {
+        let open = match self.open.take() {
+            Some(open) => open,
+            None => {
+                if !epoch_end {
+                    return Ok(());
+                }
+                let mut start = self.head;
+                if self.phys(start) as u64 + 2 > self.n {
+                    start = start.div_ceil(self.n) * self.n;
+                }
+                if start + 1 > self.limit() {
+                    // Only right after recovery: the tail restarts at the
+                    // checkpoint's, behind clean data it may now evict.
+                    self.evict_until(env, start + 1 - self.n);
+                }
+                assert!(start < self.limit(), "no room for an epoch-end record");
+                self.head = start;
+                OpenRecord {
+                    start,
+                    entries: Vec::new(),
+                    data_entry: Vec::new(),
+                    data: Vec::new(),
+                    capacity_data: 0,
+                    has_dirty: false,
+                }
+            }
+        };
+        let header = RecordHeader {
+            sequence: self.next_seq,
+            log_offset: open.start,
+            generation: self.sb.generation,
+            durable_sequence: self.durable_seq,
+            prev_crc: self.prev_crc,
+            flags: if epoch_end {
+                cairn_format::RECORD_FLAG_EPOCH_END
+            } else {
+                0
+            },
+            entries: open.entries.clone(),
+        };
+        let (hbuf, hcrc) = header.encode(env.bs as u32);
+        let at = env.layout.slot_offset_bytes(self.phys(open.start) as u64);
+        let length = header.length_blocks();
+        assert!(
+            self.phys(open.start) as u64 + length <= self.n,
+            "record wraps"
+        );
+        assert_eq!(open.data.len(), open.data_count() as usize * env.bs);
+        // Check data before writing it: every block must match its entry.
+        for (k, &ei) in open.data_entry.iter().enumerate() {
+            if let RecordEntry::Data { lba, crc, .. } = open.entries[ei as usize] {
+                debug_assert_eq!(
+                    block_checksum(lba, &open.data[k * env.bs..(k + 1) * env.bs]),
+                    crc
+                );
+            }
+        }
+        let bufs: &[&[u8]] = if open.data.is_empty() {
+            &[&hbuf]
+        } else {
+            &[&hbuf, &open.data]
+        };
+        let result = if barrier {
+            env.cache.write_vectored_and_flush(at, bufs)
+        } else {
+            env.cache.write_vectored_at(at, bufs)
+        };
+        if let Err(e) = result {
+            self.open = Some(open);
+            return Err(self.fail(env, "sealing a log record", e));
+        }
+        Counters::add(&env.counters.records_sealed, 1);
+        Counters::add(
+            &env.counters.cache_bytes_written,
+            (length as usize * env.bs) as u64,
+        );
+        self.prev_crc = hcrc;
+        self.next_seq += 1;
+        self.head = open.start + length;
+        self.unsynced_blocks += length;
+        self.epoch_open = !epoch_end;
+        if barrier {
+            Counters::add(&env.counters.cache_barriers, 1);
+            self.durable_seq = self.next_seq - 1;
+            self.unsynced_blocks = 0;
+        }
+        Ok(())
+    }
+
+    /// Seal and make durable everything written so far; ends an epoch.
+    pub fn flush(&mut self, env: &Env) -> EngineResult<()> {
+        let open_dirty = self.open.as_ref().is_some_and(|o| o.has_dirty);
+        if !open_dirty && !self.epoch_open && self.unsynced_blocks == 0 {
+            // Nothing new to persist (an open record of clean fills may
+            // wait: losing it loses nothing).
+            return Ok(());
+        }
+        self.seal_with(env, true, true)?;
+        self.wb_limit = self.head;
+        Ok(())
+    }
+
+    pub fn write_superblock(&mut self, env: &Env) -> EngineResult<()> {
+        self.sb.sequence += 1;
+        let buf = self.sb.encode();
+        let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(self.sb.sequence)];
+        self.write_durably(env, at, &buf, "the superblock")?;
+        Counters::add(&env.counters.superblock_writes, 1);
+        Ok(())
+    }
+
+    /// Write metadata and make it durable (write, then one barrier).
+    pub(crate) fn write_durably(
+        &mut self,
+        env: &Env,
+        at: u64,
+        buf: &[u8],
+        what: &str,
+    ) -> EngineResult<()> {
+        if let Err(e) = env.cache.write_vectored_and_flush(at, &[buf]) {
+            return Err(self.fail(env, &format!("writing {what}"), e));
+        }
+        Counters::add(&env.counters.cache_bytes_written, buf.len() as u64);
+        Counters::add(&env.counters.cache_barriers, 1);
+        Ok(())
+    }
+
+    pub(crate) fn persist_writeback(&mut self, env: &Env) -> EngineResult<()> {
+        self.sb.writeback_offset = self.wb;
+        self.write_superblock(env)?;
+        self.wb_persisted = self.wb;
+        Ok(())
+    }
+
+    /// Snapshot the index into the inactive checkpoint slot, then point the
+    /// superblock at it.
+    pub fn checkpoint(&mut self, env: &Env) -> EngineResult<()> {
+        self.flush(env)?;
+        // Clean fills still open are sealed too, so the snapshot has them.
+        if self.open.is_some() {
+            self.seal_with(env, true, true)?;
+            self.wb_limit = self.head;
+        }
+        assert!(self.open.is_none());
+        let mut entries = Vec::with_capacity((self.dirty_blocks + self.clean_blocks) as usize);
+        for slot in 0..self.n as u32 {
+            if self.slots.is_live(slot) {
+                entries.push(CheckpointEntry {
+                    slot,
+                    lba: self.slots.lba(slot),
+                    crc: self.slots.crc(slot),
+                    state: self.slots.state(slot) & state::PERSISTED,
+                });
+            }
+        }
+        assert_eq!(entries.len() as u64, self.dirty_blocks + self.clean_blocks);
+        let ranges = self.ranges.to_pending();
+        let payload_len =
+            CheckpointHeader::payload_bytes(entries.len() as u64, ranges.len() as u32) as usize;
+        let total = cairn_format::align_up(
+            (CHECKPOINT_HEADER_BYTES + payload_len) as u64,
+            env.bs as u64,
+        ) as usize;
+        assert!(total as u64 <= env.layout.checkpoint_slot_bytes);
+        let mut buf = vec![0u8; total];
+        {
+            let mut w = Writer::new(&mut buf[CHECKPOINT_HEADER_BYTES..]);
+            for e in &entries {
+                e.encode(&mut w);
+            }
+            for r in &ranges {
+                r.encode(&mut w);
+            }
+        }
+        let payload_crc =
+            crc32c::crc32c(&buf[CHECKPOINT_HEADER_BYTES..CHECKPOINT_HEADER_BYTES + payload_len]);
+        let header = CheckpointHeader {
+            sequence: self.sb.checkpoint_sequence + 1,
+            generation: self.sb.generation,
+            head_offset: self.head,
+            next_record_sequence: self.next_seq,
+            prev_crc: self.prev_crc,
+            tail_offset: self.tail,
+            writeback_offset: self.wb,
+            durable_sequence: self.durable_seq,
+            entry_count: entries.len() as u64,
+            range_count: ranges.len() as u32,
+            payload_crc,
+        };
+        buf[..CHECKPOINT_HEADER_BYTES].copy_from_slice(&header.encode());
+        let target = 1 - self.sb.active_checkpoint;
+        let at = env.layout.checkpoint_offset_bytes(target);
+        self.write_durably(env, at, &buf, "a checkpoint")?;
+        self.sb.active_checkpoint = target;
+        self.sb.checkpoint_sequence = header.sequence;
+        self.sb.writeback_offset = self.wb;
+        self.write_superblock(env)?;
+        self.wb_persisted = self.wb;
+        self.ckpt_head = self.head;
+        Counters::add(&env.counters.checkpoints, 1);
+        Ok(())
+    }
+}

@@ -1,0 +1,270 @@
+//! Ordered write-back: epoch group by epoch group, checksums verified
+//! before anything reaches the origin, origin flushed after each group.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use cairn_format::{block_checksum, RangeKind, RecordEntry, RecordHeader};
+
+use crate::engine::*;
+use crate::error::{EngineError, EngineResult};
+use crate::index::state;
+use crate::stats::Counters;
+
+impl Engine {
+    // ------------------------------------------------------------- writeback
+
+    pub fn set_writeback_paused(&self, paused: bool) {
+        self.paused.store(paused, Ordering::Relaxed);
+    }
+
+    pub fn writeback_paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
+    }
+
+    /// One step of background write-back: one epoch group, unless paused.
+    /// Returns what was written; zero blocks means nothing was eligible.
+    pub fn writeback_step(&self) -> EngineResult<WritebackProgress> {
+        if self.writeback_paused() {
+            let inner = self.lock()?;
+            return Ok(WritebackProgress {
+                dirty_blocks: inner.dirty_blocks,
+                ..Default::default()
+            });
+        }
+        self.writeback_group()
+    }
+
+    /// Write back everything: flush, then write back every group, then
+    /// persist the write-back position. Runs even when paused.
+    pub fn drain(&self) -> EngineResult<WritebackProgress> {
+        self.drain_with_progress(|_| {})
+    }
+
+    pub fn drain_with_progress(
+        &self,
+        mut progress: impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
+        self.flush()?;
+        let mut total = WritebackProgress::default();
+        // Bounded: each group advances the write-back position.
+        for _ in 0..=self.env.layout.log_blocks {
+            let step = self.writeback_group()?;
+            total.blocks_written += step.blocks_written;
+            total.groups += step.groups;
+            total.dirty_blocks = step.dirty_blocks;
+            progress(&total);
+            if step.groups == 0 {
+                break;
+            }
+        }
+        let mut inner = self.lock()?;
+        if inner.wb_persisted != inner.wb {
+            inner.persist_writeback(&self.env)?;
+        }
+        total.dirty_blocks = inner.dirty_blocks;
+        Ok(total)
+    }
+
+    /// Write back the oldest complete epoch group, tracking origin health.
+    pub(crate) fn writeback_group(&self) -> EngineResult<WritebackProgress> {
+        let result = self.writeback_group_inner();
+        match &result {
+            Err(EngineError::Origin(e)) => {
+                if !self.origin_failing.swap(true, Ordering::Relaxed) {
+                    tracing::error!("origin is failing; dirty data stays on the cache: {e}");
+                }
+                *self
+                    .origin_last_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            }
+            Ok(p) if p.groups > 0 && self.origin_failing.swap(false, Ordering::Relaxed) => {
+                tracing::info!("origin recovered; write-back resumed");
+            }
+            _ => {}
+        }
+        result
+    }
+
+    /// The last origin error while the origin is failing.
+    pub fn origin_error(&self) -> Option<String> {
+        if !self.origin_failing.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.origin_last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn writeback_group_inner(&self) -> EngineResult<WritebackProgress> {
+        let _serial = self
+            .writeback_lock
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let env = &self.env;
+        let bs = env.bs;
+        let (start, limit, n) = {
+            let inner = self.lock()?;
+            (inner.wb, inner.wb_limit, inner.n)
+        };
+        if start == limit {
+            let inner = self.lock()?;
+            return Ok(WritebackProgress {
+                dirty_blocks: inner.dirty_blocks,
+                ..Default::default()
+            });
+        }
+        // Walk records from the write-back position to the next epoch end.
+        let mut records: Vec<(u64, RecordHeader, Vec<u8>)> = Vec::new();
+        let mut pos = start;
+        for _ in 0..n {
+            let (at, header) =
+                crate::recovery::read_record_header(env, pos, n)?.ok_or_else(|| {
+                    EngineError::LogDamaged {
+                        device: env.cache.name().to_string(),
+                        detail: format!("no valid record at write-back position {pos}"),
+                    }
+                })?;
+            let data_count = header.data_count();
+            let mut data = vec![0u8; data_count * bs];
+            if data_count > 0 {
+                env.cache
+                    .read_at(env.layout.slot_offset_bytes((at + 1) % n), &mut data)
+                    .map_err(|e| {
+                        Counters::add(&env.counters.cache_read_errors, 1);
+                        EngineError::Cache(e)
+                    })?;
+            }
+            pos = at + header.length_blocks();
+            let epoch_end = header.epoch_end();
+            records.push((at, header, data));
+            if epoch_end || pos >= limit {
+                break;
+            }
+        }
+        assert!(pos <= limit, "write-back walked past the durable limit");
+        // Final state of the group: ranges in order, then the last valid
+        // version of each block.
+        let mut final_blocks: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
+        let mut range_ops: Vec<(RangeKind, u64, u64)> = Vec::new();
+        let mut bad: Vec<(u64, u64)> = Vec::new();
+        for (ri, (at, header, data)) in records.iter().enumerate() {
+            let mut k = 0usize;
+            for entry in &header.entries {
+                match *entry {
+                    RecordEntry::Data { lba, crc, clean } => {
+                        let block = &data[k * bs..(k + 1) * bs];
+                        let slot_offset = at + 1 + k as u64;
+                        k += 1;
+                        if clean {
+                            continue;
+                        }
+                        if block_checksum(lba, block) != crc {
+                            // Never copy a block that fails its checksum.
+                            final_blocks.remove(&lba);
+                            bad.push((lba, slot_offset));
+                            continue;
+                        }
+                        final_blocks.insert(lba, (ri, k - 1));
+                    }
+                    RecordEntry::Range {
+                        kind,
+                        lba,
+                        block_count,
+                    } => {
+                        let end = lba + block_count as u64;
+                        let inside: Vec<u64> =
+                            final_blocks.range(lba..end).map(|(&l, _)| l).collect();
+                        for l in inside {
+                            final_blocks.remove(&l);
+                        }
+                        range_ops.push((kind, lba, block_count as u64));
+                    }
+                }
+            }
+        }
+        // Origin I/O: ranges, then data merged into runs, then one flush.
+        let origin = env.origin.as_ref();
+        let origin_err = |e| {
+            Counters::add(&env.counters.origin_write_errors, 1);
+            EngineError::Origin(e)
+        };
+        for &(kind, lba, count) in &range_ops {
+            let (at, len) = (lba * bs as u64, count * bs as u64);
+            match kind {
+                RangeKind::Zero => origin.write_zeroes(at, len).map_err(origin_err)?,
+                RangeKind::Discard => {
+                    origin.discard(at, len).map_err(origin_err)?;
+                }
+            }
+        }
+        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (&lba, &(ri, k)) in &final_blocks {
+            let block = &records[ri].2[k * bs..(k + 1) * bs];
+            match runs.last_mut() {
+                Some((start_lba, buf))
+                    if *start_lba + (buf.len() / bs) as u64 == lba && buf.len() < (1 << 20) =>
+                {
+                    buf.extend_from_slice(block)
+                }
+                _ => runs.push((lba, block.to_vec())),
+            }
+        }
+        let writes: Vec<(u64, &[u8])> = runs
+            .iter()
+            .map(|(lba, buf)| (lba * bs as u64, buf.as_slice()))
+            .collect();
+        origin.write_many(&writes).map_err(origin_err)?;
+        origin.flush().map_err(origin_err)?;
+        // Commit: the group is on the origin.
+        let mut inner = self.lock()?;
+        assert_eq!(inner.wb, start, "write-back is serialized");
+        for (at, header, _) in &records {
+            let mut k = 0u64;
+            for entry in &header.entries {
+                if let RecordEntry::Data { .. } = entry {
+                    let slot = ((at + 1 + k) % n) as u32;
+                    k += 1;
+                    if inner.slots.is_live(slot)
+                        && inner.slots.state(slot) & (state::CLEAN_INSERT | state::CORRUPT) == 0
+                        && inner.logical_of(slot) == at + k
+                    {
+                        inner.dirty_blocks -= 1;
+                        inner.clean_blocks += 1;
+                    }
+                }
+            }
+        }
+        for &(lba, logical) in &bad {
+            let slot = (logical % n) as u32;
+            Counters::add(&env.counters.writeback_skipped_corrupt, 1);
+            if inner.slots.is_live(slot)
+                && inner.slots.lba(slot) == lba
+                && inner.logical_of(slot) == logical
+            {
+                tracing::error!(
+                    lba,
+                    "dirty block failed its checksum during write-back; not copied to the origin"
+                );
+                Counters::add(&env.counters.checksum_mismatches, 1);
+                if inner.slots.state(slot) & state::CORRUPT == 0 {
+                    inner.mark_corrupt(slot);
+                }
+                // It stays dirty-corrupt until evicted; then it is "lost".
+            }
+        }
+        inner.ranges.retire_records(start, pos);
+        inner.wb = pos;
+        let blocks_written = final_blocks.len() as u64;
+        Counters::add(&env.counters.writeback_blocks, blocks_written);
+        Counters::add(&env.counters.writeback_bytes, blocks_written * bs as u64);
+        Counters::add(&env.counters.writeback_groups, 1);
+        Ok(WritebackProgress {
+            blocks_written,
+            groups: 1,
+            dirty_blocks: inner.dirty_blocks,
+        })
+    }
+}
