@@ -11,6 +11,10 @@ use crate::error::EngineResult;
 use crate::index::state;
 use crate::stats::Counters;
 
+/// At most this many recently hit clean blocks move forward per eviction
+/// round (each costs a cache read and a write).
+const SECOND_CHANCE_MAX_BLOCKS: usize = 64;
+
 impl Engine {
     // ----------------------------------------------------------- checkpoints
 
@@ -35,19 +39,22 @@ impl Inner {
         // record, so a flush can always seal even when the log is full of
         // dirty data (write-back needs that epoch end to make progress).
         let needed = blocks + headers + env.record_data_max + 1 + EPOCH_END_RESERVE_BLOCKS;
-        let from = match &self.open {
-            Some(open) => open.start + 1 + open.data_count(),
-            None => self.head,
-        };
+        let mut rescued = Vec::new();
+        let mut ready = false;
         for _ in 0..4 {
+            let from = self.append_position();
             if from + needed <= self.limit() {
-                return Ok(Space::Ready);
+                ready = true;
+                break;
             }
-            let target = from + needed - self.n;
-            // 1. Evict clean slots up to the persisted write-back position.
-            self.evict_until(env, target);
+            // 1. Evict clean slots up to the persisted write-back position,
+            //    a little further than needed so second-chance blocks have
+            //    room at the head.
+            let target = from + needed + SECOND_CHANCE_MAX_BLOCKS as u64 + 2 - self.n;
+            rescued.extend(self.evict_until(env, target));
             if from + needed <= self.limit() {
-                return Ok(Space::Ready);
+                ready = true;
+                break;
             }
             // 2. Persist write-back progress so the tail may move further.
             if self.tail >= self.wb_persisted && self.wb > self.wb_persisted {
@@ -61,20 +68,51 @@ impl Inner {
             }
             break;
         }
-        if from + needed <= self.limit() {
+        // Recently hit blocks that were evicted move to the head. They may
+        // use room the caller wanted (it then waits for write-back, which
+        // frees more), but never the reserve a flush needs.
+        let keep_free = env.record_data_max + 1 + EPOCH_END_RESERVE_BLOCKS;
+        self.reinsert(env, rescued, if ready { needed } else { keep_free })?;
+        if ready || self.append_position() + needed <= self.limit() {
             Ok(Space::Ready)
         } else {
             Ok(Space::NeedWriteback)
         }
     }
 
+    /// Where the next data block would go.
+    fn append_position(&self) -> u64 {
+        match &self.open {
+            Some(open) => open.start + 1 + open.data_count(),
+            None => self.head,
+        }
+    }
+
     /// Advance the tail towards `target`, evicting clean blocks, but never
-    /// past the persisted write-back position (dirty data stays).
-    pub(crate) fn evict_until(&mut self, env: &Env, target: u64) {
+    /// past the persisted write-back position (dirty data stays). Clean
+    /// blocks hit since they were inserted (second chance) are read and
+    /// returned, up to a bound, so the caller can move them to the head.
+    pub(crate) fn evict_until(&mut self, env: &Env, target: u64) -> Vec<(u64, Vec<u8>)> {
+        let mut rescued = Vec::new();
         while self.tail < target && self.tail < self.wb_persisted {
             let slot = self.phys(self.tail);
             if self.slots.is_live(slot) {
                 assert!(!self.slot_is_dirty(slot), "tail passed dirty data");
+                let st = self.slots.state(slot);
+                if st & state::REFERENCED != 0
+                    && st & state::CORRUPT == 0
+                    && rescued.len() < SECOND_CHANCE_MAX_BLOCKS
+                {
+                    let lba = self.slots.lba(slot);
+                    let mut block = vec![0u8; env.bs];
+                    let read = env
+                        .cache
+                        .read_at(env.layout.slot_offset_bytes(slot as u64), &mut block);
+                    // Check data after reading it: only a verified copy moves.
+                    if read.is_ok() && block_checksum(lba, &block) == self.slots.crc(slot) {
+                        rescued.push((lba, block));
+                    }
+                }
                 if self.slots.state(slot) & state::CORRUPT != 0 {
                     // Dirty data that failed its checksum is leaving the
                     // log: remember it reads as EIO, never as stale data.
@@ -86,6 +124,28 @@ impl Inner {
             self.slots.clear(slot);
             self.tail += 1;
         }
+        rescued
+    }
+
+    /// Re-insert second-chance blocks at the head as clean copies, if that
+    /// still leaves `needed` blocks free; otherwise they stay evicted.
+    fn reinsert(
+        &mut self,
+        env: &Env,
+        rescued: Vec<(u64, Vec<u8>)>,
+        needed: u64,
+    ) -> EngineResult<()> {
+        for (lba, block) in rescued {
+            let from = self.append_position();
+            // One block, a possible new header and lap skip, plus the room
+            // the caller asked for.
+            if from + 3 + needed > self.limit() || self.map.get(lba, &self.slots).is_some() {
+                continue;
+            }
+            self.append_data(env, lba, &block, true)?;
+            Counters::add(&env.counters.second_chances, 1);
+        }
+        Ok(())
     }
 
     /// Seal the open record into the log (one vectored write, no barrier).
@@ -116,7 +176,7 @@ impl Inner {
                 if start + 1 > self.limit() {
                     // Only right after recovery: the tail restarts at the
                     // checkpoint's, behind clean data it may now evict.
-                    self.evict_until(env, start + 1 - self.n);
+                    let _ = self.evict_until(env, start + 1 - self.n);
                 }
                 assert!(start < self.limit(), "no room for an epoch-end record");
                 self.head = start;

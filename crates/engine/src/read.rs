@@ -269,6 +269,8 @@ impl Inner {
     ) -> EngineResult<Plan> {
         let bs = env.bs;
         if let Some(slot) = self.map.get(lba, &self.slots) {
+            let st = self.slots.state(slot);
+            self.slots.set_state(slot, st | state::REFERENCED);
             if let Some(k) = self.open_slot_index(slot) {
                 let open = self.open.as_ref().expect("open record");
                 block.copy_from_slice(&open.data[k * bs..(k + 1) * bs]);
@@ -283,8 +285,6 @@ impl Inner {
             if self.slots.state(slot) & state::CORRUPT != 0 {
                 return Err(EngineError::DirtyBlockCorrupt { lba });
             }
-            let st = self.slots.state(slot);
-            self.slots.set_state(slot, st | state::REFERENCED);
             return Ok(Plan::Cache {
                 slot,
                 crc: self.slots.crc(slot),

@@ -73,6 +73,7 @@ counters!(
     bypassed,
     writethrough_waits,
     evictions,
+    second_chances,
     cache_read_errors,
     cache_write_errors,
     origin_read_errors,
