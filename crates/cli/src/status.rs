@@ -29,6 +29,7 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     m.insert("writeback_offset".into(), json!(s.writeback_offset));
     m.insert("head_offset".into(), json!(s.head_offset));
     m.insert("index_memory_bytes".into(), json!(s.index_memory_bytes));
+    m.insert("policy_memory_bytes".into(), json!(s.policy_memory_bytes));
     let lookups = s.read_hits + s.read_misses;
     // The ratio counts block lookups of client reads: cache hits over hits
     // plus origin misses (zeroed ranges are neither).
