@@ -1,0 +1,478 @@
+//! Medians, ratios, goals; Markdown, JSON and SVG output.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use crate::systems::{self, Sys};
+use crate::workloads::{Meas, W};
+
+pub fn median(v: &[f64]) -> f64 {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Everything a report is made of.
+pub struct Data {
+    pub meas: Vec<Meas>,
+    pub memory: Option<Value>,
+    pub errors: Vec<String>,
+    pub header: Value,
+    pub systems: Vec<Sys>,
+    pub workloads: Vec<W>,
+}
+
+pub type Medians = BTreeMap<(W, Sys), BTreeMap<String, f64>>;
+
+impl Data {
+    pub fn medians(&self) -> Medians {
+        let mut all: BTreeMap<(W, Sys), BTreeMap<String, Vec<f64>>> = BTreeMap::new();
+        for m in &self.meas {
+            let e = all.entry((m.w, m.sys)).or_default();
+            for (k, v) in &m.m {
+                e.entry(k.clone()).or_default().push(*v);
+            }
+        }
+        all.into_iter()
+            .map(|(k, ms)| (k, ms.into_iter().map(|(n, v)| (n, median(&v))).collect()))
+            .collect()
+    }
+
+    fn values(&self, w: W, sys: Sys, metric: &str) -> Vec<f64> {
+        self.meas
+            .iter()
+            .filter(|m| m.w == w && m.sys == sys)
+            .filter_map(|m| m.m.get(metric).copied())
+            .collect()
+    }
+}
+
+fn get(med: &Medians, w: W, s: Sys, k: &str) -> Option<f64> {
+    med.get(&(w, s)).and_then(|m| m.get(k)).copied().filter(|x| x.is_finite())
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+pub const PEERS: [Sys; 5] = [Sys::NbdkitFile, Sys::Origin, Sys::Raw, Sys::QemuNbd, Sys::NbdkitCache];
+
+pub fn fmt_val(metric: &str, v: f64) -> String {
+    if !v.is_finite() {
+        return "–".into();
+    }
+    match metric {
+        "iops" => {
+            if v >= 10000.0 {
+                format!("{:.1}k", v / 1000.0)
+            } else {
+                format!("{v:.0}")
+            }
+        }
+        "mb_s" => format!("{v:.0}"),
+        "seconds" => format!("{v:.2}"),
+        _ => {
+            if v.abs() >= 100.0 {
+                format!("{v:.0}")
+            } else if v.abs() >= 10.0 {
+                format!("{v:.1}")
+            } else {
+                format!("{v:.2}")
+            }
+        }
+    }
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    match r {
+        Some(r) if r >= 100.0 => format!("{r:.0}×"),
+        Some(r) if r >= 10.0 => format!("{r:.1}×"),
+        Some(r) => format!("{r:.2}×"),
+        None => "–".into(),
+    }
+}
+
+pub struct Goal {
+    pub id: &'static str,
+    pub text: String,
+    pub measured: Option<f64>,
+    pub shown: String,
+    pub met: Option<bool>,
+}
+
+impl Goal {
+    fn to_json(&self) -> Value {
+        json!({"id": self.id, "goal": self.text, "measured": self.measured, "shown": self.shown, "met": self.met})
+    }
+}
+
+pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
+    let mut g = Vec::new();
+    let mut push = |id, text: &str, measured: Option<f64>, ok: &dyn Fn(f64) -> bool, suffix: &str| {
+        g.push(Goal {
+            id,
+            text: text.to_string(),
+            measured,
+            shown: measured.map(|v| format!("{}{suffix}", fmt_num(v))).unwrap_or_else(|| "not measured".into()),
+            met: measured.map(ok),
+        });
+    };
+    let c = |w, k: &str| get(med, w, Sys::Cairn, k);
+    let p = |w, s, k: &str| get(med, w, s, k);
+    push("1a", "W1 fsync'd 4K writes: IOPS cairn / nbdkit-file ≥ 0.90", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::NbdkitFile, "iops")), &|r| r >= 0.90, "×");
+    push("1b", "W1 fsync'd 4K writes: IOPS cairn / origin alone ≥ 20", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::Origin, "iops")), &|r| r >= 20.0, "×");
+    push("2a", "W2 ext4 untar: wall time cairn / nbdkit-file ≤ 1.15", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::NbdkitFile, "seconds")), &|r| r <= 1.15, "×");
+    push("2b", "W2 ext4 untar: far below the origin alone (we read it as time cairn / origin ≤ 0.25)", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::Origin, "seconds")), &|r| r <= 0.25, "×");
+    push("3a", "W3 64K seq writes: MB/s cairn / raw io_uring O_DIRECT ≥ 0.90", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::Raw, "mb_s")), &|r| r >= 0.90, "×");
+    push("3b", "W3 64K seq writes: MB/s cairn / qemu-nbd ≥ 1.0", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::QemuNbd, "mb_s")), &|r| r >= 1.0, "×");
+    push("3c", "W3 64K seq writes: MB/s cairn / nbdkit-file (reported, no goal; nbdkit writes into the page cache)", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::NbdkitFile, "mb_s")), &|_| true, "×");
+    if let Some(last) = g.last_mut() {
+        last.met = None;
+    }
+    let rb = d.values(W::Seq, Sys::Cairn, "daemon_read_bytes");
+    let rb_max = if rb.is_empty() { None } else { Some(rb.iter().cloned().fold(0.0, f64::max)) };
+    g.push(Goal {
+        id: "3d",
+        text: "W3: bytes read from the cache device by the daemon = 0 (/proc/PID/io read_bytes, worst round)".into(),
+        measured: rb_max,
+        shown: rb_max.map(|v| format!("{} bytes ({:.1} MiB)", v as u64, v / 1048576.0)).unwrap_or_else(|| "not measured".into()),
+        met: rb_max.map(|v| v == 0.0),
+    });
+    let mut push = |id, text: &str, measured: Option<f64>, ok: &dyn Fn(f64) -> bool, suffix: &str| {
+        g.push(Goal {
+            id,
+            text: text.to_string(),
+            measured,
+            shown: measured.map(|v| format!("{}{suffix}", fmt_num(v))).unwrap_or_else(|| "not measured".into()),
+            met: measured.map(ok),
+        });
+    };
+    push("3e", "W3: cache-device bytes written per client byte ≤ 1.05 (cairn status cache_bytes_written / fio bytes)", c(W::Seq, "cache_write_amp"), &|r| r <= 1.05, "");
+    let best_read = match (p(W::RandRead, Sys::NbdkitFile, "iops"), p(W::RandRead, Sys::QemuNbd, "iops")) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    push("4a", "W4 cached 4K random reads QD32: IOPS cairn / best of (nbdkit-file, qemu-nbd) ≥ 1.0", ratio(c(W::RandRead, "iops"), best_read), &|r| r >= 1.0, "×");
+    push("4b", "W4: IOPS cairn / raw io_uring ≥ 0.8", ratio(c(W::RandRead, "iops"), p(W::RandRead, Sys::Raw, "iops")), &|r| r >= 0.8, "×");
+    let best_cpu = [Sys::NbdkitFile, Sys::QemuNbd, Sys::NbdkitCache]
+        .iter()
+        .filter_map(|s| p(W::RandRead, *s, "cpu_us_per_io"))
+        .fold(None, |acc: Option<f64>, v| Some(acc.map_or(v, |a| a.min(v))));
+    push("4c", "W4: CPU per I/O (fio + daemon, usr+sys) cairn / best NBD peer ≤ 1.0", ratio(c(W::RandRead, "cpu_us_per_io"), best_cpu), &|r| r <= 1.0, "×");
+    let mem = d.memory.as_ref();
+    let gib = mem.and_then(|m| m["cache_gib"].as_f64()).unwrap_or(f64::NAN);
+    push("5a", &format!("W5: RSS per GiB of cache, cache full of 4 KiB blocks ({gib} GiB cache) ≤ 8 MiB/GiB"), mem.and_then(|m| m["rss_mib_per_gib"].as_f64()), &|v| v <= 8.0, " MiB/GiB");
+    push("5b", "W5: reopen after kill -9 with that cache full ≤ 2 s (worst round)", mem.and_then(|m| m["reopen_s_max"].as_f64()), &|v| v <= 2.0, " s");
+    g
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else if v.abs() >= 0.01 || v == 0.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+fn met_str(m: Option<bool>) -> &'static str {
+    match m {
+        Some(true) => "**met**",
+        Some(false) => "**not met**",
+        None => "–",
+    }
+}
+
+pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
+    let h = &d.header;
+    let mut s = String::new();
+    let _ = writeln!(s, "# cairn benchmark results\n");
+    let _ = writeln!(s, "- date: {}", h["date"].as_str().unwrap_or("?"));
+    let _ = writeln!(s, "- command: `{}`", h["command"].as_str().unwrap_or("?"));
+    let _ = writeln!(s, "- mode: {}; {} round(s), {} s per fio measurement, systems interleaved (order rotated each round); medians", h["mode"].as_str().unwrap_or("?"), h["config"]["rounds"], h["config"]["runtime_s"]);
+    let m = &h["machine"];
+    let _ = writeln!(s, "- machine: {} CPUs ({}), {} GiB RAM, kernel {}; scratch on {}", m["nproc"], m["cpu_model"].as_str().unwrap_or("?"), m["mem_gib"], m["kernel"].as_str().unwrap_or("?"), m["scratch_fs"].as_str().unwrap_or("?"));
+    let _ = writeln!(s, "- load average (1/5/15 min) at start: {}; at end: {} (other work on the machine shares these 2 cores)", h["load_start"], h["load_end"]);
+    let _ = writeln!(s, "- cairn {}; fio {}; nbdkit {}; qemu-nbd {}", h["cairn_commit"].as_str().unwrap_or("?"), m["fio"].as_str().unwrap_or("?"), m["nbdkit"].as_str().unwrap_or("?"), m["qemu_nbd"].as_str().unwrap_or("?"));
+    let _ = writeln!(s, "- slow origin: {} ms per read and per write (nbdkit delay filter; flush not delayed)\n", h["config"]["delay_ms"]);
+
+    // Headline table.
+    let _ = writeln!(s, "## Headline: medians, and cairn's ratio to each peer\n");
+    let _ = writeln!(s, "For W2 the figure is a wall time, so a ratio below 1 means cairn is faster; elsewhere above 1 means cairn is faster.\n");
+    let mut hdr = String::from("| workload | unit |");
+    let mut sep = String::from("|---|---|");
+    for sys in &d.systems {
+        let _ = write!(hdr, " {} |", sys.name());
+        sep.push_str("---:|");
+    }
+    for p in PEERS {
+        if d.systems.contains(&p) && d.systems.contains(&Sys::Cairn) {
+            let _ = write!(hdr, " cairn / {} |", p.name());
+            sep.push_str("---:|");
+        }
+    }
+    let _ = writeln!(s, "{hdr}\n{sep}");
+    for w in &d.workloads {
+        if *w == W::Memory {
+            continue;
+        }
+        let (k, unit, _) = w.headline();
+        let _ = write!(s, "| {} | {unit} |", w.name());
+        for sys in &d.systems {
+            let _ = write!(s, " {} |", get(med, *w, *sys, k).map(|v| fmt_val(k, v)).unwrap_or("–".into()));
+        }
+        for p in PEERS {
+            if d.systems.contains(&p) && d.systems.contains(&Sys::Cairn) {
+                let _ = write!(s, " {} |", fmt_ratio(ratio(get(med, *w, Sys::Cairn, k), get(med, *w, p, k))));
+            }
+        }
+        s.push('\n');
+    }
+    if let Some(mm) = &d.memory {
+        let _ = writeln!(
+            s,
+            "| {} | MiB RSS per GiB of cache | {} | (cairn only) |",
+            W::Memory.name(),
+            fmt_num(mm["rss_mib_per_gib"].as_f64().unwrap_or(f64::NAN))
+        );
+    }
+
+    // Goals.
+    let _ = writeln!(s, "\n## Goals of issue 8\n");
+    let _ = writeln!(s, "| # | goal | measured | verdict |\n|---|---|---:|---|");
+    for g in goals {
+        let _ = writeln!(s, "| {} | {} | {} | {} |", g.id, g.text, g.shown, met_str(g.met));
+    }
+
+    // CPU, RSS, latency.
+    let _ = writeln!(s, "\n## CPU per I/O, latency and daemon peak RSS (medians)\n");
+    let _ = writeln!(s, "CPU is usr+sys: fio's own (client) from its JSON, the daemon's from /proc/PID/stat (all threads, 10 ms ticks) over the fio run. Peak RSS is VmHWM of the daemon, started fresh for each measurement (the origin daemon is shared by the whole run).\n");
+    let _ = writeln!(s, "| workload | system | headline | CPU µs/IO fio | CPU µs/IO daemon | CPU µs/IO total | lat mean µs | lat p99 µs | flush lat mean µs | daemon peak RSS MiB | load1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for w in &d.workloads {
+        if *w == W::Memory || *w == W::Ext4 {
+            continue;
+        }
+        let (k, unit, _) = w.headline();
+        for sys in &d.systems {
+            let Some(mm) = med.get(&(*w, *sys)) else { continue };
+            let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+            let _ = writeln!(s, "| {} | {} | {} {unit} | {} | {} | {} | {} | {} | {} | {} | {} |", w.id(), sys.name(), mm.get(k).map(|v| fmt_val(k, *v)).unwrap_or("–".into()), f("client_cpu_us_per_io"), f("daemon_cpu_us_per_io"), f("cpu_us_per_io"), f("lat_mean_us"), f("lat_p99_us"), f("sync_lat_mean_us"), f("daemon_peak_rss_mib"), f("load1"));
+        }
+    }
+    if d.workloads.contains(&W::Ext4) {
+        let _ = writeln!(s, "\n### W2 ext4 details (medians)\n");
+        let _ = writeln!(s, "| system | untar s | mkfs s | umount s | daemon CPU s during untar | daemon peak RSS MiB | rounds |\n|---|---:|---:|---:|---:|---:|---:|");
+        for sys in &d.systems {
+            let Some(mm) = med.get(&(W::Ext4, *sys)) else { continue };
+            let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+            let n = d.meas.iter().filter(|m| m.w == W::Ext4 && m.sys == *sys).count();
+            let to = if mm.contains_key("timed_out") { " (timed out: lower bound)" } else { "" };
+            let _ = writeln!(s, "| {} | {}{to} | {} | {} | {} | {} | {n} |", sys.name(), f("seconds"), f("mkfs_s"), f("umount_s"), f("daemon_cpu_s"), f("daemon_peak_rss_mib"));
+        }
+    }
+
+    // cairn internals.
+    let cairn_rows: Vec<(W, Sys)> = d
+        .workloads
+        .iter()
+        .flat_map(|w| [(*w, Sys::Cairn), (*w, Sys::CairnNoWb)])
+        .filter(|k| med.contains_key(k) && k.0 != W::Ext4)
+        .collect();
+    if !cairn_rows.is_empty() {
+        let _ = writeln!(s, "\n## cairn counters during the fio run (medians of deltas)\n");
+        let _ = writeln!(s, "read_bytes and write_bytes are the daemon's /proc/PID/io (all its I/O to the cache file; the origin is a socket); the rest come from `cairn status --json` before and after the run.\n");
+        let _ = writeln!(s, "| workload | system | daemon read_bytes | daemon write_bytes | cache_bytes_written | per client byte | cache barriers | flushes | internal flushes | records sealed | write-back bytes | stalls | hit ratio |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (w, sys) in cairn_rows {
+            let mm = &med[&(w, sys)];
+            let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+            let _ = writeln!(s, "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |", w.id(), sys.name(), f("daemon_read_bytes"), f("daemon_write_bytes"), f("cairn_cache_bytes_written"), f("cache_write_amp"), f("cairn_cache_barriers"), f("cairn_flushes"), f("cairn_internal_flushes"), f("cairn_records_sealed"), f("cairn_writeback_bytes"), f("cairn_writeback_stalls"), f("hit_ratio"));
+        }
+    }
+
+    if let Some(mm) = &d.memory {
+        let _ = writeln!(s, "\n## W5 memory and recovery (cairn)\n");
+        let f = |n: &str| mm[n].as_f64().map(fmt_num).unwrap_or("–".into());
+        let _ = writeln!(s, "- cache: {} GiB file, {} blocks of 4 KiB; filled with {} scattered 4 KiB blocks by random 4 KiB writes, QD32, over twice that span ({} of the blocks; fill ran at {} IOPS), then one flush; started with --no-writeback so all of them stay dirty", f("cache_gib"), mm["cache_blocks"], mm["filled_blocks"], f("fill_fraction"), f("fill_iops"));
+        let _ = writeln!(s, "- RSS: {} MiB empty, {} MiB full (peak {} MiB); index_memory_bytes {} → **{} MiB RSS per GiB of cache** (growth from empty: {} MiB/GiB; peak {} MiB/GiB; peak after a recovery {} MiB/GiB)", f("rss_empty_mib"), f("rss_full_mib"), f("peak_rss_full_mib"), mm["index_memory_bytes"], f("rss_mib_per_gib"), f("rss_growth_mib_per_gib"), f("peak_rss_mib_per_gib"), f("peak_rss_after_recovery_mib_per_gib"));
+        let _ = writeln!(s, "- reopen after kill -9 (spawn of `cairn serve` until its socket accepts): {:?} s; worst {} s (first open after format: {} s)", mm["reopen_s"].as_array().map(|a| a.iter().map(|x| (x.as_f64().unwrap_or(0.0) * 1000.0).round() / 1000.0).collect::<Vec<_>>()).unwrap_or_default(), f("reopen_s_max"), f("first_open_s"));
+        if let Some(rs) = mm["recoveries"].as_array() {
+            for (i, r) in rs.iter().enumerate() {
+                let _ = writeln!(s, "  - recovery {}: {:.3} s, dirty blocks {} → {}, read {:.0} MiB from the cache device, RSS {:.1} MiB (peak {:.1})", i + 1, r["reopen_s"].as_f64().unwrap_or(0.0), r["dirty_blocks_before"], r["dirty_blocks_after"], r["recovery_read_bytes"].as_f64().unwrap_or(0.0) / 1048576.0, r["rss_mib"].as_f64().unwrap_or(0.0), r["peak_rss_mib"].as_f64().unwrap_or(0.0));
+            }
+        }
+    }
+
+    // Spread across rounds.
+    let _ = writeln!(s, "\n## Every round (headline metric, in run order)\n");
+    let _ = writeln!(s, "| workload | system | rounds | min | max |\n|---|---|---|---:|---:|");
+    for w in &d.workloads {
+        let (k, _, _) = w.headline();
+        for sys in &d.systems {
+            let v = d.values(*w, *sys, k);
+            if v.is_empty() {
+                continue;
+            }
+            let lo = v.iter().cloned().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let all: Vec<String> = v.iter().map(|x| fmt_val(k, *x)).collect();
+            let _ = writeln!(s, "| {} | {} | {} | {} | {} |", w.id(), sys.name(), all.join(", "), fmt_val(k, lo), fmt_val(k, hi));
+        }
+    }
+
+    if !d.errors.is_empty() {
+        let _ = writeln!(s, "\n## Errors\n");
+        for e in &d.errors {
+            let _ = writeln!(s, "- {}", e.replace('\n', " "));
+        }
+    }
+
+    let _ = writeln!(s, "\n## Systems and workloads\n");
+    for sys in &d.systems {
+        let _ = writeln!(s, "- **{}**: {}", sys.name(), sys.describe());
+    }
+    if let Some(cmds) = h["fio_commands"].as_object() {
+        let _ = writeln!(s);
+        for (k, v) in cmds {
+            let _ = writeln!(s, "- {k}: `{}`", v.as_str().unwrap_or(""));
+        }
+    }
+    if let Some(n) = h["notes"].as_array() {
+        for x in n {
+            let _ = writeln!(s, "- {}", x.as_str().unwrap_or(""));
+        }
+    }
+    s
+}
+
+pub fn to_json(d: &Data, med: &Medians, goals: &[Goal]) -> Value {
+    let mut meds = serde_json::Map::new();
+    for ((w, sys), m) in med {
+        let e = meds.entry(w.name()).or_insert_with(|| json!({}));
+        e[sys.name()] = json!(m);
+    }
+    let mut ratios = serde_json::Map::new();
+    for w in &d.workloads {
+        if *w == W::Memory {
+            continue;
+        }
+        let (k, _, _) = w.headline();
+        let mut r = serde_json::Map::new();
+        for p in PEERS {
+            r.insert(
+                format!("cairn/{}", p.name()),
+                json!(ratio(get(med, *w, Sys::Cairn, k), get(med, *w, p, k))),
+            );
+        }
+        ratios.insert(w.name().to_string(), json!({"metric": k, "ratios": r}));
+    }
+    json!({
+        "header": d.header,
+        "medians": meds,
+        "ratios": ratios,
+        "goals": goals.iter().map(Goal::to_json).collect::<Vec<_>>(),
+        "memory": d.memory,
+        "measurements": d.meas.iter().map(Meas::to_json).collect::<Vec<_>>(),
+        "errors": d.errors,
+        "systems": systems::ALL.iter().map(|s| json!({"name": s.name(), "what": s.describe()})).collect::<Vec<_>>(),
+    })
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// A 2×2 grid of horizontal bar charts (W1–W4), cairn highlighted, plus a
+/// footer with W5 and the goal tally.
+pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
+    let (pw, ph) = (470.0, 250.0);
+    let (w_total, h_total) = (2.0 * pw + 30.0, 2.0 * ph + 130.0);
+    let mut s = String::new();
+    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w_total}" height="{h_total}" viewBox="0 0 {w_total} {h_total}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">"#);
+    let _ = writeln!(s, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
+    let title = format!(
+        "cairn vs peers — {} — medians of {} round(s)",
+        d.header["date"].as_str().unwrap_or(""),
+        d.header["config"]["rounds"]
+    );
+    let _ = writeln!(s, r#"<text x="15" y="24" font-size="16" font-weight="bold">{}</text>"#, esc(&title));
+    let panels = [W::Fsync, W::Ext4, W::Seq, W::RandRead];
+    for (i, w) in panels.iter().enumerate() {
+        let x0 = 15.0 + (i % 2) as f64 * (pw + 10.0);
+        let y0 = 40.0 + (i / 2) as f64 * (ph + 10.0);
+        let (k, unit, higher) = w.headline();
+        let _ = writeln!(s, r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##);
+        let t = format!("{} — {unit} ({} is better)", w.name(), if higher { "higher" } else { "lower" });
+        let _ = writeln!(s, r#"<text x="{}" y="{}" font-weight="bold">{}</text>"#, x0 + 8.0, y0 + 18.0, esc(&t));
+        let rows: Vec<(Sys, f64)> = d
+            .systems
+            .iter()
+            .filter_map(|sys| get(med, *w, *sys, k).map(|v| (*sys, v)))
+            .collect();
+        if rows.is_empty() {
+            let _ = writeln!(s, r##"<text x="{}" y="{}" fill="#888888">not measured</text>"##, x0 + 8.0, y0 + 50.0);
+            continue;
+        }
+        let max = rows.iter().map(|r| r.1).fold(0.0, f64::max).max(1e-9);
+        let label_w = 100.0;
+        let bar_max = pw - label_w - 90.0;
+        let bh = ((ph - 40.0) / rows.len() as f64).min(30.0);
+        for (j, (sys, v)) in rows.iter().enumerate() {
+            let y = y0 + 30.0 + j as f64 * bh;
+            let len = (v / max * bar_max).max(1.0);
+            let color = match sys {
+                Sys::Cairn => "#e4572e",
+                Sys::CairnNoWb => "#f3a712",
+                Sys::Raw => "#29335c",
+                Sys::Origin => "#a0a0a0",
+                _ => "#669bbc",
+            };
+            let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#, x0 + label_w, y + bh * 0.65, sys.name());
+            let _ = writeln!(s, r#"<rect x="{}" y="{}" width="{len:.1}" height="{:.1}" fill="{color}"/>"#, x0 + label_w + 6.0, y + 2.0, bh - 6.0);
+            let mut lbl = fmt_val(k, *v);
+            if *sys != Sys::Cairn {
+                if let Some(r) = ratio(get(med, *w, Sys::Cairn, k), Some(*v)) {
+                    lbl.push_str(&format!("  (cairn {})", fmt_ratio(Some(r))));
+                }
+            }
+            let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, x0 + label_w + 10.0 + len, y + bh * 0.65, esc(&lbl));
+        }
+    }
+    let fy = 40.0 + 2.0 * (ph + 10.0) + 16.0;
+    if let Some(m) = &d.memory {
+        let line = format!(
+            "W5: {} MiB RSS per GiB of cache ({} GiB cache full of 4 KiB blocks; goal ≤ 8); reopen after kill -9: worst {} s (goal ≤ 2)",
+            m["rss_mib_per_gib"].as_f64().map(fmt_num).unwrap_or("–".into()),
+            m["cache_gib"],
+            m["reopen_s_max"].as_f64().map(fmt_num).unwrap_or("–".into())
+        );
+        let _ = writeln!(s, r#"<text x="15" y="{fy}">{}</text>"#, esc(&line));
+    }
+    let met = goals.iter().filter(|g| g.met == Some(true)).count();
+    let total = goals.iter().filter(|g| g.met.is_some()).count();
+    let missed: Vec<&str> = goals.iter().filter(|g| g.met == Some(false)).map(|g| g.id).collect();
+    let line = format!("Goals of issue 8 met: {met} of {total}; not met: {}", if missed.is_empty() { "none".into() } else { missed.join(", ") });
+    let _ = writeln!(s, r#"<text x="15" y="{}">{}</text>"#, fy + 20.0, esc(&line));
+    let line = format!(
+        "Labels give the value and cairn's ratio to that system (for ext4, a time ratio: below 1 = cairn faster). Load average at start {}, end {}.",
+        d.header["load_start"], d.header["load_end"]
+    );
+    let _ = writeln!(s, r##"<text x="15" y="{}" fill="#555555" font-size="11">{}</text>"##, fy + 40.0, esc(&line));
+    s.push_str("</svg>\n");
+    s
+}

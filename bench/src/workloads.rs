@@ -1,0 +1,450 @@
+//! The five experiments of issue 8, one measurement at a time.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::fio::{self, Job, Target};
+use crate::procs::{self, Fuse, Loop, Mount};
+use crate::systems::{Env, Sys};
+use crate::Config;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash, PartialOrd, Ord)]
+pub enum W {
+    Fsync,
+    Ext4,
+    Seq,
+    RandRead,
+    Memory,
+}
+
+pub const ALL: [W; 5] = [W::Fsync, W::Ext4, W::Seq, W::RandRead, W::Memory];
+
+impl W {
+    pub fn id(self) -> &'static str {
+        match self {
+            W::Fsync => "w1",
+            W::Ext4 => "w2",
+            W::Seq => "w3",
+            W::RandRead => "w4",
+            W::Memory => "w5",
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            W::Fsync => "w1-fsync-4k-randwrite-qd1",
+            W::Ext4 => "w2-ext4-sync-untar",
+            W::Seq => "w3-seq-64k-write-qd8",
+            W::RandRead => "w4-cached-4k-randread-qd32",
+            W::Memory => "w5-memory-recovery",
+        }
+    }
+    pub fn from_id(s: &str) -> Option<W> {
+        ALL.iter().copied().find(|w| w.id() == s || w.name() == s)
+    }
+    /// The headline metric and whether higher is better.
+    pub fn headline(self) -> (&'static str, &'static str, bool) {
+        match self {
+            W::Fsync => ("iops", "IOPS", true),
+            W::Ext4 => ("seconds", "s (wall)", false),
+            W::Seq => ("mb_s", "MB/s", true),
+            W::RandRead => ("iops", "IOPS", true),
+            W::Memory => ("rss_mib_per_gib", "MiB/GiB", false),
+        }
+    }
+    pub fn applies(self, sys: Sys) -> bool {
+        match self {
+            W::Memory => sys == Sys::Cairn,
+            W::Seq => true,
+            _ => sys != Sys::CairnNoWb,
+        }
+    }
+}
+
+/// One measurement of one system on one workload in one round.
+#[derive(Clone, Debug)]
+pub struct Meas {
+    pub w: W,
+    pub sys: Sys,
+    pub round: usize,
+    pub m: BTreeMap<String, f64>,
+    pub notes: Vec<String>,
+}
+
+impl Meas {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "workload": self.w.name(),
+            "system": self.sys.name(),
+            "round": self.round,
+            "metrics": self.m,
+            "notes": self.notes,
+        })
+    }
+}
+
+pub fn job(cfg: &Config, w: W) -> Job {
+    let t = Some(cfg.runtime_s);
+    match w {
+        W::Fsync => Job {
+            name: "w1",
+            rw: "randwrite",
+            bs: 4096,
+            iodepth: 1,
+            size: cfg.w1_region,
+            io_size: None,
+            fsync: true,
+            end_fsync: false,
+            time_based_s: t,
+            max_runtime_s: 0,
+        },
+        W::Seq => Job {
+            name: "w3",
+            rw: "write",
+            bs: 65536,
+            iodepth: 8,
+            size: cfg.w3_region,
+            io_size: None,
+            fsync: false,
+            end_fsync: false,
+            time_based_s: t,
+            max_runtime_s: 0,
+        },
+        W::RandRead => Job {
+            name: "w4",
+            rw: "randread",
+            bs: 4096,
+            iodepth: 32,
+            size: cfg.w4_working_set,
+            io_size: None,
+            fsync: false,
+            end_fsync: false,
+            time_based_s: t,
+            max_runtime_s: 0,
+        },
+        _ => unreachable!(),
+    }
+}
+
+/// Reads the working set once (random order, so no sequential-bypass
+/// policy can skip it) to bring it into the cache.
+pub fn prewarm_job(cfg: &Config) -> Job {
+    Job {
+        name: "w4-prewarm",
+        rw: "randread",
+        bs: 65536,
+        iodepth: 16,
+        size: cfg.w4_working_set,
+        io_size: None,
+        fsync: false,
+        end_fsync: false,
+        time_based_s: None,
+        max_runtime_s: 600,
+    }
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v.get(k).and_then(|x| x.as_f64()).unwrap_or(f64::NAN)
+}
+
+const CAIRN_COUNTERS: &[&str] = &[
+    "cache_bytes_written",
+    "cache_barriers",
+    "records_sealed",
+    "read_hits",
+    "read_misses",
+    "writeback_bytes",
+    "writeback_stalls",
+    "internal_flushes",
+    "flushes",
+    "checkpoints",
+    "superblock_writes",
+    "evictions",
+];
+
+struct Snap {
+    ticks: Option<u64>,
+    io: Option<(u64, u64)>,
+    status: Option<Value>,
+}
+
+fn snap(env: &Env, sys: Sys, pid: Option<u32>) -> Snap {
+    Snap {
+        ticks: pid.and_then(procs::cpu_ticks),
+        io: pid.and_then(procs::io_bytes),
+        status: if sys.is_cairn() {
+            env.cairn_status(&env.fast).ok()
+        } else {
+            None
+        },
+    }
+}
+
+/// W1, W3, W4: one fio run against a freshly started system.
+pub fn measure_fio(cfg: &Config, env: &Env, w: W, sys: Sys, round: usize) -> Result<Meas> {
+    let daemon = env.start(sys)?;
+    let target = match &daemon {
+        Some(d) => Target::Nbd(d.sock.clone()),
+        None => Target::File(env.fast.clone()),
+    };
+    let out = env.dir.join(format!("fio-{}-{}.json", w.id(), sys.name()));
+    let mut notes = Vec::new();
+    if w == W::RandRead && sys != Sys::Raw {
+        let pw = fio::run(&target, &prewarm_job(cfg), &out)
+            .with_context(|| format!("{} prewarm on {}", w.id(), sys.name()))?;
+        notes.push(format!("prewarm {:.1} s", pw.runtime_ms / 1000.0));
+    }
+    let pid = daemon.as_ref().map(|d| d.pid);
+    let s0 = snap(env, sys, pid);
+    let r = fio::run(&target, &job(cfg, w), &out)
+        .with_context(|| format!("{} on {}", w.id(), sys.name()))?;
+    let s1 = snap(env, sys, pid);
+    let hwm = pid.and_then(|p| procs::status_kib(p, "VmHWM"));
+    let load = procs::loadavg();
+    if let Some(d) = daemon {
+        if sys != Sys::Origin {
+            d.stop(Duration::from_secs(60))?;
+        }
+    }
+
+    let mut m = BTreeMap::new();
+    let ios = r.ios().max(1) as f64;
+    m.insert("iops".into(), r.iops());
+    m.insert("mb_s".into(), r.mb_s());
+    m.insert("ios".into(), r.ios() as f64);
+    m.insert("client_bytes".into(), (r.read_bytes + r.write_bytes) as f64);
+    m.insert("runtime_s".into(), r.runtime_ms / 1000.0);
+    m.insert("lat_mean_us".into(), r.lat_mean_us);
+    m.insert("lat_p99_us".into(), r.lat_p99_us);
+    if r.sync_lat_mean_us > 0.0 {
+        m.insert("sync_lat_mean_us".into(), r.sync_lat_mean_us);
+    }
+    let client_cpu = r.client_cpu_s() * 1e6 / ios;
+    m.insert("client_cpu_us_per_io".into(), client_cpu);
+    let daemon_cpu = match (s0.ticks, s1.ticks) {
+        (Some(a), Some(b)) => (b - a) as f64 / procs::clk_tck() * 1e6 / ios,
+        _ => 0.0,
+    };
+    m.insert("daemon_cpu_us_per_io".into(), daemon_cpu);
+    m.insert("cpu_us_per_io".into(), client_cpu + daemon_cpu);
+    if let Some(h) = hwm {
+        m.insert("daemon_peak_rss_mib".into(), h as f64 / 1024.0);
+    }
+    if let (Some(a), Some(b)) = (s0.io, s1.io) {
+        m.insert("daemon_read_bytes".into(), (b.0 - a.0) as f64);
+        m.insert("daemon_write_bytes".into(), (b.1 - a.1) as f64);
+    }
+    if let (Some(a), Some(b)) = (&s0.status, &s1.status) {
+        for k in CAIRN_COUNTERS {
+            m.insert(format!("cairn_{k}"), num(b, k) - num(a, k));
+        }
+        let client_written = r.write_bytes.max(1) as f64;
+        m.insert(
+            "cache_write_amp".into(),
+            (num(b, "cache_bytes_written") - num(a, "cache_bytes_written")) / client_written,
+        );
+        let hits = num(b, "read_hits") - num(a, "read_hits");
+        let misses = num(b, "read_misses") - num(a, "read_misses");
+        if hits + misses > 0.0 {
+            m.insert("hit_ratio".into(), hits / (hits + misses));
+        }
+        m.insert("cairn_dirty_blocks_end".into(), num(b, "dirty_blocks"));
+    } else if sys.is_cairn() {
+        notes.push("cairn status unavailable".into());
+    }
+    m.insert("load1".into(), load[0]);
+    Ok(Meas {
+        w,
+        sys,
+        round,
+        m,
+        notes,
+    })
+}
+
+/// W2: mkfs.ext4 on the volume (through nbdfuse + loop), mount -o sync,
+/// time `tar -xf`.
+pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize) -> Result<Meas> {
+    let daemon = env.start(sys)?;
+    let pid = daemon.as_ref().map(|d| d.pid);
+    let fuse = match &daemon {
+        Some(d) => Some(Fuse::mount(
+            &env.dir.join("fuse"),
+            &d.sock,
+            &env.dir.join("nbdfuse.log"),
+        )?),
+        None => None,
+    };
+    let file: PathBuf = match &fuse {
+        Some(f) => f.file(),
+        None => env.fast.clone(),
+    };
+    let lo = Loop::attach(&file, cfg.ext4_bytes, sys == Sys::Raw)?;
+    let (mkfs_t, mkfs_timeout) = procs::run_timed(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard"])
+            .arg(&lo.dev),
+        Duration::from_secs(cfg.ext4_timeout_s),
+    )?;
+    if mkfs_timeout {
+        bail!("mkfs.ext4 took over {} s", cfg.ext4_timeout_s);
+    }
+    let mnt = Mount::mount(&lo.dev, &env.dir.join("mnt"), "sync")?;
+    let ticks0 = pid.and_then(procs::cpu_ticks);
+    let (t, timed_out) = procs::run_timed(
+        Command::new("tar").arg("-xf").arg(tar).arg("-C").arg(&mnt.dir),
+        Duration::from_secs(cfg.ext4_timeout_s),
+    )?;
+    let ticks1 = pid.and_then(procs::cpu_ticks);
+    let umount_t = mnt.unmount()?;
+    drop(lo);
+    drop(fuse);
+    let hwm = pid.and_then(|p| procs::status_kib(p, "VmHWM"));
+    let load = procs::loadavg();
+    if let Some(d) = daemon {
+        if sys != Sys::Origin {
+            d.stop(Duration::from_secs(60))?;
+        }
+    }
+    let mut m = BTreeMap::new();
+    let mut notes = Vec::new();
+    m.insert("seconds".into(), t.as_secs_f64());
+    if timed_out {
+        m.insert("timed_out".into(), 1.0);
+        notes.push(format!("tar killed after {} s: time is a lower bound", cfg.ext4_timeout_s));
+    }
+    m.insert("mkfs_s".into(), mkfs_t.as_secs_f64());
+    m.insert("umount_s".into(), umount_t.as_secs_f64());
+    if let (Some(a), Some(b)) = (ticks0, ticks1) {
+        m.insert("daemon_cpu_s".into(), (b - a) as f64 / procs::clk_tck());
+    }
+    if let Some(h) = hwm {
+        m.insert("daemon_peak_rss_mib".into(), h as f64 / 1024.0);
+    }
+    m.insert("load1".into(), load[0]);
+    Ok(Meas {
+        w: W::Ext4,
+        sys,
+        round,
+        m,
+        notes,
+    })
+}
+
+/// Writes `bytes` of fio's (incompressible, non-zero) data into `path`.
+pub fn fill_file(path: &Path, bytes: u64, direct: bool) -> Result<()> {
+    let mut cmd = Command::new("fio");
+    cmd.args(["--name=fill", "--rw=write", "--bs=1M", "--iodepth=8", "--ioengine=io_uring"]);
+    cmd.arg(format!("--filename={}", path.display()));
+    cmd.arg(format!("--size={bytes}"));
+    cmd.arg(format!("--direct={}", u8::from(direct)));
+    cmd.arg("--output-format=terse");
+    procs::run(&mut cmd).with_context(|| format!("filling {}", path.display()))?;
+    Ok(())
+}
+
+/// W5: fill a cache with scattered 4 KiB blocks, read RSS, then kill -9 and
+/// time the reopen, `rounds` times.
+pub fn memory_test(cfg: &Config, env: &Env) -> Result<Value> {
+    let cache = env.dir.join("mem-cache.img");
+    let _ = std::fs::remove_file(&cache);
+    fill_file(&cache, cfg.mem_cache_bytes, true)?;
+    env.cairn_format(&cache)?;
+    let sock = env.dir.join("cairn-mem.sock");
+    let args = ["--no-writeback"];
+    let (mut d, first_open) = env.cairn_serve(&cache, &sock, &args)?;
+    let rss_empty = procs::status_kib(d.pid, "VmRSS").unwrap_or(0);
+    let st = env.cairn_status(&cache)?;
+    let cache_blocks = num(&st, "cache_blocks") as u64;
+    let volume = num(&st, "volume_size_bytes") as u64;
+    // Leave room for log record headers so the fill never waits for
+    // write-back to the 5 ms origin.
+    let target_blocks = cache_blocks * cfg.mem_fill_pct / 100;
+    let region = (target_blocks * 4096 * 2).min(volume / 4096 * 4096);
+    let fill = Job {
+        name: "w5-fill",
+        rw: "randwrite",
+        bs: 4096,
+        iodepth: 32,
+        size: region,
+        io_size: Some(target_blocks * 4096),
+        fsync: false,
+        end_fsync: true,
+        time_based_s: None,
+        max_runtime_s: 1800,
+    };
+    eprintln!(
+        "  w5: filling {} of {} cache blocks with random 4 KiB writes over a {} MiB region",
+        target_blocks,
+        cache_blocks,
+        region >> 20
+    );
+    let r = fio::run(&Target::Nbd(sock.clone()), &fill, &env.dir.join("fio-w5-fill.json"))?;
+    let st_full = env.cairn_status(&cache)?;
+    let rss_full = procs::status_kib(d.pid, "VmRSS").unwrap_or(0);
+    let hwm_full = procs::status_kib(d.pid, "VmHWM").unwrap_or(0);
+    let filled = num(&st_full, "dirty_blocks") + num(&st_full, "clean_blocks");
+    let cache_gib = cfg.mem_cache_bytes as f64 / (1u64 << 30) as f64;
+
+    let mut recov = Vec::new();
+    for i in 0..cfg.rounds {
+        procs::check_interrupted()?;
+        let before_kill = num(&env.cairn_status(&cache)?, "dirty_blocks");
+        d.kill9()?;
+        let (d2, ready) = env.cairn_serve(&cache, &sock, &args)?;
+        d = d2;
+        let st2 = env.cairn_status(&cache)?;
+        let after = num(&st2, "dirty_blocks");
+        let rb = procs::io_bytes(d.pid).map(|x| x.0).unwrap_or(0);
+        let hwm = procs::status_kib(d.pid, "VmHWM").unwrap_or(0);
+        let rss = procs::status_kib(d.pid, "VmRSS").unwrap_or(0);
+        eprintln!(
+            "  w5: reopen {} after kill -9: {:.3} s, dirty blocks {} -> {}, read {} MiB, RSS {} MiB (peak {})",
+            i + 1,
+            ready.as_secs_f64(),
+            before_kill,
+            after,
+            rb >> 20,
+            rss >> 10,
+            hwm >> 10
+        );
+        recov.push(json!({
+            "reopen_s": ready.as_secs_f64(),
+            "dirty_blocks_before": before_kill as u64,
+            "dirty_blocks_after": after as u64,
+            "recovery_read_bytes": rb,
+            "rss_mib": rss as f64 / 1024.0,
+            "peak_rss_mib": hwm as f64 / 1024.0,
+        }));
+    }
+    d.stop(Duration::from_secs(300))?;
+    let _ = std::fs::remove_file(&cache);
+    let reopen: Vec<f64> = recov.iter().map(|r| r["reopen_s"].as_f64().unwrap()).collect();
+    let peak_after: Vec<f64> = recov.iter().map(|r| r["peak_rss_mib"].as_f64().unwrap()).collect();
+    Ok(json!({
+        "cache_bytes": cfg.mem_cache_bytes,
+        "cache_gib": cache_gib,
+        "cache_blocks": cache_blocks,
+        "filled_blocks": filled as u64,
+        "fill_fraction": filled / cache_blocks as f64,
+        "fill_iops": r.iops(),
+        "first_open_s": first_open.as_secs_f64(),
+        "rss_empty_mib": rss_empty as f64 / 1024.0,
+        "rss_full_mib": rss_full as f64 / 1024.0,
+        "peak_rss_full_mib": hwm_full as f64 / 1024.0,
+        "index_memory_bytes": num(&st_full, "index_memory_bytes") as u64,
+        "rss_mib_per_gib": rss_full as f64 / 1024.0 / cache_gib,
+        "rss_growth_mib_per_gib": (rss_full as f64 - rss_empty as f64) / 1024.0 / cache_gib,
+        "peak_rss_mib_per_gib": hwm_full as f64 / 1024.0 / cache_gib,
+        "peak_rss_after_recovery_mib_per_gib":
+            peak_after.iter().cloned().fold(0.0, f64::max) / cache_gib,
+        "reopen_s": reopen,
+        "reopen_s_max": reopen.iter().cloned().fold(0.0, f64::max),
+        "reopen_s_median": crate::report::median(&reopen),
+        "recoveries": recov,
+    }))
+}
