@@ -25,26 +25,30 @@ use workloads::W;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
+/// How much of the origin holds data (the rest is sparse); covers W4's
+/// working set so no system reads holes.
+const ORIGIN_DATA_BYTES: u64 = 1 << 30;
 
 const USAGE: &str = "\
 cairn-bench: cairn against its peers (issue 8). Needs root.
 
 Usage: cairn-bench [--quick] [options]
 
-  --quick               smoke run, about 2-3 minutes (1 round, 3 s runs, small sizes)
+  --quick               smoke run, about 2.5 minutes (1 round, 3 s runs, small sizes)
   --rounds N            rounds per workload (default 3; quick 1)
   --runtime S           seconds per fio measurement (default 10; quick 3)
-  --only LIST           workloads, comma separated: w1,w2,w3,w4,w5 (default all)
+  --only LIST           workloads, comma separated: w1,w2,w3,w3s,w4,w5 (default all)
   --systems LIST        cairn,nbdkit-file,nbdkit-cache,qemu-nbd,origin,raw (default all)
   --dir DIR             scratch directory (default /var/tmp/cairn-bench; avoid tmpfs)
   --out DIR             where latest.{md,json,svg} go (default bench/results)
   --cairn PATH          the cairn binary (default: next to this binary)
-  --cache SIZE          the fast file: cairn's cache and the peers' file (default 1G)
+  --cache SIZE          the fast file: cairn's cache and the peers' file (default 4G; quick 2G)
   --mem-cache SIZE      cache size for W5 (default 4G; quick 256M)
   --delay-ms N          slow origin delay per read and write (default 5)
   --ext4-files N        files in the W2 tar (default 2000; quick 300)
   --slow-ext4-rounds N  W2 rounds for the slow systems, origin and nbdkit-cache (default 1)
-  --w3-region SIZE      region W3 loops over (default 512M)
+  --w3-bytes SIZE       W3: one sequential pass of this size (default 3G; quick 1G)
+  --w3s-region SIZE     W3s: region the sustained writes loop over (default 512M)
   --keep                keep the scratch directory's big files afterwards
 ";
 
@@ -62,7 +66,8 @@ pub struct Config {
     pub origin_bytes: u64,
     pub delay_ms: u64,
     pub w1_region: u64,
-    pub w3_region: u64,
+    pub w3_bytes: u64,
+    pub w3s_region: u64,
     pub w4_working_set: u64,
     pub ext4_bytes: u64,
     pub ext4_files: usize,
@@ -102,14 +107,15 @@ impl Config {
             dir: PathBuf::from("/var/tmp/cairn-bench"),
             out: Path::new(env!("CARGO_MANIFEST_DIR")).join("results"),
             cairn: exe_dir.join("cairn"),
-            cache_bytes: GIB,
+            cache_bytes: if quick { 2 * GIB } else { 4 * GIB },
             origin_bytes: 0,
             delay_ms: 5,
             w1_region: 256 * MIB,
-            w3_region: 512 * MIB,
+            w3_bytes: if quick { GIB } else { 3 * GIB },
+            w3s_region: 512 * MIB,
             w4_working_set: 256 * MIB,
             ext4_bytes: 768 * MIB,
-            ext4_files: if quick { 300 } else { 2000 },
+            ext4_files: if quick { 150 } else { 2000 },
             ext4_timeout_s: if quick { 180 } else { 900 },
             slow_ext4_rounds: 1,
             mem_cache_bytes: if quick { 256 * MIB } else { 4 * GIB },
@@ -148,7 +154,8 @@ impl Config {
                 "--delay-ms" => c.delay_ms = val()?.parse()?,
                 "--ext4-files" => c.ext4_files = val()?.parse()?,
                 "--slow-ext4-rounds" => c.slow_ext4_rounds = val()?.parse()?,
-                "--w3-region" => c.w3_region = parse_size(&val()?)?,
+                "--w3-bytes" => c.w3_bytes = parse_size(&val()?)?,
+                "--w3s-region" => c.w3s_region = parse_size(&val()?)?,
                 "--keep" => c.keep = true,
                 other => bail!("unknown argument {other:?}\n\n{USAGE}"),
             }
@@ -158,8 +165,8 @@ impl Config {
         }
         // The W5 fill scatters blocks over twice the cache's size.
         c.origin_bytes = (4 * GIB).max(2 * c.mem_cache_bytes);
-        let biggest = c.w1_region.max(c.w3_region).max(c.w4_working_set).max(c.ext4_bytes);
-        if biggest > c.cache_bytes {
+        let biggest = c.w1_region.max(c.w3_bytes).max(c.w3s_region).max(c.w4_working_set).max(c.ext4_bytes);
+        if biggest > c.cache_bytes || c.w4_working_set > ORIGIN_DATA_BYTES {
             bail!("--cache must be at least {} MiB (the largest region)", biggest >> 20);
         }
         Ok(c)
@@ -308,7 +315,7 @@ fn real_main() -> Result<()> {
     let _ = std::fs::remove_file(&fast);
     workloads::fill_file(&fast, cfg.cache_bytes, true)?;
     let _ = std::fs::remove_file(&origin_img);
-    workloads::fill_file(&origin_img, cfg.cache_bytes, true)?;
+    workloads::fill_file(&origin_img, ORIGIN_DATA_BYTES, true)?;
     std::fs::OpenOptions::new()
         .write(true)
         .open(&origin_img)?
@@ -336,7 +343,7 @@ fn real_main() -> Result<()> {
     };
 
     let mut fio_cmds = serde_json::Map::new();
-    for w in [W::Fsync, W::Seq, W::RandRead] {
+    for w in [W::Fsync, W::Seq, W::SeqSustained, W::RandRead] {
         let j = workloads::job(&cfg, w);
         fio_cmds.insert(
             format!("{} (NBD systems)", w.name()),
@@ -352,7 +359,7 @@ fn real_main() -> Result<()> {
         json!(fio::command_line(&fio::Target::Nbd(PathBuf::from("S")), &workloads::prewarm_job(&cfg))),
     );
     let mut notes = vec![
-        format!("FAST = {} ({} MiB, fully written); ORIGIN = {} ({} MiB sparse, first {} MiB written), served slow on {}", fast.display(), cfg.cache_bytes >> 20, origin_img.display(), cfg.origin_bytes >> 20, cfg.cache_bytes >> 20, origin_sock.display()),
+        format!("FAST = {} ({} MiB, fully written); ORIGIN = {} ({} MiB sparse, first {} MiB written), served slow on {}", fast.display(), cfg.cache_bytes >> 20, origin_img.display(), cfg.origin_bytes >> 20, ORIGIN_DATA_BYTES >> 20, origin_sock.display()),
         "every system is started fresh for each measurement (cairn is reformatted on FAST first) and stopped after it; the origin daemon runs for the whole run".to_string(),
     ];
     if let Some((t, n)) = &tar {
@@ -387,7 +394,7 @@ fn real_main() -> Result<()> {
         "config": {
             "rounds": cfg.rounds, "runtime_s": cfg.runtime_s, "cache_bytes": cfg.cache_bytes,
             "origin_bytes": cfg.origin_bytes, "delay_ms": cfg.delay_ms, "w1_region": cfg.w1_region,
-            "w3_region": cfg.w3_region, "w4_working_set": cfg.w4_working_set, "ext4_bytes": cfg.ext4_bytes,
+            "w3_bytes": cfg.w3_bytes, "w3s_region": cfg.w3s_region, "w4_working_set": cfg.w4_working_set, "ext4_bytes": cfg.ext4_bytes,
             "ext4_files": tar.as_ref().map(|t| t.1), "mem_cache_bytes": cfg.mem_cache_bytes,
             "slow_ext4_rounds": cfg.slow_ext4_rounds,
         },
@@ -483,7 +490,7 @@ fn run_all(
                         let (k, unit, _) = w.headline();
                         let v = m.m.get(k).copied().unwrap_or(f64::NAN);
                         let extra = match (w, sys) {
-                            (W::Seq, Sys::Cairn | Sys::CairnNoWb) => format!(
+                            (W::Seq | W::SeqSustained, Sys::Cairn | Sys::CairnNoWb) => format!(
                                 " read_bytes {} write-amp {:.3}",
                                 m.m.get("daemon_read_bytes").copied().unwrap_or(f64::NAN),
                                 m.m.get("cache_write_amp").copied().unwrap_or(f64::NAN)

@@ -119,29 +119,28 @@ impl Goal {
     }
 }
 
+fn push(g: &mut Vec<Goal>, id: &'static str, text: &str, measured: Option<f64>, ok: &dyn Fn(f64) -> bool, suffix: &str) {
+    g.push(Goal {
+        id,
+        text: text.to_string(),
+        measured,
+        shown: measured.map(|v| format!("{}{suffix}", fmt_num(v))).unwrap_or_else(|| "not measured".into()),
+        met: measured.map(ok),
+    });
+}
+
 pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
-    let mut g = Vec::new();
-    let mut push = |id, text: &str, measured: Option<f64>, ok: &dyn Fn(f64) -> bool, suffix: &str| {
-        g.push(Goal {
-            id,
-            text: text.to_string(),
-            measured,
-            shown: measured.map(|v| format!("{}{suffix}", fmt_num(v))).unwrap_or_else(|| "not measured".into()),
-            met: measured.map(ok),
-        });
-    };
+    let mut g: Vec<Goal> = Vec::new();
     let c = |w, k: &str| get(med, w, Sys::Cairn, k);
     let p = |w, s, k: &str| get(med, w, s, k);
-    push("1a", "W1 fsync'd 4K writes: IOPS cairn / nbdkit-file ≥ 0.90", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::NbdkitFile, "iops")), &|r| r >= 0.90, "×");
-    push("1b", "W1 fsync'd 4K writes: IOPS cairn / origin alone ≥ 20", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::Origin, "iops")), &|r| r >= 20.0, "×");
-    push("2a", "W2 ext4 untar: wall time cairn / nbdkit-file ≤ 1.15", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::NbdkitFile, "seconds")), &|r| r <= 1.15, "×");
-    push("2b", "W2 ext4 untar: far below the origin alone (we read it as time cairn / origin ≤ 0.25)", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::Origin, "seconds")), &|r| r <= 0.25, "×");
-    push("3a", "W3 64K seq writes: MB/s cairn / raw io_uring O_DIRECT ≥ 0.90", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::Raw, "mb_s")), &|r| r >= 0.90, "×");
-    push("3b", "W3 64K seq writes: MB/s cairn / qemu-nbd ≥ 1.0", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::QemuNbd, "mb_s")), &|r| r >= 1.0, "×");
-    push("3c", "W3 64K seq writes: MB/s cairn / nbdkit-file (reported, no goal; nbdkit writes into the page cache)", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::NbdkitFile, "mb_s")), &|_| true, "×");
-    if let Some(last) = g.last_mut() {
-        last.met = None;
-    }
+    push(&mut g, "1a", "W1 fsync'd 4K writes: IOPS cairn / nbdkit-file ≥ 0.90", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::NbdkitFile, "iops")), &|r| r >= 0.90, "×");
+    push(&mut g, "1b", "W1 fsync'd 4K writes: IOPS cairn / origin alone ≥ 20", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::Origin, "iops")), &|r| r >= 20.0, "×");
+    push(&mut g, "2a", "W2 ext4 untar: wall time cairn / nbdkit-file ≤ 1.15", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::NbdkitFile, "seconds")), &|r| r <= 1.15, "×");
+    push(&mut g, "2b", "W2 ext4 untar: far below the origin alone (we read it as time cairn / origin ≤ 0.25)", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::Origin, "seconds")), &|r| r <= 0.25, "×");
+    push(&mut g, "3a", "W3 64K seq writes: MB/s cairn / raw io_uring O_DIRECT ≥ 0.90", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::Raw, "mb_s")), &|r| r >= 0.90, "×");
+    push(&mut g, "3b", "W3 64K seq writes: MB/s cairn / qemu-nbd ≥ 1.0", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::QemuNbd, "mb_s")), &|r| r >= 1.0, "×");
+    push(&mut g, "3c", "W3 64K seq writes: MB/s cairn / nbdkit-file (reported, no goal; nbdkit writes into the page cache)", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::NbdkitFile, "mb_s")), &|_| true, "×");
+    g.last_mut().unwrap().met = None;
     let rb = d.values(W::Seq, Sys::Cairn, "daemon_read_bytes");
     let rb_max = if rb.is_empty() { None } else { Some(rb.iter().cloned().fold(0.0, f64::max)) };
     g.push(Goal {
@@ -151,32 +150,46 @@ pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
         shown: rb_max.map(|v| format!("{} bytes ({:.1} MiB)", v as u64, v / 1048576.0)).unwrap_or_else(|| "not measured".into()),
         met: rb_max.map(|v| v == 0.0),
     });
-    let mut push = |id, text: &str, measured: Option<f64>, ok: &dyn Fn(f64) -> bool, suffix: &str| {
-        g.push(Goal {
-            id,
-            text: text.to_string(),
-            measured,
-            shown: measured.map(|v| format!("{}{suffix}", fmt_num(v))).unwrap_or_else(|| "not measured".into()),
-            met: measured.map(ok),
-        });
-    };
-    push("3e", "W3: cache-device bytes written per client byte ≤ 1.05 (cairn status cache_bytes_written / fio bytes)", c(W::Seq, "cache_write_amp"), &|r| r <= 1.05, "");
+    push(&mut g, "3e", "W3: cache-device bytes written per client byte ≤ 1.05 (cairn status cache_bytes_written / fio bytes)", c(W::Seq, "cache_write_amp"), &|r| r <= 1.05, "");
     let best_read = match (p(W::RandRead, Sys::NbdkitFile, "iops"), p(W::RandRead, Sys::QemuNbd, "iops")) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     };
-    push("4a", "W4 cached 4K random reads QD32: IOPS cairn / best of (nbdkit-file, qemu-nbd) ≥ 1.0", ratio(c(W::RandRead, "iops"), best_read), &|r| r >= 1.0, "×");
-    push("4b", "W4: IOPS cairn / raw io_uring ≥ 0.8", ratio(c(W::RandRead, "iops"), p(W::RandRead, Sys::Raw, "iops")), &|r| r >= 0.8, "×");
+    push(&mut g, "3f", "W3s (added stress, no goal): sustained 64K writes looping over a region that fits the cache, MB/s cairn / raw", ratio(c(W::SeqSustained, "mb_s"), p(W::SeqSustained, Sys::Raw, "mb_s")), &|_| true, "×");
+    g.last_mut().unwrap().met = None;
+    push(&mut g, "4a", "W4 cached 4K random reads QD32: IOPS cairn / best of (nbdkit-file, qemu-nbd) ≥ 1.0", ratio(c(W::RandRead, "iops"), best_read), &|r| r >= 1.0, "×");
+    push(&mut g, "4b", "W4: IOPS cairn / raw io_uring ≥ 0.8", ratio(c(W::RandRead, "iops"), p(W::RandRead, Sys::Raw, "iops")), &|r| r >= 0.8, "×");
     let best_cpu = [Sys::NbdkitFile, Sys::QemuNbd, Sys::NbdkitCache]
         .iter()
         .filter_map(|s| p(W::RandRead, *s, "cpu_us_per_io"))
         .fold(None, |acc: Option<f64>, v| Some(acc.map_or(v, |a| a.min(v))));
-    push("4c", "W4: CPU per I/O (fio + daemon, usr+sys) cairn / best NBD peer ≤ 1.0", ratio(c(W::RandRead, "cpu_us_per_io"), best_cpu), &|r| r <= 1.0, "×");
+    push(&mut g, "4c", "W4: CPU per I/O (fio + daemon, usr+sys) cairn / best NBD peer ≤ 1.0", ratio(c(W::RandRead, "cpu_us_per_io"), best_cpu), &|r| r <= 1.0, "×");
     let mem = d.memory.as_ref();
     let gib = mem.and_then(|m| m["cache_gib"].as_f64()).unwrap_or(f64::NAN);
-    push("5a", &format!("W5: RSS per GiB of cache, cache full of 4 KiB blocks ({gib} GiB cache) ≤ 8 MiB/GiB"), mem.and_then(|m| m["rss_mib_per_gib"].as_f64()), &|v| v <= 8.0, " MiB/GiB");
-    push("5b", "W5: reopen after kill -9 with that cache full ≤ 2 s (worst round)", mem.and_then(|m| m["reopen_s_max"].as_f64()), &|v| v <= 2.0, " s");
+    push(&mut g, "5a", &format!("W5: RSS per GiB of cache, cache full of 4 KiB blocks ({gib} GiB cache) ≤ 8 MiB/GiB"), mem.and_then(|m| m["rss_mib_per_gib"].as_f64()), &|v| v <= 8.0, " MiB/GiB");
+    push(&mut g, "5b", "W5: reopen after kill -9 with that cache full ≤ 2 s (worst round)", mem.and_then(|m| m["reopen_s_max"].as_f64()), &|v| v <= 2.0, " s");
     g
+}
+
+pub fn short(id: &str) -> &'static str {
+    match id {
+        "1a" => "W1 IOPS ÷ nbdkit-file ≥ 0.90",
+        "1b" => "W1 IOPS ÷ origin ≥ 20",
+        "2a" => "W2 time ÷ nbdkit-file ≤ 1.15",
+        "2b" => "W2 time ÷ origin ≤ 0.25",
+        "3a" => "W3 MB/s ÷ raw ≥ 0.90",
+        "3b" => "W3 MB/s ÷ qemu-nbd ≥ 1.0",
+        "3c" => "W3 MB/s ÷ nbdkit-file (info)",
+        "3d" => "W3 cache-device reads = 0",
+        "3e" => "W3 cache bytes per client byte ≤ 1.05",
+        "3f" => "W3s sustained MB/s ÷ raw (info)",
+        "4a" => "W4 IOPS ÷ best of nbdkit-file, qemu ≥ 1.0",
+        "4b" => "W4 IOPS ÷ raw ≥ 0.8",
+        "4c" => "W4 CPU/IO ÷ best NBD peer ≤ 1.0",
+        "5a" => "W5 RSS per GiB of cache ≤ 8 MiB",
+        "5b" => "W5 reopen after kill -9 ≤ 2 s",
+        _ => "",
+    }
 }
 
 fn fmt_num(v: f64) -> String {
@@ -401,7 +414,7 @@ fn esc(s: &str) -> String {
 /// footer with W5 and the goal tally.
 pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     let (pw, ph) = (470.0, 250.0);
-    let (w_total, h_total) = (2.0 * pw + 30.0, 2.0 * ph + 130.0);
+    let (w_total, h_total) = (2.0 * pw + 30.0, 3.0 * ph + 140.0);
     let mut s = String::new();
     let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w_total}" height="{h_total}" viewBox="0 0 {w_total} {h_total}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">"#);
     let _ = writeln!(s, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
@@ -411,7 +424,7 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         d.header["config"]["rounds"]
     );
     let _ = writeln!(s, r#"<text x="15" y="24" font-size="16" font-weight="bold">{}</text>"#, esc(&title));
-    let panels = [W::Fsync, W::Ext4, W::Seq, W::RandRead];
+    let panels = [W::Fsync, W::Ext4, W::Seq, W::RandRead, W::SeqSustained];
     for (i, w) in panels.iter().enumerate() {
         let x0 = 15.0 + (i % 2) as f64 * (pw + 10.0);
         let y0 = 40.0 + (i / 2) as f64 * (ph + 10.0);
@@ -430,7 +443,7 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         }
         let max = rows.iter().map(|r| r.1).fold(0.0, f64::max).max(1e-9);
         let label_w = 100.0;
-        let bar_max = pw - label_w - 90.0;
+        let bar_max = pw - label_w - 165.0;
         let bh = ((ph - 40.0) / rows.len() as f64).min(30.0);
         for (j, (sys, v)) in rows.iter().enumerate() {
             let y = y0 + 30.0 + j as f64 * bh;
@@ -453,7 +466,23 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
             let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, x0 + label_w + 10.0 + len, y + bh * 0.65, esc(&lbl));
         }
     }
-    let fy = 40.0 + 2.0 * (ph + 10.0) + 16.0;
+    // The sixth cell: the goals.
+    {
+        let x0 = 15.0 + pw + 10.0;
+        let y0 = 40.0 + 2.0 * (ph + 10.0);
+        let _ = writeln!(s, r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##);
+        let _ = writeln!(s, r#"<text x="{}" y="{}" font-weight="bold">Goals of issue 8</text>"#, x0 + 8.0, y0 + 18.0);
+        for (j, g) in goals.iter().enumerate() {
+            let (mark, color) = match g.met {
+                Some(true) => ("met", "#2a7f3f"),
+                Some(false) => ("NOT met", "#c0392b"),
+                None => ("info", "#555555"),
+            };
+            let shown: String = g.shown.chars().take(24).collect();
+            let _ = writeln!(s, r#"<text x="{}" y="{}" font-size="11" fill="{color}">{} {}: {} — {mark}</text>"#, x0 + 8.0, y0 + 36.0 + j as f64 * 13.5, g.id, esc(short(g.id)), esc(&shown));
+        }
+    }
+    let fy = 40.0 + 3.0 * (ph + 10.0) + 16.0;
     if let Some(m) = &d.memory {
         let line = format!(
             "W5: {} MiB RSS per GiB of cache ({} GiB cache full of 4 KiB blocks; goal ≤ 8); reopen after kill -9: worst {} s (goal ≤ 2)",

@@ -18,11 +18,12 @@ pub enum W {
     Fsync,
     Ext4,
     Seq,
+    SeqSustained,
     RandRead,
     Memory,
 }
 
-pub const ALL: [W; 5] = [W::Fsync, W::Ext4, W::Seq, W::RandRead, W::Memory];
+pub const ALL: [W; 6] = [W::Fsync, W::Ext4, W::Seq, W::SeqSustained, W::RandRead, W::Memory];
 
 impl W {
     pub fn id(self) -> &'static str {
@@ -30,6 +31,7 @@ impl W {
             W::Fsync => "w1",
             W::Ext4 => "w2",
             W::Seq => "w3",
+            W::SeqSustained => "w3s",
             W::RandRead => "w4",
             W::Memory => "w5",
         }
@@ -39,6 +41,7 @@ impl W {
             W::Fsync => "w1-fsync-4k-randwrite-qd1",
             W::Ext4 => "w2-ext4-sync-untar",
             W::Seq => "w3-seq-64k-write-qd8",
+            W::SeqSustained => "w3s-seq-64k-write-qd8-sustained",
             W::RandRead => "w4-cached-4k-randread-qd32",
             W::Memory => "w5-memory-recovery",
         }
@@ -51,7 +54,7 @@ impl W {
         match self {
             W::Fsync => ("iops", "IOPS", true),
             W::Ext4 => ("seconds", "s (wall)", false),
-            W::Seq => ("mb_s", "MB/s", true),
+            W::Seq | W::SeqSustained => ("mb_s", "MB/s", true),
             W::RandRead => ("iops", "IOPS", true),
             W::Memory => ("rss_mib_per_gib", "MiB/GiB", false),
         }
@@ -60,6 +63,8 @@ impl W {
         match self {
             W::Memory => sys == Sys::Cairn,
             W::Seq => true,
+            // Overwrite stress: the peers that write in place, and cairn.
+            W::SeqSustained => !matches!(sys, Sys::Origin | Sys::NbdkitCache),
             _ => sys != Sys::CairnNoWb,
         }
     }
@@ -102,12 +107,27 @@ pub fn job(cfg: &Config, w: W) -> Job {
             time_based_s: t,
             max_runtime_s: 0,
         },
+        // One pass into a freshly started system: the write path itself.
         W::Seq => Job {
             name: "w3",
             rw: "write",
             bs: 65536,
             iodepth: 8,
-            size: cfg.w3_region,
+            size: cfg.w3_bytes,
+            io_size: None,
+            fsync: false,
+            end_fsync: false,
+            time_based_s: None,
+            max_runtime_s: 300,
+        },
+        // Loops over a region that fits the cache for the whole run time,
+        // so the stream outgrows the cache and overwrites itself.
+        W::SeqSustained => Job {
+            name: "w3s",
+            rw: "write",
+            bs: 65536,
+            iodepth: 8,
+            size: cfg.w3s_region,
             io_size: None,
             fsync: false,
             end_fsync: false,
