@@ -86,6 +86,8 @@ pub(crate) struct Env {
     pub config: EngineConfig,
     pub record_data_max: u64,
     pub entries_max: usize,
+    /// `chain_seed(uuid)`: stamped on every record of this format.
+    pub format_tag: u32,
 }
 
 /// The record being filled in memory. Its header goes at logical offset
@@ -331,6 +333,7 @@ impl Engine {
             config: opts.config.clone(),
             record_data_max: record_data_blocks_max(bs) as u64,
             entries_max: RecordHeader::entries_max(bs),
+            format_tag: chain_seed(&sb.uuid),
         };
         let mode = CacheMode::from_code(sb.mode).ok_or_else(|| EngineError::CheckpointDamaged {
             device: env.cache.name().to_string(),

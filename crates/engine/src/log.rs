@@ -196,6 +196,7 @@ impl Inner {
             generation: self.sb.generation,
             durable_sequence: self.durable_seq,
             prev_crc: self.prev_crc,
+            format_tag: crate::engine::chain_seed(&self.sb.uuid),
             flags: if epoch_end {
                 cairn_format::RECORD_FLAG_EPOCH_END
             } else {

@@ -39,7 +39,7 @@ pub(crate) fn read_record_header(
         .read_at(env.layout.slot_offset_bytes(at % n), &mut buf)
         .map_err(EngineError::Cache)?;
     match RecordHeader::decode(&buf, env.bs as u32) {
-        Ok((h, _)) if h.log_offset == at => Ok(Some((at, h))),
+        Ok((h, _)) if h.log_offset == at && h.format_tag == env.format_tag => Ok(Some((at, h))),
         _ => Ok(None),
     }
 }
@@ -155,6 +155,7 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
             break;
         };
         if header.log_offset != at
+            || header.format_tag != env.format_tag
             || header.sequence != expected_seq
             || header.prev_crc != expected_prev
             || header.generation > sb.generation
@@ -414,7 +415,10 @@ fn scan_for_lost_records(env: &Env, pos: u64, expected_seq: u64, limit: u64) -> 
                 continue;
             }
             if let Ok((h, _)) = RecordHeader::decode(block, bs as u32) {
-                if h.log_offset == at + k && h.durable_sequence >= expected_seq {
+                if h.log_offset == at + k
+                    && h.format_tag == env.format_tag
+                    && h.durable_sequence >= expected_seq
+                {
                     return Err(log_damaged(
                         env,
                         format!(

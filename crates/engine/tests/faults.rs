@@ -349,3 +349,26 @@ fn wrong_origin_and_size_are_refused() {
     .expect_err("must refuse to overwrite");
     assert!(err.to_string().contains("--force"), "{err}");
 }
+
+/// `format --force` over a cache full of old records: the new cache opens
+/// (old records are never mistaken for new ones) and reads the origin.
+#[test]
+fn reformat_over_an_old_log_opens_clean() {
+    let (rig, _model) = populated(4);
+    rig.engine().close().unwrap();
+    let origin = SimDevice::new("origin2", VOLUME_BLOCKS * BS);
+    Engine::format(
+        Arc::new(rig.cache.clone()) as Arc<dyn Device>,
+        Arc::new(origin.clone()) as Arc<dyn Device>,
+        &FormatOptions {
+            force: true,
+            ..FormatOptions::default()
+        },
+    )
+    .unwrap();
+    // Crash right after format, before anything new is written.
+    let cache = rig.cache.crashed(cairn_device::CrashPlan::DropAll, 1);
+    let engine = open(&cache, &origin).expect("a fresh format opens");
+    assert_volume(&engine, &Model::new(VOLUME_BLOCKS), "after reformat");
+    assert_eq!(engine.stats().dirty_blocks, 0);
+}

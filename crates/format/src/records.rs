@@ -61,6 +61,9 @@ pub struct RecordHeader {
     pub durable_sequence: u64,
     /// crc of the previous record's header block.
     pub prev_crc: u32,
+    /// Identifies the format (crc32c of the superblock uuid): records left
+    /// on the device by an earlier format never count.
+    pub format_tag: u32,
     pub flags: u32,
     pub entries: Vec<RecordEntry>,
 }
@@ -106,7 +109,7 @@ impl RecordHeader {
             w.u32(self.prev_crc);
             w.u16(self.entries.len() as u16);
             w.u16(data_count as u16);
-            w.u32(0);
+            w.u32(self.format_tag);
             w.u32(0); // crc, filled below
             debug_assert_eq!(w.position(), RECORD_HEADER_FIXED_BYTES);
             for entry in &self.entries {
@@ -156,7 +159,7 @@ impl RecordHeader {
         let prev_crc = r.u32()?;
         let entry_count = r.u16()? as usize;
         let data_count = r.u16()? as usize;
-        let _reserved = r.u32()?;
+        let format_tag = r.u32()?;
         let stored = r.u32()?;
         if entry_count > Self::entries_max(block_size_bytes) {
             return Err(DecodeError::OutOfRange {
@@ -231,6 +234,7 @@ impl RecordHeader {
             generation,
             durable_sequence,
             prev_crc,
+            format_tag,
             flags,
             entries,
         };
@@ -443,6 +447,7 @@ mod tests {
             generation: 3,
             durable_sequence: 40,
             prev_crc: 0xdead_beef,
+            format_tag: 0x1234_5678,
             flags: RECORD_FLAG_EPOCH_END,
             entries,
         }
