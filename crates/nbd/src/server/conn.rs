@@ -84,6 +84,10 @@ impl ConnWriter {
         *n += 1;
     }
 
+    pub(crate) fn in_flight(&self) -> usize {
+        *lock(&self.in_flight)
+    }
+
     pub(crate) fn release_slot(&self) {
         let mut n = lock(&self.in_flight);
         debug_assert!(*n > 0);
@@ -295,6 +299,13 @@ fn transmit(
                     payload,
                     budget_bytes,
                 };
+                // Nothing else in flight and nothing more pipelined: the
+                // client is waiting for this reply, so run it here instead
+                // of handing it to a worker and back.
+                if conn.in_flight() == 1 && input.len() == 0 {
+                    super::pool::execute(shared, job);
+                    continue;
+                }
                 if jobs.send(job).is_err() {
                     shared.budget.release(budget_bytes);
                     conn.release_slot();

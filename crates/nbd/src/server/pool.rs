@@ -84,23 +84,30 @@ fn worker_loop(shared: &Shared, receiver: &Mutex<Receiver<Job>>) {
             Ok(job) => job,
             Err(_) => return, // every sender is gone: the server is stopping
         };
-        let conn = job.conn.clone();
-        let budget_bytes = job.budget_bytes;
-        let to = job.request.reply_to;
-        let mode = job.mode;
-        if catch_unwind(AssertUnwindSafe(|| run_job(shared, job))).is_err() {
-            tracing::error!(
-                conn = conn.id(),
-                command = proto::command_name(to.command),
-                "export call panicked"
-            );
-            let mut out = Vec::new();
-            encode_error(&mut out, mode, to, proto::NBD_EIO, "internal server error");
-            conn.send(&out);
-        }
-        shared.budget.release(budget_bytes);
-        conn.release_slot();
+        execute(shared, job);
     }
+}
+
+/// Run one job and send its reply, releasing its budget and slot. Called by
+/// the workers, and inline by a connection's reader when the request is the
+/// only one in flight (a queue-depth-1 client): two thread hand-offs saved.
+pub(crate) fn execute(shared: &Shared, job: Job) {
+    let conn = job.conn.clone();
+    let budget_bytes = job.budget_bytes;
+    let to = job.request.reply_to;
+    let mode = job.mode;
+    if catch_unwind(AssertUnwindSafe(|| run_job(shared, job))).is_err() {
+        tracing::error!(
+            conn = conn.id(),
+            command = proto::command_name(to.command),
+            "export call panicked"
+        );
+        let mut out = Vec::new();
+        encode_error(&mut out, mode, to, proto::NBD_EIO, "internal server error");
+        conn.send(&out);
+    }
+    shared.budget.release(budget_bytes);
+    conn.release_slot();
 }
 
 fn run_job(shared: &Shared, job: Job) {
