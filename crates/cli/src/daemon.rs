@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -190,13 +190,43 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-fn admin_loop(listener: UnixListener, engine: &Engine, stop: &AtomicBool) {
+/// Admin connections served at once; more are refused with an error.
+const ADMIN_CONNECTIONS_MAX: usize = 16;
+
+/// Frees an admin connection slot when its thread ends (or never starts).
+struct AdminSlot(Arc<AtomicUsize>);
+
+impl Drop for AdminSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One thread per admin connection, so `cairn status` answers while a
+/// `cairn flush` drains for minutes on another connection.
+fn admin_loop(listener: UnixListener, engine: &Arc<Engine>, stop: &AtomicBool) {
+    let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = conn else { continue };
-        let _ = handle_admin(stream, engine);
+        let Ok(mut stream) = conn else { continue };
+        if active.fetch_add(1, Ordering::SeqCst) >= ADMIN_CONNECTIONS_MAX {
+            active.fetch_sub(1, Ordering::SeqCst);
+            let _ = writeln!(
+                stream,
+                "error: the daemon is busy with {ADMIN_CONNECTIONS_MAX} admin requests; try again"
+            );
+            continue;
+        }
+        let slot = AdminSlot(active.clone());
+        let engine = engine.clone();
+        let _ = std::thread::Builder::new()
+            .name("admin-conn".into())
+            .spawn(move || {
+                let _slot = slot;
+                let _ = handle_admin(stream, &engine);
+            });
     }
 }
 

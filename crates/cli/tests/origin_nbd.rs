@@ -229,3 +229,54 @@ fn unreachable_nbd_origin_at_start() {
     assert!(server.terminate().success());
     drop(origin);
 }
+
+/// `cairn status` answers while `cairn flush` drains to a slow origin on
+/// another admin connection (it used to wait for the whole drain).
+#[test]
+fn status_answers_during_a_long_online_flush() {
+    if !require_tools("status_busy", &["nbdkit"]) || !require_python_nbd("status_busy") {
+        return;
+    }
+    let ctx = Ctx::new("status_busy");
+    let size = 16 * MIB;
+    let origin = NbdOrigin::start(&ctx, size, 0x0D, &["--filter=delay", "wdelay=100ms"]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    let uri = server.uri();
+    let mut image = pattern(0x0D, size as usize);
+    // 30 scattered blocks, each in its own flush epoch: write-back goes
+    // epoch by epoch, so that is 30 serial origin writes of 100 ms each.
+    for i in 0..30u64 {
+        let at = i * 512 * 1024;
+        let block = pattern(100 + i, 4096);
+        nbd_write(&uri, at, &block, true);
+        image[at as usize..at as usize + 4096].copy_from_slice(&block);
+    }
+    let c = cache.to_string_lossy().into_owned();
+    let mut flush = ctx.spawn("cairn flush", &mut ctx.cmd(&["flush", "--cache", &c]));
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let st = ctx.status(&cache);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "status took {took:?} while a flush was running"
+    );
+    assert_eq!(st["served"], true, "{st}");
+    assert!(
+        flush.try_status().is_none(),
+        "the flush ended before status answered; the check means nothing"
+    );
+    let done = flush
+        .wait_timeout(Duration::from_secs(60))
+        .expect("flush finishes");
+    assert!(done.success(), "{}", flush.log_text());
+    assert_eq!(u64_of(&ctx.status(&cache), "dirty_blocks"), 0);
+    assert_same_bytes(
+        "origin after the flush",
+        &origin_bytes(&origin.file),
+        &image,
+    );
+    assert!(server.terminate().success());
+}
