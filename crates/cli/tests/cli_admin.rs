@@ -487,3 +487,35 @@ fn sigterm_right_after_start_is_clean() {
         assert!(log.contains("clean shutdown"), "round {round}:\n{log}");
     }
 }
+
+/// The README's first step: `cairn demo` creates, formats and serves, and
+/// says how to connect; Ctrl-C (SIGINT) stops it cleanly; a second run
+/// reuses the formatted files.
+#[test]
+fn demo_serves_and_stops_cleanly() {
+    let ctx = Ctx::new("demo");
+    let dir = ctx.path("demo");
+    let d = dir.to_string_lossy().into_owned();
+    for run in 0..2 {
+        let mut p = ctx.spawn("cairn demo", &mut ctx.cmd(&["demo", "--dir", &d]));
+        let sock = dir.join("cairn.sock");
+        wait_for_path(&sock, &mut p);
+        assert!(
+            eventually(Duration::from_secs(30), || p
+                .log_text()
+                .contains("Press Ctrl-C")),
+            "{}",
+            p.log_text()
+        );
+        let log = p.log_text();
+        assert!(log.contains("nbd+unix:///?socket="), "{log}");
+        assert_eq!(log.contains("formatted demo cache"), run == 0, "{log}");
+        let st = ctx.status(&dir.join("cache.img"));
+        assert_eq!(st["served"], true, "{st}");
+        assert_eq!(u64_of(&st, "volume_size_bytes"), 256 * MIB);
+        p.signal(libc::SIGINT);
+        let status = p.wait_timeout(Duration::from_secs(60)).expect("demo exits");
+        assert_eq!(status.code(), Some(0), "{}", p.log_text());
+        assert!(!sock.exists());
+    }
+}

@@ -365,3 +365,42 @@ fn nbdsh_multi_conn_flush_survives_kill9() {
     );
     assert!(server.terminate().success());
 }
+
+/// `serve --listen HOST:PORT`: the same volume over TCP on loopback.
+#[test]
+fn tcp_listener_serves_the_volume() {
+    if !require_tools("tcp", &["nbdinfo"]) || !require_python_nbd("tcp") {
+        return;
+    }
+    let ctx = Ctx::new("tcp");
+    let (cache, origin) = ctx.setup(16 * MIB, 32 * MIB);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut p = ctx.spawn(
+        "cairn serve --listen",
+        &mut ctx.cmd(&[
+            "serve",
+            "--cache",
+            &cache.to_string_lossy(),
+            "--listen",
+            &addr,
+        ]),
+    );
+    assert!(
+        eventually(std::time::Duration::from_secs(30), || {
+            std::net::TcpStream::connect(&addr).is_ok() || p.try_status().is_some()
+        }),
+        "no listener on {addr}"
+    );
+    assert!(p.try_status().is_none(), "serve exited:\n{}", p.log_text());
+    let uri = format!("nbd://{addr}/");
+    let out = run_ok(tool("nbdinfo").args(["--json", &uri]), TOOL_TIMEOUT);
+    let json = json_in(&stdout(&out));
+    assert_eq!(json["exports"][0]["export-size"], 32 * MIB, "{json}");
+    let data = pattern(0x7C, 1 << 20);
+    nbd_write(&uri, 3 * MIB, &data, true);
+    assert_eq!(nbd_read(&uri, 3 * MIB, data.len()), data);
+    ctx.flush(&cache);
+    assert_same_bytes("origin", &read_range(&origin, 3 * MIB, data.len()), &data);
+    let status = p.terminate(std::time::Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", p.log_text());
+}
