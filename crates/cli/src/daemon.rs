@@ -172,9 +172,12 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     signal_handle.close();
     stop.store(true, Ordering::SeqCst);
     let _ = writeback.join();
-    // Wake the admin loop so it sees the stop flag.
-    let _ = UnixStream::connect(&admin_path);
-    let _ = admin_thread.join();
+    // Wake the admin loop so it sees the stop flag. If its socket file is
+    // gone (someone removed the runtime directory) it cannot be woken; it is
+    // not joined then, and ends with the process after the final checkpoint.
+    if UnixStream::connect(&admin_path).is_ok() {
+        let _ = admin_thread.join();
+    }
     let _ = std::fs::remove_file(&admin_path);
     engine.flush().context("final flush")?;
     engine.close().context("final checkpoint")?;
