@@ -280,3 +280,125 @@ fn status_answers_during_a_long_online_flush() {
     );
     assert!(server.terminate().success());
 }
+
+const PY_EPOCHS: &str = r#"
+import nbd, sys
+uri, count, stride = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = nbd.NBD()
+h.connect_uri(uri)
+for i in range(count):
+    unit = b"epoch%06d." % i
+    h.pwrite((unit * (4096 // len(unit) + 1))[:4096], i * stride)
+    h.flush()
+h.shutdown()
+"#;
+
+fn epoch_block(i: u64) -> Vec<u8> {
+    let unit = format!("epoch{i:06}.");
+    unit.as_bytes().iter().copied().cycle().take(4096).collect()
+}
+
+/// kill -9 of an offline `cairn flush` half way through: the origin holds
+/// the volume as of some past client FLUSH (write-back is ordered epoch by
+/// epoch), nothing is lost from the volume, and a new flush completes.
+#[test]
+fn kill9_during_offline_flush_keeps_the_origin_ordered() {
+    if !require_tools("flush_kill9", &["nbdkit"]) || !require_python_nbd("flush_kill9") {
+        return;
+    }
+    let ctx = Ctx::new("flush_kill9");
+    let size = 32 * MIB;
+    const EPOCHS: u64 = 60;
+    const STRIDE: u64 = 256 * 1024;
+    let origin = NbdOrigin::start(&ctx, size, 0x0E, &["--filter=delay", "wdelay=20ms"]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    // One block per epoch, each followed by a FLUSH.
+    let mut cmd = std::process::Command::new(python());
+    cmd.args([
+        "-c",
+        PY_EPOCHS,
+        &server.uri(),
+        &EPOCHS.to_string(),
+        &STRIDE.to_string(),
+    ]);
+    let out = run(&mut cmd, TOOL_TIMEOUT);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(server.terminate().success());
+    let mut image = pattern(0x0E, size as usize);
+    for i in 0..EPOCHS {
+        let at = (i * STRIDE) as usize;
+        image[at..at + 4096].copy_from_slice(&epoch_block(i));
+    }
+
+    // Offline flush against a slow origin; kill it part way.
+    let c = cache.to_string_lossy().into_owned();
+    let mut flush = ctx.spawn("cairn flush", &mut ctx.cmd(&["flush", "--cache", &c]));
+    // Kill once the first epochs are on the origin (each takes 20 ms+).
+    let first = epoch_block(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while read_range(&origin.file, 0, 4096) != first {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "write-back never started"
+        );
+        assert!(
+            flush.try_status().is_none(),
+            "flush ended: {}",
+            flush.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        flush.try_status().is_none(),
+        "the flush finished before the kill; slow the origin down"
+    );
+    flush.kill9();
+
+    // Ordered write-back: epochs 0..k on the origin, none after.
+    let on_origin = origin_bytes(&origin.file);
+    let done: Vec<bool> = (0..EPOCHS)
+        .map(|i| {
+            let at = (i * STRIDE) as usize;
+            let b = &on_origin[at..at + 4096];
+            if b == epoch_block(i).as_slice() {
+                true
+            } else {
+                assert_eq!(
+                    b,
+                    &pattern(0x0E, size as usize)[at..at + 4096],
+                    "epoch {i}: neither old nor new"
+                );
+                false
+            }
+        })
+        .collect();
+    let k = done.iter().take_while(|&&d| d).count();
+    assert!(
+        done[k..].iter().all(|&d| !d),
+        "epochs reached the origin out of order: {done:?}"
+    );
+    assert!(
+        k > 0 && k < EPOCHS as usize,
+        "kill did not land mid-flush: {k} epochs written"
+    );
+    eprintln!("kill -9 after {k} of {EPOCHS} epochs were written back");
+
+    // The volume is whole, and a new flush completes.
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    assert_same_bytes(
+        "volume after the killed flush",
+        &nbd_read(&server.uri(), 0, size as usize),
+        &image,
+    );
+    assert!(server.terminate().success());
+    ctx.flush(&cache);
+    assert_eq!(u64_of(&ctx.status(&cache), "dirty_blocks"), 0);
+    assert_same_bytes(
+        "origin after the second flush",
+        &origin_bytes(&origin.file),
+        &image,
+    );
+}
