@@ -288,10 +288,20 @@ h = nbd.NBD()
 h.connect_uri(uri)
 for i in range(count):
     unit = b"epoch%06d." % i
-    h.pwrite((unit * (4096 // len(unit) + 1))[:4096], i * stride)
+    # Later epochs at lower addresses: a write-back that merged epochs and
+    # sorted them by address would show up as a non-prefix on the origin.
+    h.pwrite((unit * (4096 // len(unit) + 1))[:4096], (count - 1 - i) * stride)
     h.flush()
 h.shutdown()
 "#;
+
+const EPOCHS: u64 = 60;
+const STRIDE: u64 = 256 * 1024;
+
+/// Where the python writer puts epoch i's block (descending addresses).
+fn epoch_offset(i: u64) -> u64 {
+    (EPOCHS - 1 - i) * STRIDE
+}
 
 fn epoch_block(i: u64) -> Vec<u8> {
     let unit = format!("epoch{i:06}.");
@@ -308,8 +318,6 @@ fn kill9_during_offline_flush_keeps_the_origin_ordered() {
     }
     let ctx = Ctx::new("flush_kill9");
     let size = 32 * MIB;
-    const EPOCHS: u64 = 60;
-    const STRIDE: u64 = 256 * 1024;
     let origin = NbdOrigin::start(&ctx, size, 0x0E, &["--filter=delay", "wdelay=20ms"]);
     let cache = format_for(&ctx, &origin, 8 * MIB);
     let sock = ctx.path("nbd.sock");
@@ -328,7 +336,7 @@ fn kill9_during_offline_flush_keeps_the_origin_ordered() {
     assert!(server.terminate().success());
     let mut image = pattern(0x0E, size as usize);
     for i in 0..EPOCHS {
-        let at = (i * STRIDE) as usize;
+        let at = epoch_offset(i) as usize;
         image[at..at + 4096].copy_from_slice(&epoch_block(i));
     }
 
@@ -338,7 +346,7 @@ fn kill9_during_offline_flush_keeps_the_origin_ordered() {
     // Kill once the first epochs are on the origin (each takes 20 ms+).
     let first = epoch_block(0);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while read_range(&origin.file, 0, 4096) != first {
+    while read_range(&origin.file, epoch_offset(0), 4096) != first {
         assert!(
             std::time::Instant::now() < deadline,
             "write-back never started"
@@ -361,7 +369,7 @@ fn kill9_during_offline_flush_keeps_the_origin_ordered() {
     let on_origin = origin_bytes(&origin.file);
     let done: Vec<bool> = (0..EPOCHS)
         .map(|i| {
-            let at = (i * STRIDE) as usize;
+            let at = epoch_offset(i) as usize;
             let b = &on_origin[at..at + 4096];
             if b == epoch_block(i).as_slice() {
                 true
