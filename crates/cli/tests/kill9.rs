@@ -13,9 +13,9 @@
 //! 1. Phase 1, region V = [0, 8 MiB): fio randwrite, bs 4k, fsync=1,
 //!    verify=crc32c, do_verify=0, fixed seed, to completion. Every block of
 //!    V has been written once and flushed.
-//! 2. Phase 2, the load the kill hits, on other regions while write-back
-//!    of V to the origin is still going on (the cache is smaller than the
-//!    data, so write-back runs under pressure):
+//! 2. Phase 2, the load the kill hits, on other regions, while background
+//!    write-back may still be copying V to the origin (the cache is
+//!    smaller than the data written, so write-back runs under pressure):
 //!    - fio randwrite with fsync=1, iodepth 4, on [16, 48) MiB, not verified;
 //!    - a python3-libnbd writer on [64, 128) MiB that writes block i, FLUSHes,
 //!      and only then prints i: the exact prefix of acknowledged-durable
