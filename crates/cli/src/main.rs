@@ -332,7 +332,7 @@ fn cmd_status(cache: &Path, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn cmd_flush(cache: &Path) -> Result<()> {
+fn cmd_flush(cache: &Path) -> Result<ExitCode> {
     let mut written = 0u64;
     let pb = progress_bar(0, "write-back");
     let online = daemon::ask_daemon(cache, "drain", |line| {
@@ -347,8 +347,21 @@ fn cmd_flush(cache: &Path) -> Result<()> {
             pb.set_position(w);
         }
     });
-    match online {
-        Some(r) => r?,
+    // Blocks whose dirty data failed its checksum cannot be written back.
+    let unrecoverable = match online {
+        Some(r) => {
+            r?;
+            let mut out = String::new();
+            match daemon::ask_daemon(cache, "status", |l| out.push_str(l)) {
+                Some(r) => {
+                    r?;
+                    let v: serde_json::Value = serde_json::from_str(&out)?;
+                    let n = |k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                    n("corrupt_blocks") + n("lost_blocks")
+                }
+                None => 0,
+            }
+        }
         None => {
             let engine = open_engine(cache, None, false)?;
             let p = engine.drain_with_progress(|p| {
@@ -356,12 +369,21 @@ fn cmd_flush(cache: &Path) -> Result<()> {
                 pb.set_position(p.blocks_written);
             })?;
             written = p.blocks_written;
+            let s = engine.stats();
             engine.close()?;
+            s.corrupt_blocks + s.lost_blocks
         }
-    }
+    };
     pb.finish_and_clear();
+    if unrecoverable > 0 {
+        say!(
+            "write-back incomplete: {written} blocks written, but {unrecoverable} dirty blocks failed their checksum on the cache and can never reach the origin; they read as EIO until rewritten. Run `cairn check --cache {}` to list them",
+            cache.display()
+        )?;
+        return Ok(ExitCode::from(1));
+    }
     say!("write-back complete: {written} blocks written to the origin, 0 dirty")?;
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 fn cmd_check(cache: &Path) -> Result<ExitCode> {
@@ -606,7 +628,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Mode { cache, mode } => cmd_mode(&cache, mode)?,
         Command::Warm { cache, range } => cmd_warm(&cache, &range)?,
         Command::Status { cache, json } => cmd_status(&cache, json)?,
-        Command::Flush { cache } => cmd_flush(&cache)?,
+        Command::Flush { cache } => return cmd_flush(&cache),
         Command::Check { cache } => return cmd_check(&cache),
         Command::Demo { dir } => cmd_demo(&dir)?,
     }

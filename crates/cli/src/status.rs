@@ -24,6 +24,7 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     m.insert("clean_blocks".into(), json!(s.clean_blocks));
     m.insert("free_blocks".into(), json!(s.free_blocks));
     m.insert("corrupt_blocks".into(), json!(s.corrupt_blocks));
+    m.insert("lost_blocks".into(), json!(s.lost_blocks));
     m.insert("pending_ranges".into(), json!(s.pending_ranges));
     m.insert("writeback_paused".into(), json!(s.writeback_paused));
     m.insert("writeback_offset".into(), json!(s.writeback_offset));

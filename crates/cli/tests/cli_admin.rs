@@ -303,8 +303,26 @@ fn check_finds_a_corrupted_dirty_block() {
     let st = ctx.status(&cache);
     assert!(u64_of(&st, "checksum_mismatches") >= 1, "{st}");
 
-    // Write-back never copies the bad block to the origin.
-    ctx.flush(&cache);
+    // Write-back never copies the bad block to the origin, and flush says
+    // so: it exits 1 naming the unrecoverable block count.
+    let out = ctx.cairn(&["flush", "--cache", &cache.to_string_lossy()]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "flush with a lost block: {}",
+        describe(&out)
+    );
+    assert!(
+        stdout(&out).contains("1 dirty blocks failed their checksum"),
+        "{}",
+        describe(&out)
+    );
+    let st = ctx.status(&cache);
+    assert_eq!(
+        u64_of(&st, "corrupt_blocks") + u64_of(&st, "lost_blocks"),
+        1,
+        "{st}"
+    );
     assert!(
         read_range(&origin, LBA * BS, BS as usize)
             .iter()

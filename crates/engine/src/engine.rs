@@ -194,9 +194,9 @@ impl Engine {
         }
         let bs = opts.block_size_bytes;
         let layout =
-            Layout::compute(cache.size_bytes(), bs).map_err(|source| EngineError::Layout {
+            Layout::compute(cache.size_bytes(), bs).map_err(|layout| EngineError::Layout {
                 device: cache.name().to_string(),
-                source,
+                layout,
             })?;
         check_origin_size(origin.as_ref(), bs)?;
         let uuid: [u8; 16] = rand::random();
@@ -311,9 +311,9 @@ impl Engine {
             });
         }
         let layout =
-            Layout::compute(sb.cache_size_bytes, bs).map_err(|source| EngineError::Layout {
+            Layout::compute(sb.cache_size_bytes, bs).map_err(|layout| EngineError::Layout {
                 device: cache.name().to_string(),
-                source,
+                layout,
             })?;
         if layout.log_blocks != sb.log_blocks
             || layout.checkpoint_slot_bytes != sb.checkpoint_slot_bytes
@@ -407,6 +407,7 @@ impl Engine {
         s.dirty_blocks = inner.dirty_blocks;
         s.clean_blocks = inner.clean_blocks;
         s.corrupt_blocks = inner.corrupt_blocks;
+        s.lost_blocks = inner.lost.len() as u64;
         s.cache_blocks = inner.n;
         s.free_blocks = inner.n - (inner.dirty_blocks + inner.clean_blocks).min(inner.n);
         s.block_size_bytes = self.env.bs as u64;

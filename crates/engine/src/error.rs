@@ -43,11 +43,12 @@ pub enum EngineError {
         size_bytes: u64,
         block_size_bytes: u32,
     },
-    #[error("cache {device}: {source}")]
+    #[error("cache {device}: {layout}")]
     Layout {
         device: String,
-        #[source]
-        source: LayoutError,
+        // Shown in the message, so not also chained as a source (error
+        // reporters would print it twice).
+        layout: LayoutError,
     },
     #[error("cache {device} is {size_bytes} bytes but the superblock records {recorded_bytes}; it was truncated or is the wrong device")]
     CacheShrunk {
@@ -60,9 +61,9 @@ pub enum EngineError {
     #[error("cache {device}: log damaged: {detail}. Refusing to open, because acknowledged writes would be missing")]
     LogDamaged { device: String, detail: String },
     #[error("cache device: {0}")]
-    Cache(#[source] DeviceError),
+    Cache(DeviceError),
     #[error("origin: {0}")]
-    Origin(#[source] DeviceError),
+    Origin(DeviceError),
     #[error("block {lba} is dirty in the cache and failed its checksum; its data is lost")]
     DirtyBlockCorrupt { lba: u64 },
     #[error("request at offset {offset} length {length_bytes} is past the end of the {size_bytes}-byte volume")]

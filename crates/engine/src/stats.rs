@@ -17,6 +17,9 @@ macro_rules! counters {
             pub clean_blocks: u64,
             pub free_blocks: u64,
             pub corrupt_blocks: u64,
+            /// Dirty blocks that failed their checksum and left the log: they
+            /// read as EIO until rewritten.
+            pub lost_blocks: u64,
             pub cache_blocks: u64,
             pub block_size_bytes: u64,
             pub volume_size_bytes: u64,
