@@ -87,7 +87,10 @@ fn parse_size(s: &str) -> Result<u64> {
         Some('G' | 'g') => (&s[..s.len() - 1], GIB),
         _ => (s, 1),
     };
-    Ok(num.parse::<u64>().with_context(|| format!("bad size {s:?}"))? * mult)
+    Ok(num
+        .parse::<u64>()
+        .with_context(|| format!("bad size {s:?}"))?
+        * mult)
 }
 
 impl Config {
@@ -165,9 +168,17 @@ impl Config {
         }
         // The W5 fill scatters blocks over twice the cache's size.
         c.origin_bytes = (4 * GIB).max(2 * c.mem_cache_bytes);
-        let biggest = c.w1_region.max(c.w3_bytes).max(c.w3s_region).max(c.w4_working_set).max(c.ext4_bytes);
+        let biggest = c
+            .w1_region
+            .max(c.w3_bytes)
+            .max(c.w3s_region)
+            .max(c.w4_working_set)
+            .max(c.ext4_bytes);
         if biggest > c.cache_bytes || c.w4_working_set > ORIGIN_DATA_BYTES {
-            bail!("--cache must be at least {} MiB (the largest region)", biggest >> 20);
+            bail!(
+                "--cache must be at least {} MiB (the largest region)",
+                biggest >> 20
+            );
         }
         Ok(c)
     }
@@ -178,8 +189,17 @@ fn output_of(cmd: &str, args: &[&str]) -> String {
         .args(args)
         .output()
         .map(|o| {
-            let s = if o.stdout.is_empty() { o.stderr } else { o.stdout };
-            String::from_utf8_lossy(&s).lines().next().unwrap_or("").trim().to_string()
+            let s = if o.stdout.is_empty() {
+                o.stderr
+            } else {
+                o.stdout
+            };
+            String::from_utf8_lossy(&s)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string()
         })
         .unwrap_or_else(|_| "?".into())
 }
@@ -188,7 +208,10 @@ fn machine(cfg: &Config) -> Value {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
-        .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
         .unwrap_or_else(|| "?".into());
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let mem_kib: f64 = meminfo
@@ -196,7 +219,16 @@ fn machine(cfg: &Config) -> Value {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0.0);
-    let df = output_of("sh", &["-c", &format!("df -T {} | tail -1 | awk '{{print $1\" (\"$2\")\"}}'", cfg.dir.display())]);
+    let df = output_of(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "df -T {} | tail -1 | awk '{{print $1\" (\"$2\")\"}}'",
+                cfg.dir.display()
+            ),
+        ],
+    );
     json!({
         "nproc": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "cpu_model": model,
@@ -215,7 +247,16 @@ fn now_string() -> String {
 
 fn cairn_commit() -> String {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let rev = output_of("git", &["-C", &repo.to_string_lossy(), "rev-parse", "--short", "HEAD"]);
+    let rev = output_of(
+        "git",
+        &[
+            "-C",
+            &repo.to_string_lossy(),
+            "rev-parse",
+            "--short",
+            "HEAD",
+        ],
+    );
     let dirty = Command::new("git")
         .arg("-C")
         .arg(&repo)
@@ -223,7 +264,14 @@ fn cairn_commit() -> String {
         .output()
         .map(|o| !o.stdout.is_empty())
         .unwrap_or(false);
-    format!("commit {rev}{}", if dirty { " (+ uncommitted changes in crates/)" } else { "" })
+    format!(
+        "commit {rev}{}",
+        if dirty {
+            " (+ uncommitted changes in crates/)"
+        } else {
+            ""
+        }
+    )
 }
 
 fn preflight(cfg: &Config) -> Result<()> {
@@ -236,7 +284,14 @@ fn preflight(cfg: &Config) -> Result<()> {
         tools.push("qemu-nbd");
     }
     if cfg.workloads.contains(&W::Ext4) {
-        tools.extend(["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "mount", "tar"]);
+        tools.extend([
+            "nbdfuse",
+            "fusermount3",
+            "losetup",
+            "mkfs.ext4",
+            "mount",
+            "tar",
+        ]);
     }
     for t in tools {
         if !procs::tool_exists(t) {
@@ -311,7 +366,10 @@ fn real_main() -> Result<()> {
     // and a sparse origin whose first GiB holds data.
     let fast = cfg.dir.join("fast.img");
     let origin_img = cfg.dir.join("origin.img");
-    eprintln!("setup: writing {} MiB fast file and the origin's data", cfg.cache_bytes >> 20);
+    eprintln!(
+        "setup: writing {} MiB fast file and the origin's data",
+        cfg.cache_bytes >> 20
+    );
     let _ = std::fs::remove_file(&fast);
     workloads::fill_file(&fast, cfg.cache_bytes, true)?;
     let _ = std::fs::remove_file(&origin_img);
@@ -351,12 +409,18 @@ fn real_main() -> Result<()> {
         );
         fio_cmds.insert(
             format!("{} (raw)", w.name()),
-            json!(fio::command_line(&fio::Target::File(PathBuf::from("FAST")), &j)),
+            json!(fio::command_line(
+                &fio::Target::File(PathBuf::from("FAST")),
+                &j
+            )),
         );
     }
     fio_cmds.insert(
         "w4 prewarm (not for raw)".into(),
-        json!(fio::command_line(&fio::Target::Nbd(PathBuf::from("S")), &workloads::prewarm_job(&cfg))),
+        json!(fio::command_line(
+            &fio::Target::Nbd(PathBuf::from("S")),
+            &workloads::prewarm_job(&cfg)
+        )),
     );
     let mut notes = vec![
         format!("FAST = {} ({} MiB, fully written); ORIGIN = {} ({} MiB sparse, first {} MiB written), served slow on {}", fast.display(), cfg.cache_bytes >> 20, origin_img.display(), cfg.origin_bytes >> 20, ORIGIN_DATA_BYTES >> 20, origin_sock.display()),
@@ -402,7 +466,13 @@ fn real_main() -> Result<()> {
         "notes": notes,
     });
 
-    let result = run_all(&cfg, &env, tar.as_ref().map(|t| t.0.as_path()), &mut data, &mut header);
+    let result = run_all(
+        &cfg,
+        &env,
+        tar.as_ref().map(|t| t.0.as_path()),
+        &mut data,
+        &mut header,
+    );
     if let Err(e) = &result {
         data.errors.push(format!("run aborted: {e:#}"));
     }
@@ -508,14 +578,23 @@ fn run_all(
                             report::fmt_val(k, v),
                             m.m.get("cpu_us_per_io").copied().unwrap_or(f64::NAN),
                             m.m.get("load1").copied().unwrap_or(f64::NAN),
-                            if m.notes.is_empty() { String::new() } else { format!("  ({})", m.notes.join("; ")) }
+                            if m.notes.is_empty() {
+                                String::new()
+                            } else {
+                                format!("  ({})", m.notes.join("; "))
+                            }
                         );
                         data.meas.push(m);
                     }
                     Err(e) => {
                         procs::check_interrupted()?;
                         eprintln!("  round {} {} FAILED: {e:#}", round + 1, sys.name());
-                        data.errors.push(format!("{} round {} {}: {e:#}", w.id(), round + 1, sys.name()));
+                        data.errors.push(format!(
+                            "{} round {} {}: {e:#}",
+                            w.id(),
+                            round + 1,
+                            sys.name()
+                        ));
                     }
                 }
             }

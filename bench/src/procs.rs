@@ -123,7 +123,8 @@ impl Daemon {
         timeout: Duration,
     ) -> Result<(Daemon, Duration)> {
         let _ = std::fs::remove_file(sock);
-        let f = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let f =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let f2 = f.try_clone()?;
         let t0 = Instant::now();
         let child = cmd
@@ -198,7 +199,10 @@ impl Daemon {
                 return Ok(());
             }
             if t0.elapsed() > grace {
-                eprintln!("  note: {} ignored SIGTERM for {grace:?}; SIGKILL", self.name);
+                eprintln!(
+                    "  note: {} ignored SIGTERM for {grace:?}; SIGKILL",
+                    self.name
+                );
                 let _ = c.kill();
                 let _ = c.wait();
                 return Ok(());
@@ -258,7 +262,10 @@ impl Fuse {
         };
         let t0 = Instant::now();
         loop {
-            if std::fs::metadata(fuse.file()).map(|m| m.len() > 0).unwrap_or(false) {
+            if std::fs::metadata(fuse.file())
+                .map(|m| m.len() > 0)
+                .unwrap_or(false)
+            {
                 return Ok(fuse);
             }
             if let Some(st) = fuse.child.as_mut().unwrap().try_wait()? {

@@ -58,7 +58,10 @@ impl Data {
 }
 
 fn get(med: &Medians, w: W, s: Sys, k: &str) -> Option<f64> {
-    med.get(&(w, s)).and_then(|m| m.get(k)).copied().filter(|x| x.is_finite())
+    med.get(&(w, s))
+        .and_then(|m| m.get(k))
+        .copied()
+        .filter(|x| x.is_finite())
 }
 
 fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
@@ -68,7 +71,13 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     }
 }
 
-pub const PEERS: [Sys; 5] = [Sys::NbdkitFile, Sys::Origin, Sys::Raw, Sys::QemuNbd, Sys::NbdkitCache];
+pub const PEERS: [Sys; 5] = [
+    Sys::NbdkitFile,
+    Sys::Origin,
+    Sys::Raw,
+    Sys::QemuNbd,
+    Sys::NbdkitCache,
+];
 
 pub fn fmt_val(metric: &str, v: f64) -> String {
     if !v.is_finite() {
@@ -119,12 +128,21 @@ impl Goal {
     }
 }
 
-fn push(g: &mut Vec<Goal>, id: &'static str, text: &str, measured: Option<f64>, ok: &dyn Fn(f64) -> bool, suffix: &str) {
+fn push(
+    g: &mut Vec<Goal>,
+    id: &'static str,
+    text: &str,
+    measured: Option<f64>,
+    ok: &dyn Fn(f64) -> bool,
+    suffix: &str,
+) {
     g.push(Goal {
         id,
         text: text.to_string(),
         measured,
-        shown: measured.map(|v| format!("{}{suffix}", fmt_num(v))).unwrap_or_else(|| "not measured".into()),
+        shown: measured
+            .map(|v| format!("{}{suffix}", fmt_num(v)))
+            .unwrap_or_else(|| "not measured".into()),
         met: measured.map(ok),
     });
 }
@@ -133,16 +151,65 @@ pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
     let mut g: Vec<Goal> = Vec::new();
     let c = |w, k: &str| get(med, w, Sys::Cairn, k);
     let p = |w, s, k: &str| get(med, w, s, k);
-    push(&mut g, "1a", "W1 fsync'd 4K writes: IOPS cairn / nbdkit-file ≥ 0.90", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::NbdkitFile, "iops")), &|r| r >= 0.90, "×");
-    push(&mut g, "1b", "W1 fsync'd 4K writes: IOPS cairn / origin alone ≥ 20", ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::Origin, "iops")), &|r| r >= 20.0, "×");
-    push(&mut g, "2a", "W2 ext4 untar: wall time cairn / nbdkit-file ≤ 1.15", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::NbdkitFile, "seconds")), &|r| r <= 1.15, "×");
-    push(&mut g, "2b", "W2 ext4 untar: far below the origin alone (we read it as time cairn / origin ≤ 0.25)", ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::Origin, "seconds")), &|r| r <= 0.25, "×");
-    push(&mut g, "3a", "W3 64K seq writes: MB/s cairn / raw io_uring O_DIRECT ≥ 0.90", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::Raw, "mb_s")), &|r| r >= 0.90, "×");
-    push(&mut g, "3b", "W3 64K seq writes: MB/s cairn / qemu-nbd ≥ 1.0", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::QemuNbd, "mb_s")), &|r| r >= 1.0, "×");
+    push(
+        &mut g,
+        "1a",
+        "W1 fsync'd 4K writes: IOPS cairn / nbdkit-file ≥ 0.90",
+        ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::NbdkitFile, "iops")),
+        &|r| r >= 0.90,
+        "×",
+    );
+    push(
+        &mut g,
+        "1b",
+        "W1 fsync'd 4K writes: IOPS cairn / origin alone ≥ 20",
+        ratio(c(W::Fsync, "iops"), p(W::Fsync, Sys::Origin, "iops")),
+        &|r| r >= 20.0,
+        "×",
+    );
+    push(
+        &mut g,
+        "2a",
+        "W2 ext4 untar: wall time cairn / nbdkit-file ≤ 1.15",
+        ratio(
+            c(W::Ext4, "seconds"),
+            p(W::Ext4, Sys::NbdkitFile, "seconds"),
+        ),
+        &|r| r <= 1.15,
+        "×",
+    );
+    push(
+        &mut g,
+        "2b",
+        "W2 ext4 untar: far below the origin alone (we read it as time cairn / origin ≤ 0.25)",
+        ratio(c(W::Ext4, "seconds"), p(W::Ext4, Sys::Origin, "seconds")),
+        &|r| r <= 0.25,
+        "×",
+    );
+    push(
+        &mut g,
+        "3a",
+        "W3 64K seq writes: MB/s cairn / raw io_uring O_DIRECT ≥ 0.90",
+        ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::Raw, "mb_s")),
+        &|r| r >= 0.90,
+        "×",
+    );
+    push(
+        &mut g,
+        "3b",
+        "W3 64K seq writes: MB/s cairn / qemu-nbd ≥ 1.0",
+        ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::QemuNbd, "mb_s")),
+        &|r| r >= 1.0,
+        "×",
+    );
     push(&mut g, "3c", "W3 64K seq writes: MB/s cairn / nbdkit-file (reported, no goal; nbdkit writes into the page cache)", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::NbdkitFile, "mb_s")), &|_| true, "×");
     g.last_mut().unwrap().met = None;
     let rb = d.values(W::Seq, Sys::Cairn, "daemon_read_bytes");
-    let rb_max = if rb.is_empty() { None } else { Some(rb.iter().cloned().fold(0.0, f64::max)) };
+    let rb_max = if rb.is_empty() {
+        None
+    } else {
+        Some(rb.iter().cloned().fold(0.0, f64::max))
+    };
     g.push(Goal {
         id: "3d",
         text: "W3: bytes read from the cache device by the daemon = 0 (/proc/PID/io read_bytes, worst round)".into(),
@@ -151,23 +218,67 @@ pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
         met: rb_max.map(|v| v == 0.0),
     });
     push(&mut g, "3e", "W3: cache-device bytes written per client byte ≤ 1.05 (cairn status cache_bytes_written / fio bytes)", c(W::Seq, "cache_write_amp"), &|r| r <= 1.05, "");
-    let best_read = match (p(W::RandRead, Sys::NbdkitFile, "iops"), p(W::RandRead, Sys::QemuNbd, "iops")) {
+    let best_read = match (
+        p(W::RandRead, Sys::NbdkitFile, "iops"),
+        p(W::RandRead, Sys::QemuNbd, "iops"),
+    ) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     };
     push(&mut g, "3f", "W3s (added stress, no goal): sustained 64K writes looping over a region that fits the cache, MB/s cairn / raw", ratio(c(W::SeqSustained, "mb_s"), p(W::SeqSustained, Sys::Raw, "mb_s")), &|_| true, "×");
     g.last_mut().unwrap().met = None;
-    push(&mut g, "4a", "W4 cached 4K random reads QD32: IOPS cairn / best of (nbdkit-file, qemu-nbd) ≥ 1.0", ratio(c(W::RandRead, "iops"), best_read), &|r| r >= 1.0, "×");
-    push(&mut g, "4b", "W4: IOPS cairn / raw io_uring ≥ 0.8", ratio(c(W::RandRead, "iops"), p(W::RandRead, Sys::Raw, "iops")), &|r| r >= 0.8, "×");
+    push(
+        &mut g,
+        "4a",
+        "W4 cached 4K random reads QD32: IOPS cairn / best of (nbdkit-file, qemu-nbd) ≥ 1.0",
+        ratio(c(W::RandRead, "iops"), best_read),
+        &|r| r >= 1.0,
+        "×",
+    );
+    push(
+        &mut g,
+        "4b",
+        "W4: IOPS cairn / raw io_uring ≥ 0.8",
+        ratio(c(W::RandRead, "iops"), p(W::RandRead, Sys::Raw, "iops")),
+        &|r| r >= 0.8,
+        "×",
+    );
     let best_cpu = [Sys::NbdkitFile, Sys::QemuNbd, Sys::NbdkitCache]
         .iter()
         .filter_map(|s| p(W::RandRead, *s, "cpu_us_per_io"))
-        .fold(None, |acc: Option<f64>, v| Some(acc.map_or(v, |a| a.min(v))));
-    push(&mut g, "4c", "W4: CPU per I/O (fio + daemon, usr+sys) cairn / best NBD peer ≤ 1.0", ratio(c(W::RandRead, "cpu_us_per_io"), best_cpu), &|r| r <= 1.0, "×");
+        .fold(None, |acc: Option<f64>, v| {
+            Some(acc.map_or(v, |a| a.min(v)))
+        });
+    push(
+        &mut g,
+        "4c",
+        "W4: CPU per I/O (fio + daemon, usr+sys) cairn / best NBD peer ≤ 1.0",
+        ratio(c(W::RandRead, "cpu_us_per_io"), best_cpu),
+        &|r| r <= 1.0,
+        "×",
+    );
     let mem = d.memory.as_ref();
-    let gib = mem.and_then(|m| m["cache_gib"].as_f64()).unwrap_or(f64::NAN);
-    push(&mut g, "5a", &format!("W5: RSS per GiB of cache, cache full of 4 KiB blocks ({gib} GiB cache) ≤ 8 MiB/GiB"), mem.and_then(|m| m["rss_mib_per_gib"].as_f64()), &|v| v <= 8.0, " MiB/GiB");
-    push(&mut g, "5b", "W5: reopen after kill -9 with that cache full ≤ 2 s (worst round)", mem.and_then(|m| m["reopen_s_max"].as_f64()), &|v| v <= 2.0, " s");
+    let gib = mem
+        .and_then(|m| m["cache_gib"].as_f64())
+        .unwrap_or(f64::NAN);
+    push(
+        &mut g,
+        "5a",
+        &format!(
+            "W5: RSS per GiB of cache, cache full of 4 KiB blocks ({gib} GiB cache) ≤ 8 MiB/GiB"
+        ),
+        mem.and_then(|m| m["rss_mib_per_gib"].as_f64()),
+        &|v| v <= 8.0,
+        " MiB/GiB",
+    );
+    push(
+        &mut g,
+        "5b",
+        "W5: reopen after kill -9 with that cache full ≤ 2 s (worst round)",
+        mem.and_then(|m| m["reopen_s_max"].as_f64()),
+        &|v| v <= 2.0,
+        " s",
+    );
     g
 }
 
@@ -220,10 +331,29 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     let _ = writeln!(s, "- command: `{}`", h["command"].as_str().unwrap_or("?"));
     let _ = writeln!(s, "- mode: {}; {} round(s), {} s per fio measurement, systems interleaved (order rotated each round); medians", h["mode"].as_str().unwrap_or("?"), h["config"]["rounds"], h["config"]["runtime_s"]);
     let m = &h["machine"];
-    let _ = writeln!(s, "- machine: {} CPUs ({}), {} GiB RAM, kernel {}; scratch on {}", m["nproc"], m["cpu_model"].as_str().unwrap_or("?"), m["mem_gib"], m["kernel"].as_str().unwrap_or("?"), m["scratch_fs"].as_str().unwrap_or("?"));
+    let _ = writeln!(
+        s,
+        "- machine: {} CPUs ({}), {} GiB RAM, kernel {}; scratch on {}",
+        m["nproc"],
+        m["cpu_model"].as_str().unwrap_or("?"),
+        m["mem_gib"],
+        m["kernel"].as_str().unwrap_or("?"),
+        m["scratch_fs"].as_str().unwrap_or("?")
+    );
     let _ = writeln!(s, "- load average (1/5/15 min) at start: {}; at end: {} (other work on the machine shares these 2 cores)", h["load_start"], h["load_end"]);
-    let _ = writeln!(s, "- cairn {}; fio {}; nbdkit {}; qemu-nbd {}", h["cairn_commit"].as_str().unwrap_or("?"), m["fio"].as_str().unwrap_or("?"), m["nbdkit"].as_str().unwrap_or("?"), m["qemu_nbd"].as_str().unwrap_or("?"));
-    let _ = writeln!(s, "- slow origin: {} ms per read and per write (nbdkit delay filter; flush not delayed)\n", h["config"]["delay_ms"]);
+    let _ = writeln!(
+        s,
+        "- cairn {}; fio {}; nbdkit {}; qemu-nbd {}",
+        h["cairn_commit"].as_str().unwrap_or("?"),
+        m["fio"].as_str().unwrap_or("?"),
+        m["nbdkit"].as_str().unwrap_or("?"),
+        m["qemu_nbd"].as_str().unwrap_or("?")
+    );
+    let _ = writeln!(
+        s,
+        "- slow origin: {} ms per read and per write (nbdkit delay filter; flush not delayed)\n",
+        h["config"]["delay_ms"]
+    );
 
     // Headline table.
     let _ = writeln!(s, "## Headline: medians, and cairn's ratio to each peer\n");
@@ -248,11 +378,21 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         let (k, unit, _) = w.headline();
         let _ = write!(s, "| {} | {unit} |", w.name());
         for sys in &d.systems {
-            let _ = write!(s, " {} |", get(med, *w, *sys, k).map(|v| fmt_val(k, v)).unwrap_or("–".into()));
+            let _ = write!(
+                s,
+                " {} |",
+                get(med, *w, *sys, k)
+                    .map(|v| fmt_val(k, v))
+                    .unwrap_or("–".into())
+            );
         }
         for p in PEERS {
             if d.systems.contains(&p) && d.systems.contains(&Sys::Cairn) {
-                let _ = write!(s, " {} |", fmt_ratio(ratio(get(med, *w, Sys::Cairn, k), get(med, *w, p, k))));
+                let _ = write!(
+                    s,
+                    " {} |",
+                    fmt_ratio(ratio(get(med, *w, Sys::Cairn, k), get(med, *w, p, k)))
+                );
             }
         }
         s.push('\n');
@@ -270,11 +410,21 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     let _ = writeln!(s, "\n## Goals of issue 8\n");
     let _ = writeln!(s, "| # | goal | measured | verdict |\n|---|---|---:|---|");
     for g in goals {
-        let _ = writeln!(s, "| {} | {} | {} | {} |", g.id, g.text, g.shown, met_str(g.met));
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} |",
+            g.id,
+            g.text,
+            g.shown,
+            met_str(g.met)
+        );
     }
 
     // CPU, RSS, latency.
-    let _ = writeln!(s, "\n## CPU per I/O, latency and daemon peak RSS (medians)\n");
+    let _ = writeln!(
+        s,
+        "\n## CPU per I/O, latency and daemon peak RSS (medians)\n"
+    );
     let _ = writeln!(s, "CPU is usr+sys: fio's own (client) from its JSON, the daemon's from /proc/PID/stat (all threads, 10 ms ticks) over the fio run. Peak RSS is VmHWM of the daemon, started fresh for each measurement (the origin daemon is shared by the whole run).\n");
     let _ = writeln!(s, "| workload | system | headline | CPU µs/IO fio | CPU µs/IO daemon | CPU µs/IO total | lat mean µs | lat p99 µs | flush lat mean µs | daemon peak RSS MiB | load1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for w in &d.workloads {
@@ -283,20 +433,55 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         }
         let (k, unit, _) = w.headline();
         for sys in &d.systems {
-            let Some(mm) = med.get(&(*w, *sys)) else { continue };
+            let Some(mm) = med.get(&(*w, *sys)) else {
+                continue;
+            };
             let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
-            let _ = writeln!(s, "| {} | {} | {} {unit} | {} | {} | {} | {} | {} | {} | {} | {} |", w.id(), sys.name(), mm.get(k).map(|v| fmt_val(k, *v)).unwrap_or("–".into()), f("client_cpu_us_per_io"), f("daemon_cpu_us_per_io"), f("cpu_us_per_io"), f("lat_mean_us"), f("lat_p99_us"), f("sync_lat_mean_us"), f("daemon_peak_rss_mib"), f("load1"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} {unit} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                w.id(),
+                sys.name(),
+                mm.get(k).map(|v| fmt_val(k, *v)).unwrap_or("–".into()),
+                f("client_cpu_us_per_io"),
+                f("daemon_cpu_us_per_io"),
+                f("cpu_us_per_io"),
+                f("lat_mean_us"),
+                f("lat_p99_us"),
+                f("sync_lat_mean_us"),
+                f("daemon_peak_rss_mib"),
+                f("load1")
+            );
         }
     }
     if d.workloads.contains(&W::Ext4) {
         let _ = writeln!(s, "\n### W2 ext4 details (medians)\n");
         let _ = writeln!(s, "| system | untar s | mkfs s | umount s | daemon CPU s during untar | daemon peak RSS MiB | rounds |\n|---|---:|---:|---:|---:|---:|---:|");
         for sys in &d.systems {
-            let Some(mm) = med.get(&(W::Ext4, *sys)) else { continue };
+            let Some(mm) = med.get(&(W::Ext4, *sys)) else {
+                continue;
+            };
             let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
-            let n = d.meas.iter().filter(|m| m.w == W::Ext4 && m.sys == *sys).count();
-            let to = if mm.contains_key("timed_out") { " (timed out: lower bound)" } else { "" };
-            let _ = writeln!(s, "| {} | {}{to} | {} | {} | {} | {} | {n} |", sys.name(), f("seconds"), f("mkfs_s"), f("umount_s"), f("daemon_cpu_s"), f("daemon_peak_rss_mib"));
+            let n = d
+                .meas
+                .iter()
+                .filter(|m| m.w == W::Ext4 && m.sys == *sys)
+                .count();
+            let to = if mm.contains_key("timed_out") {
+                " (timed out: lower bound)"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {}{to} | {} | {} | {} | {} | {n} |",
+                sys.name(),
+                f("seconds"),
+                f("mkfs_s"),
+                f("umount_s"),
+                f("daemon_cpu_s"),
+                f("daemon_peak_rss_mib")
+            );
         }
     }
 
@@ -308,13 +493,32 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         .filter(|k| med.contains_key(k) && k.0 != W::Ext4)
         .collect();
     if !cairn_rows.is_empty() {
-        let _ = writeln!(s, "\n## cairn counters during the fio run (medians of deltas)\n");
+        let _ = writeln!(
+            s,
+            "\n## cairn counters during the fio run (medians of deltas)\n"
+        );
         let _ = writeln!(s, "read_bytes and write_bytes are the daemon's /proc/PID/io (all its I/O to the cache file; the origin is a socket); the rest come from `cairn status --json` before and after the run.\n");
         let _ = writeln!(s, "| workload | system | daemon read_bytes | daemon write_bytes | cache_bytes_written | per client byte | cache barriers | flushes | internal flushes | records sealed | write-back bytes | stalls | hit ratio |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (w, sys) in cairn_rows {
             let mm = &med[&(w, sys)];
             let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
-            let _ = writeln!(s, "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |", w.id(), sys.name(), f("daemon_read_bytes"), f("daemon_write_bytes"), f("cairn_cache_bytes_written"), f("cache_write_amp"), f("cairn_cache_barriers"), f("cairn_flushes"), f("cairn_internal_flushes"), f("cairn_records_sealed"), f("cairn_writeback_bytes"), f("cairn_writeback_stalls"), f("hit_ratio"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                w.id(),
+                sys.name(),
+                f("daemon_read_bytes"),
+                f("daemon_write_bytes"),
+                f("cairn_cache_bytes_written"),
+                f("cache_write_amp"),
+                f("cairn_cache_barriers"),
+                f("cairn_flushes"),
+                f("cairn_internal_flushes"),
+                f("cairn_records_sealed"),
+                f("cairn_writeback_bytes"),
+                f("cairn_writeback_stalls"),
+                f("hit_ratio")
+            );
         }
     }
 
@@ -333,7 +537,10 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
 
     // Spread across rounds.
     let _ = writeln!(s, "\n## Every round (headline metric, in run order)\n");
-    let _ = writeln!(s, "| workload | system | rounds | min | max |\n|---|---|---|---:|---:|");
+    let _ = writeln!(
+        s,
+        "| workload | system | rounds | min | max |\n|---|---|---|---:|---:|"
+    );
     for w in &d.workloads {
         let (k, _, _) = w.headline();
         for sys in &d.systems {
@@ -344,7 +551,15 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
             let lo = v.iter().cloned().fold(f64::INFINITY, f64::min);
             let hi = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let all: Vec<String> = v.iter().map(|x| fmt_val(k, *x)).collect();
-            let _ = writeln!(s, "| {} | {} | {} | {} | {} |", w.id(), sys.name(), all.join(", "), fmt_val(k, lo), fmt_val(k, hi));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} |",
+                w.id(),
+                sys.name(),
+                all.join(", "),
+                fmt_val(k, lo),
+                fmt_val(k, hi)
+            );
         }
     }
 
@@ -407,7 +622,9 @@ pub fn to_json(d: &Data, med: &Medians, goals: &[Goal]) -> Value {
 }
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 /// A 2×2 grid of horizontal bar charts (W1–W4), cairn highlighted, plus a
@@ -416,29 +633,54 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     let (pw, ph) = (470.0, 250.0);
     let (w_total, h_total) = (2.0 * pw + 30.0, 3.0 * ph + 140.0);
     let mut s = String::new();
-    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w_total}" height="{h_total}" viewBox="0 0 {w_total} {h_total}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">"#);
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w_total}" height="{h_total}" viewBox="0 0 {w_total} {h_total}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12">"#
+    );
     let _ = writeln!(s, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
     let title = format!(
         "cairn vs peers — {} — medians of {} round(s)",
         d.header["date"].as_str().unwrap_or(""),
         d.header["config"]["rounds"]
     );
-    let _ = writeln!(s, r#"<text x="15" y="24" font-size="16" font-weight="bold">{}</text>"#, esc(&title));
+    let _ = writeln!(
+        s,
+        r#"<text x="15" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        esc(&title)
+    );
     let panels = [W::Fsync, W::Ext4, W::Seq, W::RandRead, W::SeqSustained];
     for (i, w) in panels.iter().enumerate() {
         let x0 = 15.0 + (i % 2) as f64 * (pw + 10.0);
         let y0 = 40.0 + (i / 2) as f64 * (ph + 10.0);
         let (k, unit, higher) = w.headline();
-        let _ = writeln!(s, r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##);
-        let t = format!("{} — {unit} ({} is better)", w.name(), if higher { "higher" } else { "lower" });
-        let _ = writeln!(s, r#"<text x="{}" y="{}" font-weight="bold">{}</text>"#, x0 + 8.0, y0 + 18.0, esc(&t));
+        let _ = writeln!(
+            s,
+            r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##
+        );
+        let t = format!(
+            "{} — {unit} ({} is better)",
+            w.name(),
+            if higher { "higher" } else { "lower" }
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" font-weight="bold">{}</text>"#,
+            x0 + 8.0,
+            y0 + 18.0,
+            esc(&t)
+        );
         let rows: Vec<(Sys, f64)> = d
             .systems
             .iter()
             .filter_map(|sys| get(med, *w, *sys, k).map(|v| (*sys, v)))
             .collect();
         if rows.is_empty() {
-            let _ = writeln!(s, r##"<text x="{}" y="{}" fill="#888888">not measured</text>"##, x0 + 8.0, y0 + 50.0);
+            let _ = writeln!(
+                s,
+                r##"<text x="{}" y="{}" fill="#888888">not measured</text>"##,
+                x0 + 8.0,
+                y0 + 50.0
+            );
             continue;
         }
         let max = rows.iter().map(|r| r.1).fold(0.0, f64::max).max(1e-9);
@@ -455,23 +697,49 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 Sys::Origin => "#a0a0a0",
                 _ => "#669bbc",
             };
-            let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#, x0 + label_w, y + bh * 0.65, sys.name());
-            let _ = writeln!(s, r#"<rect x="{}" y="{}" width="{len:.1}" height="{:.1}" fill="{color}"/>"#, x0 + label_w + 6.0, y + 2.0, bh - 6.0);
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
+                x0 + label_w,
+                y + bh * 0.65,
+                sys.name()
+            );
+            let _ = writeln!(
+                s,
+                r#"<rect x="{}" y="{}" width="{len:.1}" height="{:.1}" fill="{color}"/>"#,
+                x0 + label_w + 6.0,
+                y + 2.0,
+                bh - 6.0
+            );
             let mut lbl = fmt_val(k, *v);
             if *sys != Sys::Cairn {
                 if let Some(r) = ratio(get(med, *w, Sys::Cairn, k), Some(*v)) {
                     lbl.push_str(&format!("  (cairn {})", fmt_ratio(Some(r))));
                 }
             }
-            let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, x0 + label_w + 10.0 + len, y + bh * 0.65, esc(&lbl));
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}">{}</text>"#,
+                x0 + label_w + 10.0 + len,
+                y + bh * 0.65,
+                esc(&lbl)
+            );
         }
     }
     // The sixth cell: the goals.
     {
         let x0 = 15.0 + pw + 10.0;
         let y0 = 40.0 + 2.0 * (ph + 10.0);
-        let _ = writeln!(s, r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##);
-        let _ = writeln!(s, r#"<text x="{}" y="{}" font-weight="bold">Goals of issue 8</text>"#, x0 + 8.0, y0 + 18.0);
+        let _ = writeln!(
+            s,
+            r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" font-weight="bold">Goals of issue 8</text>"#,
+            x0 + 8.0,
+            y0 + 18.0
+        );
         for (j, g) in goals.iter().enumerate() {
             let (mark, color) = match g.met {
                 Some(true) => ("met", "#2a7f3f"),
@@ -479,7 +747,15 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 None => ("info", "#555555"),
             };
             let shown: String = g.shown.chars().take(24).collect();
-            let _ = writeln!(s, r#"<text x="{}" y="{}" font-size="11" fill="{color}">{} {}: {} — {mark}</text>"#, x0 + 8.0, y0 + 36.0 + j as f64 * 13.5, g.id, esc(short(g.id)), esc(&shown));
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" font-size="11" fill="{color}">{} {}: {} — {mark}</text>"#,
+                x0 + 8.0,
+                y0 + 36.0 + j as f64 * 13.5,
+                g.id,
+                esc(short(g.id)),
+                esc(&shown)
+            );
         }
     }
     let fy = 40.0 + 3.0 * (ph + 10.0) + 16.0;
@@ -494,14 +770,30 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     }
     let met = goals.iter().filter(|g| g.met == Some(true)).count();
     let total = goals.iter().filter(|g| g.met.is_some()).count();
-    let missed: Vec<&str> = goals.iter().filter(|g| g.met == Some(false)).map(|g| g.id).collect();
-    let line = format!("Goals of issue 8 met: {met} of {total}; not met: {}", if missed.is_empty() { "none".into() } else { missed.join(", ") });
+    let missed: Vec<&str> = goals
+        .iter()
+        .filter(|g| g.met == Some(false))
+        .map(|g| g.id)
+        .collect();
+    let line = format!(
+        "Goals of issue 8 met: {met} of {total}; not met: {}",
+        if missed.is_empty() {
+            "none".into()
+        } else {
+            missed.join(", ")
+        }
+    );
     let _ = writeln!(s, r#"<text x="15" y="{}">{}</text>"#, fy + 20.0, esc(&line));
     let line = format!(
         "Labels give the value and cairn's ratio to that system (for ext4, a time ratio: below 1 = cairn faster). Load average at start {}, end {}.",
         d.header["load_start"], d.header["load_end"]
     );
-    let _ = writeln!(s, r##"<text x="15" y="{}" fill="#555555" font-size="11">{}</text>"##, fy + 40.0, esc(&line));
+    let _ = writeln!(
+        s,
+        r##"<text x="15" y="{}" fill="#555555" font-size="11">{}</text>"##,
+        fy + 40.0,
+        esc(&line)
+    );
     s.push_str("</svg>\n");
     s
 }

@@ -114,9 +114,18 @@ impl Env {
         Ok(())
     }
 
-    pub fn cairn_serve(&self, cache: &Path, sock: &Path, extra: &[&str]) -> Result<(Daemon, Duration)> {
+    pub fn cairn_serve(
+        &self,
+        cache: &Path,
+        sock: &Path,
+        extra: &[&str],
+    ) -> Result<(Daemon, Duration)> {
         let mut cmd = self.cairn_cmd();
-        cmd.arg("serve").arg("--cache").arg(cache).arg("--socket").arg(sock);
+        cmd.arg("serve")
+            .arg("--cache")
+            .arg(cache)
+            .arg("--socket")
+            .arg(sock);
         cmd.args(extra);
         Daemon::spawn(
             "cairn",
@@ -155,7 +164,11 @@ impl Env {
                 // records accepts records of the previous format.
                 crate::workloads::fill_file(&self.fast, 64 << 20, true)?;
                 self.cairn_format(&self.fast)?;
-                let extra: &[&str] = if sys == Sys::CairnNoWb { &["--no-writeback"] } else { &[] };
+                let extra: &[&str] = if sys == Sys::CairnNoWb {
+                    &["--no-writeback"]
+                } else {
+                    &[]
+                };
                 self.cairn_serve(&self.fast, &sock, extra)?.0
             }
             Sys::NbdkitFile => {
@@ -172,7 +185,8 @@ impl Env {
                 c.env("TMPDIR", &tmp);
                 c.args(["-f", "--exit-with-parent", "-U"]).arg(&sock);
                 c.arg("--filter=cache");
-                c.arg("nbd").arg(format!("socket={}", self.origin_sock.display()));
+                c.arg("nbd")
+                    .arg(format!("socket={}", self.origin_sock.display()));
                 c.arg("cache-on-read=true");
                 c.arg(format!("cache-max-size={}", self.fast_bytes));
                 Daemon::spawn("nbdkit-cache", &mut c, &sock, &log, t)?.0
@@ -180,7 +194,14 @@ impl Env {
             Sys::QemuNbd => {
                 let mut c = Command::new("qemu-nbd");
                 c.arg("-k").arg(&sock);
-                c.args(["-f", "raw", "--cache=none", "--aio=io_uring", "-t", "--shared=8"]);
+                c.args([
+                    "-f",
+                    "raw",
+                    "--cache=none",
+                    "--aio=io_uring",
+                    "-t",
+                    "--shared=8",
+                ]);
                 c.arg(&self.fast);
                 Daemon::spawn("qemu-nbd", &mut c, &sock, &log, t)?.0
             }
@@ -196,6 +217,13 @@ impl Env {
         c.arg("file").arg(format!("file={}", img.display()));
         c.arg(format!("rdelay={delay_ms}ms"));
         c.arg(format!("wdelay={delay_ms}ms"));
-        Ok(Daemon::spawn("origin", &mut c, sock, &dir.join("origin.log"), Duration::from_secs(60))?.0)
+        Ok(Daemon::spawn(
+            "origin",
+            &mut c,
+            sock,
+            &dir.join("origin.log"),
+            Duration::from_secs(60),
+        )?
+        .0)
     }
 }

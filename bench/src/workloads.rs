@@ -23,7 +23,14 @@ pub enum W {
     Memory,
 }
 
-pub const ALL: [W; 6] = [W::Fsync, W::Ext4, W::Seq, W::SeqSustained, W::RandRead, W::Memory];
+pub const ALL: [W; 6] = [
+    W::Fsync,
+    W::Ext4,
+    W::Seq,
+    W::SeqSustained,
+    W::RandRead,
+    W::Memory,
+];
 
 impl W {
     pub fn id(self) -> &'static str {
@@ -306,7 +313,12 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
     let lo = Loop::attach(&file, cfg.ext4_bytes, sys == Sys::Raw)?;
     let (mkfs_t, mkfs_timeout) = procs::run_timed(
         Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard"])
+            .args([
+                "-q",
+                "-F",
+                "-E",
+                "lazy_itable_init=0,lazy_journal_init=0,nodiscard",
+            ])
             .arg(&lo.dev),
         Duration::from_secs(cfg.ext4_timeout_s),
     )?;
@@ -316,7 +328,11 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
     let mnt = Mount::mount(&lo.dev, &env.dir.join("mnt"), "sync")?;
     let ticks0 = pid.and_then(procs::cpu_ticks);
     let (t, timed_out) = procs::run_timed(
-        Command::new("tar").arg("-xf").arg(tar).arg("-C").arg(&mnt.dir),
+        Command::new("tar")
+            .arg("-xf")
+            .arg(tar)
+            .arg("-C")
+            .arg(&mnt.dir),
         Duration::from_secs(cfg.ext4_timeout_s),
     )?;
     let ticks1 = pid.and_then(procs::cpu_ticks);
@@ -335,7 +351,10 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
     m.insert("seconds".into(), t.as_secs_f64());
     if timed_out {
         m.insert("timed_out".into(), 1.0);
-        notes.push(format!("tar killed after {} s: time is a lower bound", cfg.ext4_timeout_s));
+        notes.push(format!(
+            "tar killed after {} s: time is a lower bound",
+            cfg.ext4_timeout_s
+        ));
     }
     m.insert("mkfs_s".into(), mkfs_t.as_secs_f64());
     m.insert("umount_s".into(), umount_t.as_secs_f64());
@@ -358,7 +377,13 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
 /// Writes `bytes` of fio's (incompressible, non-zero) data into `path`.
 pub fn fill_file(path: &Path, bytes: u64, direct: bool) -> Result<()> {
     let mut cmd = Command::new("fio");
-    cmd.args(["--name=fill", "--rw=write", "--bs=1M", "--iodepth=8", "--ioengine=io_uring"]);
+    cmd.args([
+        "--name=fill",
+        "--rw=write",
+        "--bs=1M",
+        "--iodepth=8",
+        "--ioengine=io_uring",
+    ]);
     cmd.arg(format!("--filename={}", path.display()));
     cmd.arg(format!("--size={bytes}"));
     cmd.arg(format!("--direct={}", u8::from(direct)));
@@ -403,7 +428,11 @@ pub fn memory_test(cfg: &Config, env: &Env) -> Result<Value> {
         cache_blocks,
         region >> 20
     );
-    let r = fio::run(&Target::Nbd(sock.clone()), &fill, &env.dir.join("fio-w5-fill.json"))?;
+    let r = fio::run(
+        &Target::Nbd(sock.clone()),
+        &fill,
+        &env.dir.join("fio-w5-fill.json"),
+    )?;
     let st_full = env.cairn_status(&cache)?;
     let rss_full = procs::status_kib(d.pid, "VmRSS").unwrap_or(0);
     let hwm_full = procs::status_kib(d.pid, "VmHWM").unwrap_or(0);
@@ -443,8 +472,14 @@ pub fn memory_test(cfg: &Config, env: &Env) -> Result<Value> {
     }
     d.stop(Duration::from_secs(300))?;
     let _ = std::fs::remove_file(&cache);
-    let reopen: Vec<f64> = recov.iter().map(|r| r["reopen_s"].as_f64().unwrap()).collect();
-    let peak_after: Vec<f64> = recov.iter().map(|r| r["peak_rss_mib"].as_f64().unwrap()).collect();
+    let reopen: Vec<f64> = recov
+        .iter()
+        .map(|r| r["reopen_s"].as_f64().unwrap())
+        .collect();
+    let peak_after: Vec<f64> = recov
+        .iter()
+        .map(|r| r["peak_rss_mib"].as_f64().unwrap())
+        .collect();
     Ok(json!({
         "cache_bytes": cfg.mem_cache_bytes,
         "cache_gib": cache_gib,
