@@ -340,7 +340,7 @@ pub struct Mount {
 }
 
 impl Mount {
-    pub fn mount(dev: &str, dir: &Path, opts: &str) -> Result<Mount> {
+    pub fn new(dev: &str, dir: &Path, opts: &str) -> Result<Mount> {
         std::fs::create_dir_all(dir)?;
         run(Command::new("mount").arg("-o").arg(opts).arg(dev).arg(dir))?;
         Ok(Mount {

@@ -325,7 +325,7 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
     if mkfs_timeout {
         bail!("mkfs.ext4 took over {} s", cfg.ext4_timeout_s);
     }
-    let mnt = Mount::mount(&lo.dev, &env.dir.join("mnt"), "sync")?;
+    let mnt = Mount::new(&lo.dev, &env.dir.join("mnt"), "sync")?;
     let ticks0 = pid.and_then(procs::cpu_ticks);
     let (t, timed_out) = procs::run_timed(
         Command::new("tar")
