@@ -70,8 +70,14 @@ struct SimState {
 /// One device event, as recorded in a [`Journal`].
 #[derive(Debug, Clone)]
 pub enum JournalEvent {
-    Write { device: u8, offset: u64, data: Vec<u8> },
-    Flush { device: u8 },
+    Write {
+        device: u8,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    Flush {
+        device: u8,
+    },
 }
 
 /// A shared, ordered log of the writes and flushes of one or more simulated
@@ -97,7 +103,10 @@ impl Journal {
     }
 
     fn push(&self, e: JournalEvent) {
-        self.events.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(e);
     }
 }
 
