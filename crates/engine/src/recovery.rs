@@ -164,33 +164,25 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
             break;
         }
         let data_count = header.data_count();
-        let mut data = vec![0u8; data_count * bs];
-        if data_count > 0 {
-            env.cache
-                .read_at(env.layout.slot_offset_bytes((at + 1) % n), &mut data)
-                .map_err(EngineError::Cache)?;
-        }
-        let mut valid = Vec::with_capacity(data_count);
-        let mut k = 0;
         for entry in &header.entries {
-            if let RecordEntry::Data { lba, crc, .. } = *entry {
-                valid.push(
-                    lba < env.volume_blocks
-                        && block_checksum(lba, &data[k * bs..(k + 1) * bs]) == crc,
-                );
-                k += 1;
-            } else if let RecordEntry::Range {
-                lba, block_count, ..
-            } = *entry
-            {
-                if lba + block_count as u64 > env.volume_blocks {
-                    return Err(log_damaged(
-                        env,
-                        format!("record {} has a range past the end", header.sequence),
-                    ));
-                }
+            let (lba, count) = match *entry {
+                RecordEntry::Data { lba, .. } => (lba, 1),
+                RecordEntry::Range {
+                    lba, block_count, ..
+                } => (lba, block_count as u64),
+            };
+            if lba + count > env.volume_blocks {
+                return Err(log_damaged(
+                    env,
+                    format!(
+                        "record {} addresses blocks past the end of the volume",
+                        header.sequence
+                    ),
+                ));
             }
         }
+        // Data is verified below, and only where it can be torn.
+        let valid = vec![true; data_count];
         pos = at + header.length_blocks();
         expected_seq += 1;
         expected_prev = hcrc;
@@ -207,6 +199,28 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
         .chain(std::iter::once(ckpt.durable_sequence))
         .max()
         .unwrap_or(0);
+
+    // Only records no barrier covered can be torn: verify their data now.
+    // Durable records are not re-read (a whole log of them would make
+    // recovery read the whole cache); every later read and write-back of
+    // their blocks verifies checksums anyway.
+    for rec in replayed.iter_mut().filter(|r| r.header.sequence > durable) {
+        let data_count = rec.header.data_count();
+        if data_count == 0 {
+            continue;
+        }
+        let mut data = vec![0u8; data_count * bs];
+        env.cache
+            .read_at(env.layout.slot_offset_bytes((rec.at + 1) % n), &mut data)
+            .map_err(EngineError::Cache)?;
+        let mut k = 0;
+        for entry in &rec.header.entries {
+            if let RecordEntry::Data { lba, crc, .. } = *entry {
+                rec.valid[k] = block_checksum(lba, &data[k * bs..(k + 1) * bs]) == crc;
+                k += 1;
+            }
+        }
+    }
 
     let mut lost = std::collections::BTreeSet::new();
     let mut wb_limit = ckpt.head_offset;

@@ -14,6 +14,10 @@ use crate::index::state;
 use crate::policy::CacheMode;
 use crate::stats::Counters;
 
+/// A checkpoint is taken once this fraction of the log (1/N) was written
+/// since the last one.
+const CHECKPOINT_EVERY_LOG_FRACTION: u64 = 4;
+
 impl Engine {
     // ---------------------------------------------------------------- writes
 
@@ -218,6 +222,10 @@ impl Engine {
         if inner.unsynced_blocks >= self.env.config.unsynced_blocks_max {
             Counters::add(&self.env.counters.internal_flushes, 1);
             inner.flush(&self.env)?;
+        }
+        // Bound recovery: replay never covers more than a quarter of the log.
+        if inner.head - inner.ckpt_head > inner.n / CHECKPOINT_EVERY_LOG_FRACTION {
+            inner.checkpoint(&self.env)?;
         }
         for _ in 0..SPACE_RETRIES_MAX {
             let need_ranges = inner.ranges.len() + ranges > PENDING_RANGES_MAX;

@@ -79,7 +79,7 @@ fn concurrent_writers_readers_flush_and_writeback() {
         "origin differs after drain"
     );
     let s = engine.stats();
-    println!(
+    report!(
         "concurrency: {THREADS} writers x 3000 writes, {steps} flush+write-back steps, {} blocks written back, 0 divergences",
         s.writeback_blocks
     );

@@ -89,13 +89,13 @@ fn sweep_with(
 #[test]
 fn fail_nth_io_writeback_drain() {
     let n = sweep("drain", |e| e.drain().map(|_| ()));
-    println!("fail-Nth sweep over drain: {n} failure points, all recovered");
+    report!("fail-Nth sweep over drain: {n} failure points, all recovered");
 }
 
 #[test]
 fn fail_nth_io_checkpoint() {
     let n = sweep("checkpoint", |e| e.checkpoint());
-    println!("fail-Nth sweep over checkpoint: {n} failure points, all recovered");
+    report!("fail-Nth sweep over checkpoint: {n} failure points, all recovered");
 }
 
 #[test]
@@ -110,7 +110,7 @@ fn fail_nth_io_writes_and_flush() {
         },
         |lba| (lba < 40).then(|| pattern(9000 + lba, BS as usize)),
     );
-    println!("fail-Nth sweep over writes+flush: {n} failure points, all recovered");
+    report!("fail-Nth sweep over writes+flush: {n} failure points, all recovered");
 }
 
 #[test]
@@ -140,7 +140,7 @@ fn fail_nth_io_recovery() {
         n += 1;
         assert!(n < 10_000);
     }
-    println!("fail-Nth sweep over recovery: {n} failure points, all recovered");
+    report!("fail-Nth sweep over recovery: {n} failure points, all recovered");
 }
 
 #[test]
@@ -176,7 +176,7 @@ fn fail_nth_io_format() {
         }
         n += 1;
     }
-    println!("fail-Nth sweep over format: {n} failure points");
+    report!("fail-Nth sweep over format: {n} failure points");
 }
 
 /// Flip one byte in every region of the cache device in turn. Reads return
@@ -184,7 +184,14 @@ fn fail_nth_io_format() {
 /// reaches the origin.
 #[test]
 fn corruption_sweep() {
-    let (rig, model) = populated(7);
+    let (rig, mut model) = populated(7);
+    // Half the volume rewritten and left dirty, so flips hit dirty blocks
+    // (EIO) as well as clean ones (served from the origin and repaired).
+    for lba in (0..VOLUME_BLOCKS).step_by(2) {
+        let data = pattern(777_000 + lba, BS as usize);
+        rig.engine().write(lba * BS, &data, false).unwrap();
+        model.write(lba * BS, &data);
+    }
     rig.engine().close().unwrap();
     // Unflushed-but-sealed state is not needed: everything is durable.
     let image = rig.cache.durable_image();
@@ -221,6 +228,7 @@ fn corruption_sweep() {
     let mut opened = 0;
     let mut refused = 0;
     let mut eio_reads = 0;
+    let mut repairs = 0;
     for (region, at) in &offsets {
         let mut img = image.clone();
         img[*at as usize] ^= 0x5a;
@@ -244,6 +252,7 @@ fn corruption_sweep() {
                         Err(_) => eio_reads += 1,
                     }
                 }
+                repairs += engine.stats().repairs;
                 let _ = engine.drain();
                 // The origin never receives a block that failed its checksum:
                 // every origin block is the model's or the pre-existing one.
@@ -259,9 +268,17 @@ fn corruption_sweep() {
             }
         }
     }
-    println!(
-        "corruption sweep: {} flips, {opened} opened ({eio_reads} reads answered EIO), {refused} refused to open, 0 wrong reads",
+    report!(
+        "corruption sweep: {} flips, {opened} opened ({eio_reads} reads answered EIO, {repairs} clean blocks repaired from the origin), {refused} refused to open, 0 wrong reads",
         offsets.len()
+    );
+    assert!(
+        eio_reads > 0,
+        "no flip hit a dirty block: the sweep tests nothing there"
+    );
+    assert!(
+        repairs > 0,
+        "no flip hit a clean block: the sweep tests nothing there"
     );
 }
 

@@ -129,7 +129,7 @@ fn model_small_volume_many_seeds() {
     for &seed in &seeds {
         total += run_seed(seed, 3000, 512);
     }
-    println!(
+    report!(
         "model: {} seeds, {total} operations, 0 divergences",
         seeds.len()
     );
@@ -142,7 +142,7 @@ fn model_with_mode_switches_and_policies() {
     for &seed in &seeds {
         total += run_seed_modes(seed, 3000, 1024, true);
     }
-    println!(
+    report!(
         "model (mode switches, sequential cutoff): {} seeds, {total} operations, 0 divergences",
         seeds.len()
     );
@@ -157,7 +157,7 @@ fn model_volume_larger_than_cache() {
     for &seed in &seeds {
         total += run_seed(seed, 3000, 8192);
     }
-    println!(
+    report!(
         "model (volume > cache): {} seeds, {total} operations, 0 divergences",
         seeds.len()
     );

@@ -41,7 +41,7 @@ fn sequential_cutoff_bypasses_long_streams() {
     }
     let s = e.stats();
     let occupancy_bytes = s.clean_blocks * BS;
-    println!(
+    report!(
         "64 MiB sequential read: {} blocks bypassed, cache occupancy {} KiB",
         s.bypassed,
         occupancy_bytes >> 10
@@ -138,9 +138,10 @@ fn second_chance_keeps_hot_blocks_through_a_cold_stream() {
         e.read(0, &mut block).unwrap();
     }
     let s = e.stats();
-    println!(
+    report!(
         "second chance: {} blocks moved forward, {} evicted",
-        s.second_chances, s.evictions
+        s.second_chances,
+        s.evictions
     );
     assert!(s.second_chances > 0);
 }

@@ -3,6 +3,16 @@
 //! reference model (a plain byte image of the volume).
 #![allow(dead_code)]
 
+/// Print a summary line that shows in `cargo test` output even when the
+/// test passes (libtest captures `println!`, not the stderr handle).
+#[macro_export]
+macro_rules! report {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 use std::sync::Arc;
 
 use cairn_device::{Device, SimDevice};
