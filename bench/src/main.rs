@@ -398,6 +398,7 @@ fn real_main() -> Result<()> {
         fast_bytes: cfg.cache_bytes,
         origin_sock: origin_sock.clone(),
         origin_pid: origin.pid,
+        inflight: procs::inflight_path(&cfg.dir),
     };
 
     let mut fio_cmds = serde_json::Map::new();

@@ -419,3 +419,60 @@ pub fn loadavg() -> [f64; 3] {
         it.next().unwrap_or(f64::NAN),
     ]
 }
+
+/// `/sys/dev/block/MAJ:MIN/inflight` of the block device holding `dir`.
+pub fn inflight_path(dir: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(dir).ok()?.dev();
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let p = PathBuf::from(format!("/sys/dev/block/{major}:{minor}/inflight"));
+    p.exists().then_some(p)
+}
+
+/// Samples the device's in-flight reads and writes every 2 ms while a
+/// measurement runs: the queue depth the device actually sees.
+pub struct InflightSampler {
+    stop: std::sync::Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<(u64, u64, u64, u64)>,
+}
+
+pub struct Inflight {
+    pub reads_mean: f64,
+    pub writes_mean: f64,
+    pub busy_fraction: f64,
+}
+
+impl InflightSampler {
+    pub fn start(path: Option<&Path>) -> Option<InflightSampler> {
+        let path = path?.to_path_buf();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let (mut n, mut r, mut w, mut busy) = (0u64, 0u64, 0u64, 0u64);
+            while !stop2.load(Ordering::Relaxed) {
+                if let Ok(s) = std::fs::read_to_string(&path) {
+                    let mut it = s.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+                    let (a, b) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+                    n += 1;
+                    r += a;
+                    w += b;
+                    busy += u64::from(a + b > 0);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (n, r, w, busy)
+        });
+        Some(InflightSampler { stop, handle })
+    }
+
+    pub fn finish(self) -> Option<Inflight> {
+        self.stop.store(true, Ordering::Relaxed);
+        let (n, r, w, busy) = self.handle.join().ok()?;
+        (n > 0).then(|| Inflight {
+            reads_mean: r as f64 / n as f64,
+            writes_mean: w as f64 / n as f64,
+            busy_fraction: busy as f64 / n as f64,
+        })
+    }
+}

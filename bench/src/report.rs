@@ -105,6 +105,13 @@ pub fn fmt_val(metric: &str, v: f64) -> String {
     }
 }
 
+fn inflight(mm: &BTreeMap<String, f64>) -> String {
+    match (mm.get("dev_inflight_reads"), mm.get("dev_inflight_writes")) {
+        (Some(r), Some(w)) => format!("{r:.1} r / {w:.1} w"),
+        _ => "–".into(),
+    }
+}
+
 fn fmt_ratio(r: Option<f64>) -> String {
     match r {
         Some(r) if r >= 100.0 => format!("{r:.0}×"),
@@ -425,8 +432,8 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         s,
         "\n## CPU per I/O, latency and daemon peak RSS (medians)\n"
     );
-    let _ = writeln!(s, "CPU is usr+sys: fio's own (client) from its JSON, the daemon's from /proc/PID/stat (all threads, 10 ms ticks) over the fio run. Peak RSS is VmHWM of the daemon, started fresh for each measurement (the origin daemon is shared by the whole run).\n");
-    let _ = writeln!(s, "| workload | system | headline | CPU µs/IO fio | CPU µs/IO daemon | CPU µs/IO total | lat mean µs | lat p99 µs | flush lat mean µs | daemon peak RSS MiB | load1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "CPU is usr+sys: fio's own (client) from its JSON, the daemon's from /proc/PID/stat (all threads, 10 ms ticks) over the fio run. Peak RSS is VmHWM of the daemon, started fresh for each measurement (the origin daemon is shared by the whole run). Device in flight: reads/writes in flight on the scratch disk (/sys/dev/block/M:m/inflight, sampled every 2 ms; includes other users of the disk); busy = share of samples with any I/O in flight.\n");
+    let _ = writeln!(s, "| workload | system | headline | CPU µs/IO fio | CPU µs/IO daemon | CPU µs/IO total | lat mean µs | lat p99 µs | flush lat mean µs | device in flight (mean) | device busy % | daemon peak RSS MiB | load1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for w in &d.workloads {
         if *w == W::Memory || *w == W::Ext4 {
             continue;
@@ -439,7 +446,7 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
             let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
             let _ = writeln!(
                 s,
-                "| {} | {} | {} {unit} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} {unit} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 w.id(),
                 sys.name(),
                 mm.get(k).map(|v| fmt_val(k, *v)).unwrap_or("–".into()),
@@ -449,6 +456,8 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 f("lat_mean_us"),
                 f("lat_p99_us"),
                 f("sync_lat_mean_us"),
+                inflight(mm),
+                f("dev_busy_pct"),
                 f("daemon_peak_rss_mib"),
                 f("load1")
             );
@@ -482,6 +491,29 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 f("daemon_cpu_s"),
                 f("daemon_peak_rss_mib")
             );
+        }
+        if let Some(mm) = med.get(&(W::Ext4, Sys::Cairn)) {
+            if let (Some(wr), Some(fl), Some(secs)) = (
+                mm.get("cairn_writes"),
+                mm.get("cairn_flushes"),
+                mm.get("seconds"),
+            ) {
+                let g = |k: &str| mm.get(k).copied().unwrap_or(f64::NAN);
+                let _ = writeln!(
+                    s,
+                    "\ncairn during the untar (medians): {:.0} NBD writes ({:.1} MiB), {:.0} flushes ({:.0}/s, {:.0} µs of wall time per flush), {:.0} FUA writes, {:.0} cache barriers, {:.1} MiB written to the cache device ({:.2} per client byte), {:.0} records sealed.",
+                    wr,
+                    g("cairn_write_bytes") / 1048576.0,
+                    fl,
+                    fl / secs,
+                    secs * 1e6 / fl.max(1.0),
+                    g("cairn_fua_writes"),
+                    g("cairn_cache_barriers"),
+                    g("cairn_cache_bytes_written") / 1048576.0,
+                    g("cairn_cache_bytes_written") / g("cairn_write_bytes").max(1.0),
+                    g("cairn_records_sealed")
+                );
+            }
         }
     }
 

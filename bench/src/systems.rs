@@ -78,6 +78,8 @@ pub struct Env {
     pub fast_bytes: u64,
     pub origin_sock: PathBuf,
     pub origin_pid: u32,
+    /// The scratch device's /sys inflight file, if found.
+    pub inflight: Option<PathBuf>,
 }
 
 impl Env {

@@ -227,8 +227,10 @@ pub fn measure_fio(cfg: &Config, env: &Env, w: W, sys: Sys, round: usize) -> Res
     }
     let pid = daemon.as_ref().map(|d| d.pid);
     let s0 = snap(env, sys, pid);
+    let sampler = procs::InflightSampler::start(env.inflight.as_deref());
     let r = fio::run(&target, &job(cfg, w), &out)
         .with_context(|| format!("{} on {}", w.id(), sys.name()))?;
+    let inflight = sampler.and_then(procs::InflightSampler::finish);
     let s1 = snap(env, sys, pid);
     let hwm = pid.and_then(|p| procs::status_kib(p, "VmHWM"));
     let load = procs::loadavg();
@@ -283,6 +285,11 @@ pub fn measure_fio(cfg: &Config, env: &Env, w: W, sys: Sys, round: usize) -> Res
     } else if sys.is_cairn() {
         notes.push("cairn status unavailable".into());
     }
+    if let Some(i) = inflight {
+        m.insert("dev_inflight_reads".into(), i.reads_mean);
+        m.insert("dev_inflight_writes".into(), i.writes_mean);
+        m.insert("dev_busy_pct".into(), 100.0 * i.busy_fraction);
+    }
     m.insert("load1".into(), load[0]);
     Ok(Meas {
         w,
@@ -327,6 +334,11 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
     }
     let mnt = Mount::new(&lo.dev, &env.dir.join("mnt"), "sync")?;
     let ticks0 = pid.and_then(procs::cpu_ticks);
+    let st0 = if sys.is_cairn() {
+        env.cairn_status(&env.fast).ok()
+    } else {
+        None
+    };
     let (t, timed_out) = procs::run_timed(
         Command::new("tar")
             .arg("-xf")
@@ -336,6 +348,11 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
         Duration::from_secs(cfg.ext4_timeout_s),
     )?;
     let ticks1 = pid.and_then(procs::cpu_ticks);
+    let st1 = if sys.is_cairn() {
+        env.cairn_status(&env.fast).ok()
+    } else {
+        None
+    };
     let umount_t = mnt.unmount()?;
     drop(lo);
     drop(fuse);
@@ -357,6 +374,19 @@ pub fn measure_ext4(cfg: &Config, env: &Env, tar: &Path, sys: Sys, round: usize)
         ));
     }
     m.insert("mkfs_s".into(), mkfs_t.as_secs_f64());
+    if let (Some(a), Some(b)) = (&st0, &st1) {
+        for k in [
+            "writes",
+            "write_bytes",
+            "flushes",
+            "fua_writes",
+            "cache_barriers",
+            "cache_bytes_written",
+            "records_sealed",
+        ] {
+            m.insert(format!("cairn_{k}"), num(b, k) - num(a, k));
+        }
+    }
     m.insert("umount_s".into(), umount_t.as_secs_f64());
     if let (Some(a), Some(b)) = (ticks0, ticks1) {
         m.insert("daemon_cpu_s".into(), (b - a) as f64 / procs::clk_tck());
