@@ -537,3 +537,58 @@ fn demo_serves_and_stops_cleanly() {
         assert!(!sock.exists());
     }
 }
+
+/// `cairn mode` online drains dirty data and switches; writethrough then
+/// puts acknowledged writes on the origin at once; `cairn warm` caches a
+/// range; the mode survives a restart and can be switched offline too.
+#[test]
+fn mode_switch_and_warm_online_and_offline() {
+    if !require_python_nbd("mode_switch") {
+        return;
+    }
+    let ctx = Ctx::new("mode_switch");
+    let (cache, origin) = ctx.setup(32 * MIB, 16 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &["--no-writeback"]);
+    let image = write_mix(&server.uri(), 16 << 20, false);
+    let st = ctx.status(&cache);
+    assert!(u64_of(&st, "dirty_blocks") > 0, "{st}");
+    assert_eq!(st["mode"], "writeback");
+
+    let out = ctx.cairn_ok(&["mode", "--cache", &cache.to_string_lossy(), "writethrough"]);
+    assert!(
+        stdout(&out).contains("mode is now writethrough"),
+        "{}",
+        describe(&out)
+    );
+    let st = ctx.status(&cache);
+    assert_eq!(st["mode"], "writethrough", "{st}");
+    assert_eq!(
+        u64_of(&st, "dirty_blocks"),
+        0,
+        "leaving writeback drains: {st}"
+    );
+    assert_same_bytes(
+        "origin after the switch",
+        &std::fs::read(&origin).expect("origin"),
+        &image,
+    );
+
+    // Writethrough: acknowledged (no flush) means on the origin.
+    let data = pattern(99, 8192);
+    nbd_write(&server.uri(), 1 << 20, &data, false);
+    assert_same_bytes(
+        "writethrough write",
+        &read_range(&origin, 1 << 20, 8192),
+        &data,
+    );
+
+    let out = ctx.cairn_ok(&["warm", "--cache", &cache.to_string_lossy(), "4M:1M"]);
+    assert!(stdout(&out).contains("256 blocks"), "{}", describe(&out));
+    assert!(server.terminate().success());
+
+    // Persisted across a restart; switched back offline.
+    assert_eq!(ctx.status(&cache)["mode"], "writethrough");
+    ctx.cairn_ok(&["mode", "--cache", &cache.to_string_lossy(), "writeback"]);
+    assert_eq!(ctx.status(&cache)["mode"], "writeback");
+}

@@ -145,3 +145,30 @@ fn second_chance_keeps_hot_blocks_through_a_cold_stream() {
     );
     assert!(s.second_chances > 0);
 }
+
+#[test]
+fn writearound_drops_the_cached_copy_and_reads_return_new_data() {
+    use cairn_engine::CacheMode;
+    let mib = 1u64 << 20;
+    let (origin, e) = rig(16 * mib, 32 * mib, EngineConfig::default());
+    let old = pattern(1, BS as usize);
+    e.write(10 * BS, &old, false).unwrap();
+    e.set_mode(CacheMode::WriteAround, |_| {}).unwrap();
+    assert!(
+        e.is_cached(10),
+        "the old copy is cached (clean after the drain)"
+    );
+    let new = pattern(2, BS as usize);
+    e.write(10 * BS, &new, false).unwrap();
+    assert!(!e.is_cached(10), "write-around drops the cached copy");
+    assert_eq!(
+        &origin.live_image()[(10 * BS) as usize..(11 * BS) as usize],
+        &new[..],
+        "the origin has the new data on return"
+    );
+    let mut buf = vec![0u8; BS as usize];
+    e.read(10 * BS, &mut buf).unwrap();
+    assert_eq!(buf, new, "a later read returns the new data");
+    assert!(e.is_cached(10), "reads are still cached in write-around");
+    assert_eq!(e.stats().dirty_blocks, 0);
+}
