@@ -3,13 +3,17 @@
 
 use cairn_format::{
     block_checksum, CheckpointEntry, CheckpointHeader, RecordEntry, RecordHeader, Superblock,
-    Writer, CHECKPOINT_HEADER_BYTES, SUPERBLOCK_OFFSETS,
+    Writer, CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, PENDING_RANGE_BYTES,
+    SUPERBLOCK_OFFSETS,
 };
 
 use crate::engine::*;
 use crate::error::EngineResult;
 use crate::index::state;
 use crate::stats::Counters;
+
+/// Checkpoints are written in chunks of this size.
+const CHECKPOINT_CHUNK_BYTES: usize = 1 << 20;
 
 /// At most this many recently hit clean blocks move forward per eviction
 /// round (each costs a cache read and a write).
@@ -308,38 +312,67 @@ impl Inner {
             self.wb_limit = self.head;
         }
         assert!(self.open.is_none());
-        let mut entries = Vec::with_capacity((self.dirty_blocks + self.clean_blocks) as usize);
-        for slot in 0..self.n as u32 {
-            if self.slots.is_live(slot) {
-                entries.push(CheckpointEntry {
-                    slot,
-                    lba: self.slots.lba(slot),
-                    crc: self.slots.crc(slot),
-                    state: self.slots.state(slot) & state::PERSISTED,
-                });
-            }
-        }
-        assert_eq!(entries.len() as u64, self.dirty_blocks + self.clean_blocks);
+        // Streamed in bounded chunks: a checkpoint of a full 4 GiB cache is
+        // 16 MiB, and building it whole would double the daemon's memory.
+        let target = 1 - self.sb.active_checkpoint;
+        let slot_at = env.layout.checkpoint_offset_bytes(target);
         let ranges = self.ranges.to_pending();
-        let payload_len =
-            CheckpointHeader::payload_bytes(entries.len() as u64, ranges.len() as u32) as usize;
-        let total = cairn_format::align_up(
-            (CHECKPOINT_HEADER_BYTES + payload_len) as u64,
-            env.bs as u64,
-        ) as usize;
-        assert!(total as u64 <= env.layout.checkpoint_slot_bytes);
-        let mut buf = vec![0u8; total];
-        {
-            let mut w = Writer::new(&mut buf[CHECKPOINT_HEADER_BYTES..]);
-            for e in &entries {
-                e.encode(&mut w);
+        let live = self.dirty_blocks + self.clean_blocks;
+        let payload_len = CheckpointHeader::payload_bytes(live, ranges.len() as u32);
+        assert!(
+            CHECKPOINT_HEADER_BYTES as u64 + cairn_format::align_up(payload_len, env.bs as u64)
+                <= env.layout.checkpoint_slot_bytes
+        );
+        let chunk_bytes = CHECKPOINT_CHUNK_BYTES.max(env.bs);
+        let mut chunk = vec![0u8; chunk_bytes];
+        let mut used = 0usize;
+        let mut at = slot_at + CHECKPOINT_HEADER_BYTES as u64;
+        let mut payload_crc = 0u32;
+        let mut entry_count = 0u64;
+        let mut written = 0u64;
+        let mut put =
+            |this: &mut Self, bytes: &[u8; 32], len: usize, last: bool| -> EngineResult<()> {
+                if len > 0 {
+                    chunk[used..used + len].copy_from_slice(&bytes[..len]);
+                    used += len;
+                }
+                if used + 32 > chunk_bytes || (last && used > 0) {
+                    payload_crc = crc32c::crc32c_append(payload_crc, &chunk[..used]);
+                    // Pad the tail to a whole block; the crc covers the payload only.
+                    let io_len = cairn_format::align_up(used as u64, env.bs as u64) as usize;
+                    chunk[used..io_len].fill(0);
+                    if let Err(e) = env.cache.write_at(at, &chunk[..io_len]) {
+                        return Err(this.fail(env, "writing a checkpoint", e));
+                    }
+                    at += io_len as u64;
+                    written += io_len as u64;
+                    used = 0;
+                }
+                Ok(())
+            };
+        for slot in 0..self.n as u32 {
+            if !self.slots.is_live(slot) {
+                continue;
             }
-            for r in &ranges {
-                r.encode(&mut w);
-            }
+            let entry = CheckpointEntry {
+                slot,
+                lba: self.slots.lba(slot),
+                crc: self.slots.crc(slot),
+                state: self.slots.state(slot) & state::PERSISTED,
+            };
+            let mut bytes = [0u8; 32];
+            entry.encode(&mut Writer::new(&mut bytes[..CHECKPOINT_ENTRY_BYTES]));
+            put(self, &bytes, CHECKPOINT_ENTRY_BYTES, false)?;
+            entry_count += 1;
         }
-        let payload_crc =
-            crc32c::crc32c(&buf[CHECKPOINT_HEADER_BYTES..CHECKPOINT_HEADER_BYTES + payload_len]);
+        assert_eq!(entry_count, live, "every live slot is in the checkpoint");
+        for r in &ranges {
+            let mut bytes = [0u8; 32];
+            r.encode(&mut Writer::new(&mut bytes[..PENDING_RANGE_BYTES]));
+            put(self, &bytes, PENDING_RANGE_BYTES, false)?;
+        }
+        put(self, &[0u8; 32], 0, true)?;
+        Counters::add(&env.counters.cache_bytes_written, written);
         let header = CheckpointHeader {
             sequence: self.sb.checkpoint_sequence + 1,
             generation: self.sb.generation,
@@ -349,14 +382,12 @@ impl Inner {
             tail_offset: self.tail,
             writeback_offset: self.wb,
             durable_sequence: self.durable_seq,
-            entry_count: entries.len() as u64,
+            entry_count,
             range_count: ranges.len() as u32,
             payload_crc,
         };
-        buf[..CHECKPOINT_HEADER_BYTES].copy_from_slice(&header.encode());
-        let target = 1 - self.sb.active_checkpoint;
-        let at = env.layout.checkpoint_offset_bytes(target);
-        self.write_durably(env, at, &buf, "a checkpoint")?;
+        // The header goes last, with the barrier that covers the payload.
+        self.write_durably(env, slot_at, &header.encode(), "a checkpoint")?;
         self.sb.active_checkpoint = target;
         self.sb.checkpoint_sequence = header.sequence;
         self.sb.writeback_offset = self.wb;
