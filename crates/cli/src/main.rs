@@ -659,6 +659,14 @@ fn error_message(e: &anyhow::Error) -> String {
 }
 
 fn main() -> ExitCode {
+    // Every thread that allocates would otherwise get its own malloc arena
+    // (up to 8 per core); the daemon's memory should follow the cache size,
+    // not the thread count.
+    // SAFETY: mallopt only adjusts allocator tunables; called before any
+    // other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CAIRN_LOG")
