@@ -332,23 +332,33 @@ impl Inner {
         let mut written = 0u64;
         let mut put =
             |this: &mut Self, bytes: &[u8; 32], len: usize, last: bool| -> EngineResult<()> {
-                if len > 0 {
-                    chunk[used..used + len].copy_from_slice(&bytes[..len]);
-                    used += len;
-                }
-                if used + 32 > chunk_bytes || (last && used > 0) {
-                    payload_crc = crc32c::crc32c_append(payload_crc, &chunk[..used]);
-                    // Pad the tail to a whole block; the crc covers the payload only.
-                    let io_len = cairn_format::align_up(used as u64, env.bs as u64) as usize;
-                    chunk[used..io_len].fill(0);
-                    if let Err(e) = env.cache.write_at(at, &chunk[..io_len]) {
-                        return Err(this.fail(env, "writing a checkpoint", e));
+                // Items may straddle chunks: the payload on disk is contiguous,
+                // so every chunk but the last is written whole.
+                let mut src = &bytes[..len];
+                loop {
+                    let n = src.len().min(chunk_bytes - used);
+                    chunk[used..used + n].copy_from_slice(&src[..n]);
+                    used += n;
+                    src = &src[n..];
+                    let flush_full = used == chunk_bytes;
+                    let flush_last = last && src.is_empty() && used > 0;
+                    if flush_full || flush_last {
+                        payload_crc = crc32c::crc32c_append(payload_crc, &chunk[..used]);
+                        // Only the final chunk can be partial: pad it to a whole
+                        // block; the crc covers the payload only.
+                        let io_len = cairn_format::align_up(used as u64, env.bs as u64) as usize;
+                        chunk[used..io_len].fill(0);
+                        if let Err(e) = env.cache.write_at(at, &chunk[..io_len]) {
+                            return Err(this.fail(env, "writing a checkpoint", e));
+                        }
+                        at += io_len as u64;
+                        written += io_len as u64;
+                        used = 0;
                     }
-                    at += io_len as u64;
-                    written += io_len as u64;
-                    used = 0;
+                    if src.is_empty() {
+                        return Ok(());
+                    }
                 }
-                Ok(())
             };
         for slot in 0..self.n as u32 {
             if !self.slots.is_live(slot) {
