@@ -5,6 +5,10 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+/// A held lock is retried this many times, this far apart (1 s in all).
+const LOCK_RETRY_ATTEMPTS: u32 = 20;
+const LOCK_RETRY_INTERVAL_MS: u64 = 50;
+
 use crate::{check_range, Device, DeviceError, DeviceResult};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,17 +66,28 @@ pub(crate) fn open_locked(
         OpenMode::Exclusive => libc::LOCK_EX,
         OpenMode::Shared => libc::LOCK_SH,
     };
-    // SAFETY: flock on a file descriptor we own; no memory is passed.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
-    if rc != 0 {
+    // A process that just exited can hold the lock a little longer: its
+    // io_uring instance is torn down asynchronously and drops the file last.
+    // So a held lock is retried briefly (bounded) before it counts as busy.
+    let mut attempts_left = LOCK_RETRY_ATTEMPTS;
+    loop {
+        // SAFETY: flock on a file descriptor we own; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
+        if rc == 0 {
+            break;
+        }
         let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(DeviceError::Open {
+                device: name,
+                source: err,
+            });
+        }
+        if attempts_left == 0 {
             return Err(DeviceError::Busy { device: name });
         }
-        return Err(DeviceError::Open {
-            device: name,
-            source: err,
-        });
+        attempts_left -= 1;
+        std::thread::sleep(std::time::Duration::from_millis(LOCK_RETRY_INTERVAL_MS));
     }
     let meta = file.metadata().map_err(|source| DeviceError::Open {
         device: name.clone(),
