@@ -351,6 +351,7 @@ fn real_main() -> Result<()> {
     preflight(&cfg)?;
     std::fs::create_dir_all(&cfg.dir)?;
     std::fs::create_dir_all(&cfg.out)?;
+    let _lock = procs::DirLock::acquire(&cfg.dir)?;
     let t_start = Instant::now();
     let load_start = procs::loadavg();
     eprintln!(

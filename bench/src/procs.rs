@@ -476,3 +476,33 @@ impl InflightSampler {
         })
     }
 }
+
+/// An exclusive lock on the scratch directory, held for the whole run: two
+/// harnesses sharing one directory would delete each other's files and
+/// replace each other's sockets.
+pub struct DirLock {
+    _file: std::fs::File,
+}
+
+impl DirLock {
+    pub fn acquire(dir: &Path) -> Result<DirLock> {
+        use std::os::unix::io::AsRawFd;
+        let path = dir.join(".cairn-bench.lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: flock on a descriptor we own.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            bail!(
+                "another cairn-bench is using {} (lock {} is held); wait for it or pass --dir",
+                dir.display(),
+                path.display()
+            );
+        }
+        Ok(DirLock { _file: file })
+    }
+}
