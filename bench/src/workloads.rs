@@ -422,11 +422,21 @@ pub fn fill_file(path: &Path, bytes: u64, direct: bool) -> Result<()> {
     Ok(())
 }
 
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// W5: fill a cache with scattered 4 KiB blocks, read RSS, then kill -9 and
 /// time the reopen, `rounds` times.
 pub fn memory_test(cfg: &Config, env: &Env) -> Result<Value> {
     let cache = env.dir.join("mem-cache.img");
     let _ = std::fs::remove_file(&cache);
+    // Removed however this function ends (the file is as big as the cache).
+    let _remove = RemoveOnDrop(cache.clone());
     fill_file(&cache, cfg.mem_cache_bytes, true)?;
     env.cairn_format(&cache)?;
     let sock = env.dir.join("cairn-mem.sock");
@@ -501,7 +511,6 @@ pub fn memory_test(cfg: &Config, env: &Env) -> Result<Value> {
         }));
     }
     d.stop(Duration::from_secs(300))?;
-    let _ = std::fs::remove_file(&cache);
     let reopen: Vec<f64> = recov
         .iter()
         .map(|r| r["reopen_s"].as_f64().unwrap())
