@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::io::Write;
 
@@ -19,44 +18,8 @@ use common::*;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-// Largest single allocation on this thread while tracking (see codec.rs).
-struct PeakAlloc;
-
-thread_local! {
-    static TRACKING: Cell<bool> = const { Cell::new(false) };
-    static PEAK_BYTES: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note(size: usize) {
-    let _ = TRACKING.try_with(|t| {
-        if t.get() {
-            let _ = PEAK_BYTES.try_with(|p| p.set(p.get().max(size)));
-        }
-    });
-}
-
-// SAFETY: forwards every call unchanged to the system allocator; the
-// bookkeeping only touches const-initialised thread-locals.
-unsafe impl GlobalAlloc for PeakAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note(layout.size());
-        System.alloc(layout)
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note(layout.size());
-        System.alloc_zeroed(layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note(new_size);
-        System.realloc(ptr, layout, new_size)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
-    }
-}
-
-#[global_allocator]
-static GLOBAL: PeakAlloc = PeakAlloc;
+mod peak_alloc;
+use peak_alloc::peak_allocation;
 
 fn cases() -> u32 {
     std::env::var("CAIRN_FUZZ_CASES")
@@ -114,12 +77,12 @@ fn check(
     input: &[u8],
     chunks: &[usize],
 ) -> Result<(), TestCaseError> {
-    PEAK_BYTES.with(|p| p.set(0));
-    TRACKING.with(|t| t.set(true));
-    let whole = harness::run(info, limits, input, &[]);
-    let chunked = harness::run(info, limits, input, chunks);
-    TRACKING.with(|t| t.set(false));
-    let peak = PEAK_BYTES.with(|p| p.get());
+    let ((whole, chunked), peak) = peak_allocation(|| {
+        (
+            harness::run(info, limits, input, &[]),
+            harness::run(info, limits, input, chunks),
+        )
+    });
 
     // Input copies (the harness buffer) may reach the input size; anything
     // much larger was sized from a claimed length.
