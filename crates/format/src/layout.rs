@@ -3,9 +3,9 @@
 //! results for cross-checking.
 
 use crate::{
-    align_up, block_size_valid, record_data_blocks_max, CHECKPOINT_ENTRY_BYTES,
+    align_up, block_size_valid, record_data_blocks_max, tag_pages_for, CHECKPOINT_ENTRY_BYTES,
     CHECKPOINT_HEADER_BYTES, LOG_RECORDS_MIN, METADATA_AREA_OFFSET, PENDING_RANGES_MAX,
-    PENDING_RANGE_BYTES,
+    PENDING_RANGE_BYTES, TAG_PAGE_BYTES,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,6 +13,8 @@ pub struct Layout {
     pub block_size_bytes: u32,
     pub checkpoint_slot_bytes: u64,
     pub log_blocks: u64,
+    /// Tag pages per copy (0 without origin integrity).
+    pub tag_pages: u64,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -27,6 +29,14 @@ pub enum LayoutError {
         min_bytes: u64,
         block_size_bytes: u32,
     },
+    #[error(
+        "cache device is too small for origin integrity: {size_bytes} bytes, but the tag area for this origin takes {tag_area_bytes} bytes and the cache needs at least {min_bytes} bytes in all. Use a larger cache, a larger block size, or format without --integrity"
+    )]
+    CacheTooSmallForTags {
+        size_bytes: u64,
+        min_bytes: u64,
+        tag_area_bytes: u64,
+    },
 }
 
 impl Layout {
@@ -37,8 +47,18 @@ impl Layout {
         align_up(raw, block_size_bytes as u64)
     }
 
-    fn bytes_needed(log_blocks: u64, block_size_bytes: u32) -> u64 {
+    /// Bytes of the tag area (both copies), padded to a whole block so the
+    /// checkpoint slots and the log stay block aligned.
+    pub fn tag_area_bytes_for_pages(tag_pages: u64, block_size_bytes: u32) -> u64 {
+        align_up(
+            2 * tag_pages * TAG_PAGE_BYTES as u64,
+            block_size_bytes as u64,
+        )
+    }
+
+    fn bytes_needed(log_blocks: u64, block_size_bytes: u32, tag_pages: u64) -> u64 {
         METADATA_AREA_OFFSET
+            + Self::tag_area_bytes_for_pages(tag_pages, block_size_bytes)
             + 2 * Self::checkpoint_slot_bytes_for(log_blocks, block_size_bytes)
             + log_blocks * block_size_bytes as u64
     }
@@ -48,16 +68,39 @@ impl Layout {
     }
 
     pub fn cache_bytes_min(block_size_bytes: u32) -> u64 {
-        Self::bytes_needed(Self::log_blocks_min(block_size_bytes), block_size_bytes)
+        Self::bytes_needed(Self::log_blocks_min(block_size_bytes), block_size_bytes, 0)
     }
 
-    /// The largest log that fits a cache of `cache_size_bytes`.
+    /// The largest log that fits a cache of `cache_size_bytes` (no tags).
     pub fn compute(cache_size_bytes: u64, block_size_bytes: u32) -> Result<Layout, LayoutError> {
+        Self::compute_with_tags(cache_size_bytes, block_size_bytes, None)
+    }
+
+    /// The largest log that fits a cache of `cache_size_bytes`, after a tag
+    /// area for `integrity_origin_blocks` origin blocks if given.
+    pub fn compute_with_tags(
+        cache_size_bytes: u64,
+        block_size_bytes: u32,
+        integrity_origin_blocks: Option<u64>,
+    ) -> Result<Layout, LayoutError> {
         if !block_size_valid(block_size_bytes) {
             return Err(LayoutError::BadBlockSize(block_size_bytes));
         }
-        let min_bytes = Self::cache_bytes_min(block_size_bytes);
+        let tag_pages = integrity_origin_blocks.map_or(0, tag_pages_for);
+        let tag_area_bytes = Self::tag_area_bytes_for_pages(tag_pages, block_size_bytes);
+        let min_bytes = Self::bytes_needed(
+            Self::log_blocks_min(block_size_bytes),
+            block_size_bytes,
+            tag_pages,
+        );
         if cache_size_bytes < min_bytes {
+            if tag_pages > 0 {
+                return Err(LayoutError::CacheTooSmallForTags {
+                    size_bytes: cache_size_bytes,
+                    min_bytes,
+                    tag_area_bytes,
+                });
+            }
             return Err(LayoutError::CacheTooSmall {
                 size_bytes: cache_size_bytes,
                 min_bytes,
@@ -66,31 +109,43 @@ impl Layout {
         }
         // Each log block costs its own bytes plus two checkpoint entries.
         let per_block = block_size_bytes as u64 + 2 * CHECKPOINT_ENTRY_BYTES as u64;
-        let mut log_blocks = (cache_size_bytes - METADATA_AREA_OFFSET) / per_block;
+        let mut log_blocks = (cache_size_bytes - METADATA_AREA_OFFSET - tag_area_bytes) / per_block;
         // Alignment of the checkpoint slots may cost a few blocks; bounded.
         for _ in 0..64 {
-            if Self::bytes_needed(log_blocks, block_size_bytes) <= cache_size_bytes {
+            if Self::bytes_needed(log_blocks, block_size_bytes, tag_pages) <= cache_size_bytes {
                 break;
             }
             log_blocks -= 1;
         }
-        assert!(Self::bytes_needed(log_blocks, block_size_bytes) <= cache_size_bytes);
+        assert!(Self::bytes_needed(log_blocks, block_size_bytes, tag_pages) <= cache_size_bytes);
         assert!(log_blocks >= Self::log_blocks_min(block_size_bytes));
         assert!(log_blocks < u32::MAX as u64, "slot indices are u32");
         Ok(Layout {
             block_size_bytes,
             checkpoint_slot_bytes: Self::checkpoint_slot_bytes_for(log_blocks, block_size_bytes),
             log_blocks,
+            tag_pages,
         })
+    }
+
+    pub fn tag_area_bytes(&self) -> u64 {
+        Self::tag_area_bytes_for_pages(self.tag_pages, self.block_size_bytes)
+    }
+
+    /// Byte offset of copy `copy` (0 or 1) of tag page `page`.
+    pub fn tag_page_offset_bytes(&self, page: u64, copy: u8) -> u64 {
+        assert!(copy <= 1);
+        assert!(page < self.tag_pages);
+        METADATA_AREA_OFFSET + (copy as u64 * self.tag_pages + page) * TAG_PAGE_BYTES as u64
     }
 
     pub fn checkpoint_offset_bytes(&self, slot: u8) -> u64 {
         assert!(slot <= 1);
-        METADATA_AREA_OFFSET + slot as u64 * self.checkpoint_slot_bytes
+        METADATA_AREA_OFFSET + self.tag_area_bytes() + slot as u64 * self.checkpoint_slot_bytes
     }
 
     pub fn log_offset_bytes(&self) -> u64 {
-        METADATA_AREA_OFFSET + 2 * self.checkpoint_slot_bytes
+        METADATA_AREA_OFFSET + self.tag_area_bytes() + 2 * self.checkpoint_slot_bytes
     }
 
     /// Byte offset on the cache device of physical log slot `slot`.
@@ -117,6 +172,39 @@ mod tests {
                     "{bs} {size}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn tag_area_sits_before_the_checkpoints() {
+        let origin_blocks = 1u64 << 20; // 4 GiB of origin at 4 KiB
+        let plain = Layout::compute(256 << 20, 4096).unwrap();
+        let tagged = Layout::compute_with_tags(256 << 20, 4096, Some(origin_blocks)).unwrap();
+        assert_eq!(tagged.tag_pages, crate::tag_pages_for(origin_blocks));
+        assert!(tagged.log_blocks < plain.log_blocks);
+        let last_page_end = tagged.tag_page_offset_bytes(tagged.tag_pages - 1, 1) + 4096;
+        assert!(last_page_end <= tagged.checkpoint_offset_bytes(0));
+        assert_eq!(tagged.checkpoint_offset_bytes(0) % 4096, 0);
+        let end = tagged.log_offset_bytes() + tagged.log_blocks * 4096;
+        assert!(end <= 256 << 20);
+        // 64 KiB blocks: the checkpoint slots stay block aligned.
+        let big = Layout::compute_with_tags(1 << 30, 65536, Some(12345)).unwrap();
+        assert_eq!(big.checkpoint_offset_bytes(0) % 65536, 0);
+    }
+
+    #[test]
+    fn too_small_for_tags_names_the_tag_area() {
+        let err = Layout::compute_with_tags(8 << 20, 4096, Some(1 << 30)).unwrap_err();
+        match err {
+            LayoutError::CacheTooSmallForTags {
+                tag_area_bytes,
+                min_bytes,
+                ..
+            } => {
+                assert!(tag_area_bytes > 8 << 20);
+                assert!(min_bytes > tag_area_bytes);
+            }
+            other => panic!("unexpected {other:?}"),
         }
     }
 

@@ -9,7 +9,8 @@
 //! ```text
 //! 0        superblock copy A (4 KiB)
 //! 4096     superblock copy B (4 KiB)
-//! 65536    checkpoint slot 0 (ckpt_slot_bytes)
+//! 65536    tag area, only with FEATURE_INTEGRITY (2 copies of every tag page)
+//! ...      checkpoint slot 0 (ckpt_slot_bytes)
 //! ...      checkpoint slot 1 (ckpt_slot_bytes)
 //! ...      log: log_blocks blocks of block_size_bytes, a circular log of records
 //! ```
@@ -18,6 +19,7 @@ mod codec;
 mod layout;
 mod records;
 mod superblock;
+mod tags;
 
 pub use codec::{Reader, Writer};
 pub use layout::{Layout, LayoutError};
@@ -27,6 +29,10 @@ pub use records::{
     RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
 pub use superblock::{Superblock, ORIGIN_IDENTITY_MAX_BYTES};
+pub use tags::{
+    fold_tag, origin_tag, tag_area_bytes_for, tag_matches, tag_pages_for, TagPage, TAGS_PER_PAGE,
+    TAG_DISCARDED, TAG_PAGE_BYTES, TAG_PAGE_HEADER_BYTES, TAG_RESERVED_MAX, TAG_UNSET, TAG_ZERO,
+};
 
 /// Version of the on-disk format written by this code.
 pub const FORMAT_VERSION: u32 = 1;
@@ -34,6 +40,14 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNSB1");
 pub const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNREC");
 pub const CHECKPOINT_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNCKP");
+pub const TAG_PAGE_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNTAG");
+
+/// Superblock feature: origin integrity tags (a tag area between the
+/// superblocks and the checkpoint slots; see `tags`).
+pub const FEATURE_INTEGRITY: u32 = 1;
+/// Every feature bit this build understands. A superblock with any other
+/// bit set is refused, so an older build never misreads a newer cache.
+pub const FEATURES_KNOWN: u32 = FEATURE_INTEGRITY;
 
 /// Each superblock copy occupies this many bytes.
 pub const SUPERBLOCK_BYTES: usize = 4096;

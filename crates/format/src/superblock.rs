@@ -32,8 +32,12 @@ pub struct Superblock {
     pub writeback_offset: u64,
     /// Persisted cache mode (engine-defined code).
     pub mode: u8,
-    /// Feature flags (none defined in version 1; must be zero).
+    /// Feature flags (`FEATURE_*`); unknown bits are refused.
     pub features: u32,
+    /// Origin integrity: every origin block below this address has had its
+    /// tag computed (recalculation resumes here after a restart). Equal to
+    /// the origin's block count once recalculation is complete.
+    pub recalc_position_blocks: u64,
 }
 
 impl Superblock {
@@ -59,6 +63,9 @@ impl Superblock {
         w.u64(self.writeback_offset);
         w.u16(self.origin_identity.len() as u16);
         w.bytes(self.origin_identity.as_bytes());
+        // Fields added after the first release go after the identity: a
+        // superblock written before them decodes them as zero.
+        w.u64(self.recalc_position_blocks);
         let crc = crate::codec::crc_with_hole(&buf, CRC_OFFSET);
         buf[CRC_OFFSET..].copy_from_slice(&crc.to_le_bytes());
         buf
@@ -86,7 +93,7 @@ impl Superblock {
             return Err(DecodeError::BadChecksum { stored, computed });
         }
         let features = r.u32()?;
-        if features != 0 {
+        if features & !crate::FEATURES_KNOWN != 0 {
             return Err(DecodeError::OutOfRange {
                 field: "features",
                 value: features as u64,
@@ -125,6 +132,7 @@ impl Superblock {
             });
         }
         let origin_identity = String::from_utf8_lossy(r.bytes(identity_len)?).into_owned();
+        let recalc_position_blocks = r.u64()?;
         Ok(Superblock {
             sequence,
             uuid,
@@ -140,6 +148,7 @@ impl Superblock {
             writeback_offset,
             mode,
             features,
+            recalc_position_blocks,
         })
     }
 
@@ -181,8 +190,22 @@ mod tests {
             checkpoint_sequence: 77,
             writeback_offset: 123,
             mode: 0,
-            features: 0,
+            features: crate::FEATURE_INTEGRITY,
+            recalc_position_blocks: 4242,
         }
+    }
+
+    #[test]
+    fn unknown_features_are_refused() {
+        let mut sb = sample();
+        sb.features = 0x80;
+        assert!(matches!(
+            Superblock::decode(&sb.encode()),
+            Err(DecodeError::OutOfRange {
+                field: "features",
+                ..
+            })
+        ));
     }
 
     #[test]
