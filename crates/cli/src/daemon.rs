@@ -139,6 +139,20 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
         .name("writeback".into())
         .spawn(move || crate::writeback::writeback_loop(&wb_engine, &wb_stop, wb_policy))?;
 
+    // Integrity recalculation over data that predates the format: in the
+    // background, one bounded step at a time, resuming where it stopped.
+    let recalc = if engine.integrity() {
+        let r_engine = engine.clone();
+        let r_stop = stop.clone();
+        Some(
+            std::thread::Builder::new()
+                .name("recalc".into())
+                .spawn(move || recalc_loop(&r_engine, &r_stop))?,
+        )
+    } else {
+        None
+    };
+
     let admin_engine = engine.clone();
     let admin_stop = stop.clone();
     let admin_thread = std::thread::Builder::new()
@@ -173,6 +187,9 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     signal_handle.close();
     stop.store(true, Ordering::SeqCst);
     let _ = writeback.join();
+    if let Some(r) = recalc {
+        let _ = r.join();
+    }
     // Wake the admin loop so it sees the stop flag. If its socket file is
     // gone (someone removed the runtime directory) it cannot be woken; it is
     // not joined then, and ends with the process after the final checkpoint.
@@ -184,6 +201,39 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     engine.close().context("final checkpoint")?;
     tracing::info!("clean shutdown");
     Ok(())
+}
+
+/// Recalculate integrity tags until done or stopped. Origin errors back
+/// off and retry: tags not yet computed only mean unverified reads.
+fn recalc_loop(engine: &Engine, stop: &AtomicBool) {
+    let mut backoff_ms = 100u64;
+    let mut announced = false;
+    while !stop.load(Ordering::SeqCst) {
+        match engine.recalc_step() {
+            Ok(p) if p.done() => return,
+            Ok(p) => {
+                if !announced {
+                    tracing::info!(
+                        position_blocks = p.position_blocks,
+                        total_blocks = p.total_blocks,
+                        "integrity recalculation running: blocks above the position are served unverified"
+                    );
+                    announced = true;
+                }
+                backoff_ms = 100;
+                // Leave the origin to clients between steps.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => {
+                tracing::warn!("integrity recalculation paused: {e}; retrying in {backoff_ms} ms");
+                let deadline = std::time::Instant::now() + Duration::from_millis(backoff_ms);
+                while std::time::Instant::now() < deadline && !stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                backoff_ms = (backoff_ms * 2).min(10_000);
+            }
+        }
+    }
 }
 
 struct RemoveOnDrop(PathBuf);
@@ -268,6 +318,50 @@ fn handle_admin(stream: UnixStream, engine: &Engine) -> std::io::Result<()> {
             }
             Err(e) => writeln!(w, "error: {e}")?,
         },
+        other if other.starts_with("scrub ") => {
+            // scrub RATE_BYTES_PER_S REPAIR(0|1)
+            let parts: Vec<u64> = other
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            let [rate, repair] = parts[..] else {
+                writeln!(w, "error: usage: scrub RATE_BYTES_PER_S REPAIR")?;
+                return Ok(());
+            };
+            let opts = cairn_engine::ScrubOptions {
+                repair: repair != 0,
+                rate_bytes_per_s: (rate > 0).then_some(rate),
+            };
+            let mut progress = w.try_clone()?;
+            let mut last = std::time::Instant::now();
+            let r = engine.scrub_origin(&opts, |done, total| {
+                if last.elapsed() >= Duration::from_millis(200) || done == total {
+                    last = std::time::Instant::now();
+                    let _ = writeln!(progress, "progress {done} {total}");
+                }
+            });
+            match r {
+                Ok(report) => {
+                    let bs = engine.block_size_bytes() as u64;
+                    for lba in &report.mismatches {
+                        writeln!(w, "mismatch {lba} {}", lba * bs)?;
+                    }
+                    for lba in &report.repaired {
+                        writeln!(w, "repaired {lba} {}", lba * bs)?;
+                    }
+                    writeln!(
+                        w,
+                        "done {} {} {} {}\nok",
+                        report.blocks_checked,
+                        report.blocks_verified,
+                        report.blocks_unverified,
+                        report.blocks_skipped
+                    )?;
+                }
+                Err(e) => writeln!(w, "error: {e}")?,
+            }
+        }
         other if other.starts_with("mode ") => {
             let name = other.trim_start_matches("mode ").trim();
             match cairn_engine::CacheMode::parse(name) {
@@ -347,6 +441,10 @@ pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
         ("volume_size_bytes", s.volume_size_bytes),
         ("writeback_paused", s.writeback_paused as u64),
         ("index_memory_bytes", s.index_memory_bytes),
+        ("integrity_enabled", s.integrity as u64),
+        ("integrity_recalc_position_blocks", s.recalc_position_blocks),
+        ("integrity_recalc_total_blocks", s.recalc_total_blocks),
+        ("integrity_tag_memory_bytes", s.tag_memory_bytes),
     ] {
         let _ = writeln!(out, "# TYPE cairn_{name} gauge\ncairn_{name} {value}");
     }

@@ -31,6 +31,25 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     m.insert("head_offset".into(), json!(s.head_offset));
     m.insert("index_memory_bytes".into(), json!(s.index_memory_bytes));
     m.insert("policy_memory_bytes".into(), json!(s.policy_memory_bytes));
+    m.insert("integrity".into(), json!(s.integrity));
+    if s.integrity {
+        m.insert("tag_algorithm".into(), json!(s.tag_algorithm));
+        m.insert(
+            "recalc_position_blocks".into(),
+            json!(s.recalc_position_blocks),
+        );
+        m.insert("recalc_total_blocks".into(), json!(s.recalc_total_blocks));
+        m.insert(
+            "recalc_state".into(),
+            json!(if s.recalc_position_blocks >= s.recalc_total_blocks {
+                "complete"
+            } else {
+                "running"
+            }),
+        );
+        m.insert("tag_pages_dirty".into(), json!(s.tag_pages_dirty));
+        m.insert("tag_memory_bytes".into(), json!(s.tag_memory_bytes));
+    }
     let lookups = s.read_hits + s.read_misses;
     // The ratio counts block lookups of client reads: cache hits over hits
     // plus origin misses (zeroed ranges are neither).
@@ -96,6 +115,21 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("repairs")
     )?;
     writeln!(out, "  origin: {}", get("origin_state"))?;
+    if v.get("integrity").and_then(|x| x.as_bool()) == Some(true) {
+        writeln!(
+            out,
+            "  integrity: on ({}), recalculation {} ({} of {} blocks), origin mismatches {}, origin repairs {}, unverified reads {}",
+            get("tag_algorithm"),
+            get("recalc_state"),
+            get("recalc_position_blocks"),
+            get("recalc_total_blocks"),
+            get("origin_mismatches"),
+            get("origin_repairs"),
+            get("origin_unverified_reads")
+        )?;
+    } else {
+        writeln!(out, "  integrity: off (only cached blocks are checksummed)")?;
+    }
     writeln!(
         out,
         "  device errors: cache read {} write {}, origin read {} write {}",

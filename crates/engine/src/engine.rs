@@ -15,12 +15,15 @@ use crate::index::{remove_mapping, state, ForwardMap, SlotTable};
 use crate::policy::{CacheMode, HitFilter, SequentialDetector};
 use crate::ranges::RangeMap;
 use crate::stats::{Counters, StatsSnapshot};
+use crate::tags::TagTable;
 
 #[derive(Debug, Clone)]
 pub struct FormatOptions {
     pub block_size_bytes: u32,
     /// Overwrite an existing cairn cache.
     pub force: bool,
+    /// Keep an integrity tag for every origin block (`FEATURE_INTEGRITY`).
+    pub integrity: bool,
 }
 
 impl Default for FormatOptions {
@@ -28,6 +31,7 @@ impl Default for FormatOptions {
         FormatOptions {
             block_size_bytes: 4096,
             force: false,
+            integrity: false,
         }
     }
 }
@@ -88,6 +92,8 @@ pub(crate) struct Env {
     pub entries_max: usize,
     /// `chain_seed(uuid)`: stamped on every record of this format.
     pub format_tag: u32,
+    /// Origin integrity tags are kept (`Inner::tags` is `Some`).
+    pub integrity: bool,
 }
 
 /// The record being filled in memory. Its header goes at logical offset
@@ -142,6 +148,8 @@ pub(crate) struct Inner {
     /// only if nothing changed since the origin read began.
     pub mutations: u64,
     pub failed: Option<String>,
+    /// Origin integrity tags, with integrity on.
+    pub tags: Option<crate::tags::TagTable>,
 }
 
 pub(crate) enum Space {
@@ -152,8 +160,15 @@ pub(crate) enum Space {
 /// How one block of a read request is served.
 pub(crate) enum Plan {
     Done,
-    Cache { slot: u32, crc: u32 },
-    Miss,
+    Cache {
+        slot: u32,
+        crc: u32,
+    },
+    /// Read from the origin; with integrity on, verify against `tag` (the
+    /// tag when the read was planned).
+    Miss {
+        tag: Option<u32>,
+    },
 }
 
 pub struct Engine {
@@ -193,13 +208,26 @@ impl Engine {
             }
         }
         let bs = opts.block_size_bytes;
-        let layout =
-            Layout::compute(cache.size_bytes(), bs).map_err(|layout| EngineError::Layout {
-                device: cache.name().to_string(),
-                layout,
-            })?;
         check_origin_size(origin.as_ref(), bs)?;
+        let origin_blocks = origin.size_bytes() / bs as u64;
+        let layout = Layout::compute_with_tags(
+            cache.size_bytes(),
+            bs,
+            opts.integrity.then_some(origin_blocks),
+        )
+        .map_err(|layout| EngineError::Layout {
+            device: cache.name().to_string(),
+            layout,
+        })?;
         let uuid: [u8; 16] = rand::random();
+        if opts.integrity {
+            // Every tag starts unset; recalculation fills them in from the
+            // origin's present contents.
+            let counters = Counters::default();
+            let mut tags = TagTable::new_unset(origin_blocks, layout.tag_pages, chain_seed(&uuid));
+            tags.write_all(cache.as_ref(), &layout, &counters)
+                .map_err(EngineError::Cache)?;
+        }
         let ckpt = CheckpointHeader {
             sequence: 1,
             generation: 1,
@@ -234,7 +262,12 @@ impl Engine {
             checkpoint_sequence: 1,
             writeback_offset: 0,
             mode: 0,
-            features: 0,
+            features: if opts.integrity {
+                cairn_format::FEATURE_INTEGRITY
+            } else {
+                0
+            },
+            recalc_position_blocks: 0,
         };
         // Write both copies so no superblock of an earlier format survives.
         for seq in [1u64, 2] {
@@ -310,11 +343,14 @@ impl Engine {
                 recorded_bytes: sb.cache_size_bytes,
             });
         }
+        let integrity = sb.features & cairn_format::FEATURE_INTEGRITY != 0;
+        let volume_blocks = sb.origin_size_bytes / bs as u64;
         let layout =
-            Layout::compute(sb.cache_size_bytes, bs).map_err(|layout| EngineError::Layout {
-                device: cache.name().to_string(),
-                layout,
-            })?;
+            Layout::compute_with_tags(sb.cache_size_bytes, bs, integrity.then_some(volume_blocks))
+                .map_err(|layout| EngineError::Layout {
+                    device: cache.name().to_string(),
+                    layout,
+                })?;
         if layout.log_blocks != sb.log_blocks
             || layout.checkpoint_slot_bytes != sb.checkpoint_slot_bytes
         {
@@ -329,17 +365,43 @@ impl Engine {
             layout,
             counters: Counters::default(),
             bs: bs as usize,
-            volume_blocks: sb.origin_size_bytes / bs as u64,
+            volume_blocks,
             config: opts.config.clone(),
             record_data_max: record_data_blocks_max(bs) as u64,
             entries_max: RecordHeader::entries_max(bs),
             format_tag: chain_seed(&sb.uuid),
+            integrity,
         };
         let mode = CacheMode::from_code(sb.mode).ok_or_else(|| EngineError::CheckpointDamaged {
             device: env.cache.name().to_string(),
             detail: format!("unknown cache mode code {} in the superblock", sb.mode),
         })?;
         let mut inner = crate::recovery::recover(&env, sb)?;
+        if env.integrity {
+            let (tags, lost_pages) = TagTable::load(
+                env.cache.as_ref(),
+                &env.layout,
+                env.volume_blocks,
+                env.format_tag,
+                inner.sb.recalc_position_blocks,
+            )
+            .map_err(EngineError::Cache)?;
+            let mut tags = tags;
+            if let Some(&first) = lost_pages.first() {
+                // Both copies unreadable: those tags are gone. Recompute
+                // them from the origin rather than refuse the whole cache.
+                let from = first * cairn_format::TAGS_PER_PAGE as u64;
+                tracing::error!(
+                    pages = lost_pages.len(),
+                    first_block = from,
+                    "integrity tag pages unreadable in both copies; their blocks are recalculated from the origin"
+                );
+                Counters::add(&env.counters.tag_pages_lost, lost_pages.len() as u64);
+                tags.recalc_pos = tags.recalc_pos.min(from);
+                inner.sb.recalc_position_blocks = tags.recalc_pos;
+            }
+            inner.tags = Some(tags);
+        }
         if opts.force_origin && inner.sb.origin_identity != env.origin.identity() {
             let mut identity = env.origin.identity();
             identity.truncate(cairn_format::ORIGIN_IDENTITY_MAX_BYTES);
@@ -423,6 +485,14 @@ impl Engine {
         s.mode = self.mode().name();
         s.policy_memory_bytes = self.hit_filter.memory_bytes() as u64;
         s.failed = inner.failed.is_some();
+        s.integrity = self.env.integrity;
+        if let Some(tags) = &inner.tags {
+            s.tag_algorithm = "crc32c(lba_le64 || block)";
+            s.recalc_position_blocks = tags.recalc_pos;
+            s.recalc_total_blocks = tags.origin_blocks();
+            s.tag_pages_dirty = tags.dirty_pages();
+            s.tag_memory_bytes = tags.memory_bytes() as u64;
+        }
         s
     }
 

@@ -66,6 +66,8 @@ pub enum EngineError {
     Origin(DeviceError),
     #[error("block {lba} is dirty in the cache and failed its checksum; its data is lost")]
     DirtyBlockCorrupt { lba: u64 },
+    #[error("origin block {lba} (byte offset {offset_bytes}) does not match its integrity tag: the origin returned corrupt or misplaced data")]
+    OriginCorrupt { lba: u64, offset_bytes: u64 },
     #[error("request at offset {offset} length {length_bytes} is past the end of the {size_bytes}-byte volume")]
     OutOfRange {
         offset: u64,

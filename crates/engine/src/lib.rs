@@ -19,17 +19,20 @@
 mod engine;
 mod error;
 mod index;
+mod integrity;
 mod log;
 mod policy;
 mod ranges;
 mod read;
 mod recovery;
 mod stats;
+mod tags;
 mod write;
 mod writeback;
 
 pub use engine::{Engine, EngineConfig, FormatOptions, OpenOptions, WritebackProgress};
 pub use error::{EngineError, EngineResult};
+pub use integrity::{RecalcProgress, ScrubOptions, ScrubReport};
 pub use policy::CacheMode;
 pub use stats::StatsSnapshot;
 

@@ -271,6 +271,14 @@ impl Inner {
     }
 
     pub fn write_superblock(&mut self, env: &Env) -> EngineResult<()> {
+        // Tags first: a superblock never advances the write-back or
+        // recalculation position past tags that are not durable.
+        if let Some(tags) = self.tags.as_mut() {
+            if let Err(e) = tags.persist(env.cache.as_ref(), &env.layout, &env.counters) {
+                return Err(self.fail(env, "writing integrity tag pages", e));
+            }
+            self.sb.recalc_position_blocks = tags.recalc_pos;
+        }
         self.sb.sequence += 1;
         let buf = self.sb.encode();
         let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(self.sb.sequence)];

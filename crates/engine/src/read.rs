@@ -103,9 +103,9 @@ impl Engine {
                         hit_index.push(i);
                         i += 1;
                     }
-                    Plan::Miss => {
+                    Plan::Miss { .. } => {
                         let start = i;
-                        while i < count && matches!(plans[i], Plan::Miss) {
+                        while i < count && matches!(plans[i], Plan::Miss { .. }) {
                             i += 1;
                         }
                         miss_runs.push((start, i));
@@ -132,6 +132,17 @@ impl Engine {
                 return Err(EngineError::Origin(e));
             }
             Counters::add(&c.read_misses, (end - start) as u64);
+            // Check data after reading it: every block against its tag.
+            for i in start..end {
+                let Plan::Miss { tag } = plans[i] else {
+                    unreachable!("miss runs hold misses only")
+                };
+                let lba = first + i as u64;
+                let block = &mut out[i * bs..(i + 1) * bs];
+                if self.check_origin_block(lba, block, tag).is_err() {
+                    self.recheck_origin_block(lba, tag, block)?;
+                }
+            }
         }
         // Verify hits.
         for &i in &hit_index {
@@ -193,7 +204,7 @@ impl Engine {
         // Re-read under the lock: nothing can move now.
         match inner.plan_read(&self.env, lba, block)? {
             Plan::Done => Ok(()),
-            Plan::Miss => {
+            Plan::Miss { tag } => {
                 drop(inner);
                 self.env
                     .origin
@@ -202,6 +213,9 @@ impl Engine {
                         Counters::add(&c.origin_read_errors, 1);
                         EngineError::Origin(e)
                     })?;
+                if self.check_origin_block(lba, block, tag).is_err() {
+                    self.recheck_origin_block(lba, tag, block)?;
+                }
                 Ok(())
             }
             Plan::Cache {
@@ -250,6 +264,12 @@ impl Engine {
                         Counters::add(&c.origin_read_errors, 1);
                         EngineError::Origin(e)
                     })?;
+                // The lock is held: the tag cannot move under this check.
+                let tag = inner.tags.as_ref().map(|t| t.get(lba));
+                if let Err(e) = self.check_origin_block(lba, block, tag) {
+                    self.report_origin_mismatch(lba);
+                    return Err(e);
+                }
                 inner.retire_slot(now_slot);
                 if inner.promote(&self.env, lba, block)? {
                     Counters::add(&c.repairs, 1);
@@ -298,7 +318,14 @@ impl Inner {
             Counters::add(&env.counters.read_zero_hits, 1);
             return Ok(Plan::Done);
         }
-        Ok(Plan::Miss)
+        let tag = self.tags.as_ref().map(|t| t.get(lba));
+        if tag == Some(cairn_format::TAG_DISCARDED) {
+            // Discarded with integrity on: zeroes, whatever the origin holds.
+            block.fill(0);
+            Counters::add(&env.counters.read_zero_hits, 1);
+            return Ok(Plan::Done);
+        }
+        Ok(Plan::Miss { tag })
     }
 
     /// Insert a clean copy (read fill or repair). Returns false if there was

@@ -372,6 +372,7 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
         lost,
         mutations: 0,
         failed: None,
+        tags: None,
     };
     inner.sb.generation = sb_generation;
     // Gauges, and the invariant that every live slot lies in [tail, head).

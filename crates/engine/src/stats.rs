@@ -38,6 +38,14 @@ macro_rules! counters {
             pub failed: bool,
             pub mode: &'static str,
             pub policy_memory_bytes: u64,
+            /// Origin integrity tags are kept.
+            pub integrity: bool,
+            pub tag_algorithm: &'static str,
+            /// Recalculation has covered the origin blocks below this one.
+            pub recalc_position_blocks: u64,
+            pub recalc_total_blocks: u64,
+            pub tag_pages_dirty: u64,
+            pub tag_memory_bytes: u64,
         }
 
         impl Counters {
@@ -92,6 +100,14 @@ counters!(
     checkpoints,
     superblock_writes,
     internal_flushes,
+    origin_mismatches,
+    origin_repairs,
+    origin_unverified_reads,
+    origin_verified_reads,
+    tag_pages_written,
+    tag_pages_lost,
+    recalc_blocks,
+    scrub_blocks,
 );
 
 impl Counters {

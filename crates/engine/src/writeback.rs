@@ -147,7 +147,7 @@ impl Engine {
         assert!(pos <= limit, "write-back walked past the durable limit");
         // Final state of the group: ranges in order, then the last valid
         // version of each block.
-        let mut final_blocks: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
+        let mut final_blocks: BTreeMap<u64, (usize, usize, u32)> = BTreeMap::new();
         let mut range_ops: Vec<(RangeKind, u64, u64)> = Vec::new();
         let mut bad: Vec<(u64, u64)> = Vec::new();
         for (ri, (at, header, data)) in records.iter().enumerate() {
@@ -167,7 +167,7 @@ impl Engine {
                             bad.push((lba, slot_offset));
                             continue;
                         }
-                        final_blocks.insert(lba, (ri, k - 1));
+                        final_blocks.insert(lba, (ri, k - 1, crc));
                     }
                     RecordEntry::Range {
                         kind,
@@ -201,7 +201,7 @@ impl Engine {
             }
         }
         let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
-        for (&lba, &(ri, k)) in &final_blocks {
+        for (&lba, &(ri, k, _)) in &final_blocks {
             let block = &records[ri].2[k * bs..(k + 1) * bs];
             match runs.last_mut() {
                 Some((start_lba, buf))
@@ -253,6 +253,21 @@ impl Engine {
                     inner.mark_corrupt(slot);
                 }
                 // It stays dirty-corrupt until evicted; then it is "lost".
+            }
+        }
+        // The group is on the origin and flushed: its tags may follow, in
+        // the order the origin saw it (ranges, then data). The checksums
+        // were verified above, so nothing is recomputed.
+        if let Some(tags) = inner.tags.as_mut() {
+            for &(kind, lba, count) in &range_ops {
+                let tag = match kind {
+                    RangeKind::Zero => cairn_format::TAG_ZERO,
+                    RangeKind::Discard => cairn_format::TAG_DISCARDED,
+                };
+                tags.set_range(lba, count, tag);
+            }
+            for (&lba, &(_, _, crc)) in &final_blocks {
+                tags.set(lba, cairn_format::fold_tag(crc));
             }
         }
         inner.ranges.retire_records(start, pos);

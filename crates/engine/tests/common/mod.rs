@@ -52,12 +52,27 @@ pub struct Rig {
 
 impl Rig {
     pub fn new(cache_bytes: u64, volume_blocks: u64) -> Rig {
+        Self::with_format(cache_bytes, volume_blocks, false)
+    }
+
+    /// A rig whose cache keeps origin integrity tags, recalculated over the
+    /// (zeroed) origin before returning.
+    pub fn with_integrity(cache_bytes: u64, volume_blocks: u64) -> Rig {
+        let rig = Self::with_format(cache_bytes, volume_blocks, true);
+        rig.engine().recalc_all(|_| {}).expect("recalculation");
+        rig
+    }
+
+    pub fn with_format(cache_bytes: u64, volume_blocks: u64, integrity: bool) -> Rig {
         let cache = SimDevice::new("cache", cache_bytes);
         let origin = SimDevice::new("origin", volume_blocks * BS);
         Engine::format(
             Arc::new(cache.clone()),
             Arc::new(origin.clone()),
-            &FormatOptions::default(),
+            &FormatOptions {
+                integrity,
+                ..FormatOptions::default()
+            },
         )
         .expect("format");
         let engine = Engine::open(

@@ -1,0 +1,394 @@
+//! Whole-volume integrity: verifying origin reads against their tags,
+//! recalculating tags over data that predates the format, and scrubbing
+//! the origin (with repair from clean cached copies).
+//!
+//! Every path that changes the origin holds `writeback_lock` (write-back,
+//! origin repair) and every path here that reads the origin to set or judge
+//! a tag holds it too, so a tag and the origin block it describes are never
+//! seen half updated.
+
+use std::time::{Duration, Instant};
+
+use cairn_format::{block_checksum, origin_tag, tag_matches, TAG_UNSET};
+
+use crate::engine::*;
+use crate::error::{EngineError, EngineResult};
+use crate::stats::Counters;
+
+/// Blocks read from the origin per recalculation or scrub step.
+pub const INTEGRITY_STEP_BYTES: u64 = 1 << 20;
+/// Recalculation persists its position at least this often (in blocks
+/// covered), so a restart redoes little.
+const RECALC_PERSIST_EVERY_BYTES: u64 = 64 << 20;
+/// A mismatch that may have raced a write-back is re-read at most this
+/// many times before it is reported.
+const RECHECK_ROUNDS_MAX: usize = 4;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecalcProgress {
+    pub position_blocks: u64,
+    pub total_blocks: u64,
+    /// Tags computed by this step.
+    pub blocks_tagged: u64,
+}
+
+impl RecalcProgress {
+    pub fn done(&self) -> bool {
+        self.position_blocks >= self.total_blocks
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ScrubOptions {
+    /// Rewrite a mismatching origin block from a clean cached copy.
+    pub repair: bool,
+    /// Origin bytes read per second at most; `None` = as fast as it goes.
+    pub rate_bytes_per_s: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScrubReport {
+    pub blocks_checked: u64,
+    pub blocks_verified: u64,
+    /// Blocks with no tag yet (above the recalculation position).
+    pub blocks_unverified: u64,
+    /// Dirty, pending or lost blocks: the cache holds their truth and the
+    /// origin copy is about to be replaced, so it is not judged.
+    pub blocks_skipped: u64,
+    /// Origin addresses (in blocks) that failed and could not be repaired.
+    pub mismatches: Vec<u64>,
+    /// Origin addresses rewritten from a verified clean cached copy.
+    pub repaired: Vec<u64>,
+}
+
+/// Judge one origin block against its tag; counts the outcome. `Err` on a
+/// mismatch, which the caller reports (or rechecks first).
+pub(crate) fn check_origin_data(
+    env: &Env,
+    lba: u64,
+    block: &[u8],
+    tag: Option<u32>,
+) -> EngineResult<()> {
+    match judge(env, lba, block, tag) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            report_mismatch(env, lba);
+            Err(e)
+        }
+    }
+}
+
+fn judge(env: &Env, lba: u64, block: &[u8], tag: Option<u32>) -> EngineResult<()> {
+    let Some(tag) = tag else {
+        return Ok(());
+    };
+    match tag_matches(tag, lba, block) {
+        Some(true) => {
+            Counters::add(&env.counters.origin_verified_reads, 1);
+            Ok(())
+        }
+        None => {
+            if tag == TAG_UNSET {
+                Counters::add(&env.counters.origin_unverified_reads, 1);
+            }
+            Ok(())
+        }
+        Some(false) => Err(EngineError::OriginCorrupt {
+            lba,
+            offset_bytes: lba * env.bs as u64,
+        }),
+    }
+}
+
+fn report_mismatch(env: &Env, lba: u64) {
+    Counters::add(&env.counters.origin_mismatches, 1);
+    tracing::error!(
+        lba,
+        offset_bytes = lba * env.bs as u64,
+        "origin block does not match its integrity tag; returning EIO"
+    );
+}
+
+impl Engine {
+    pub(crate) fn check_origin_block(
+        &self,
+        lba: u64,
+        block: &[u8],
+        tag: Option<u32>,
+    ) -> EngineResult<()> {
+        judge(&self.env, lba, block, tag)
+    }
+
+    pub(crate) fn report_origin_mismatch(&self, lba: u64) {
+        report_mismatch(&self.env, lba);
+    }
+
+    /// An origin block failed the tag it was planned with. The read may have
+    /// raced a write-back that moved the tag (or cached the block): plan it
+    /// again, and only a mismatch against an unchanged tag is reported.
+    pub(crate) fn recheck_origin_block(
+        &self,
+        lba: u64,
+        planned: Option<u32>,
+        block: &mut [u8],
+    ) -> EngineResult<()> {
+        let mut tag = planned;
+        for _ in 0..RECHECK_ROUNDS_MAX {
+            let plan = {
+                let mut inner = self.lock()?;
+                inner.plan_read(&self.env, lba, block)?
+            };
+            match plan {
+                Plan::Done => return Ok(()),
+                Plan::Cache { slot, crc } => return self.read_block_slow(lba, slot, crc, block),
+                Plan::Miss { tag: now } if now == tag => {
+                    self.report_origin_mismatch(lba);
+                    return Err(EngineError::OriginCorrupt {
+                        lba,
+                        offset_bytes: lba * self.env.bs as u64,
+                    });
+                }
+                Plan::Miss { tag: now } => {
+                    self.env
+                        .origin
+                        .read_at(lba * self.env.bs as u64, block)
+                        .map_err(|e| {
+                            Counters::add(&self.env.counters.origin_read_errors, 1);
+                            EngineError::Origin(e)
+                        })?;
+                    if self.check_origin_block(lba, block, now).is_ok() {
+                        return Ok(());
+                    }
+                    tag = now;
+                }
+            }
+        }
+        self.report_origin_mismatch(lba);
+        Err(EngineError::OriginCorrupt {
+            lba,
+            offset_bytes: lba * self.env.bs as u64,
+        })
+    }
+
+    /// Is origin integrity on for this cache?
+    pub fn integrity(&self) -> bool {
+        self.env.integrity
+    }
+
+    /// One step of background recalculation: compute the tags of the next
+    /// origin blocks that have none, from what the origin holds now. Tags
+    /// already set (by write-back) are left alone. The position is persisted
+    /// every so often and at the end, so a restart resumes near here.
+    pub fn recalc_step(&self) -> EngineResult<RecalcProgress> {
+        let bs = self.env.bs as u64;
+        let total = self.env.volume_blocks;
+        if !self.env.integrity {
+            return Ok(RecalcProgress {
+                position_blocks: total,
+                total_blocks: total,
+                blocks_tagged: 0,
+            });
+        }
+        let _serial = self
+            .writeback_lock
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let pos = {
+            let inner = self.lock()?;
+            inner.tags.as_ref().map_or(total, |t| t.recalc_pos)
+        };
+        if pos >= total {
+            return Ok(RecalcProgress {
+                position_blocks: total,
+                total_blocks: total,
+                blocks_tagged: 0,
+            });
+        }
+        let count = (INTEGRITY_STEP_BYTES / bs).max(1).min(total - pos);
+        let mut buf = vec![0u8; (count * bs) as usize];
+        // The origin cannot change under this read: every origin writer
+        // holds the write-back lock we hold.
+        self.env.origin.read_at(pos * bs, &mut buf).map_err(|e| {
+            Counters::add(&self.env.counters.origin_read_errors, 1);
+            EngineError::Origin(e)
+        })?;
+        let mut inner = self.lock()?;
+        let tags = inner.tags.as_mut().expect("integrity on");
+        assert_eq!(tags.recalc_pos, pos, "recalculation is serialized");
+        let mut tagged = 0;
+        for k in 0..count {
+            let lba = pos + k;
+            if tags.get(lba) == TAG_UNSET {
+                let block = &buf[(k * bs) as usize..((k + 1) * bs) as usize];
+                tags.set(lba, origin_tag(lba, block));
+                tagged += 1;
+            }
+        }
+        let before = tags.recalc_pos;
+        tags.recalc_pos = pos + count;
+        let after = tags.recalc_pos;
+        Counters::add(&self.env.counters.recalc_blocks, count);
+        let persist_every = (RECALC_PERSIST_EVERY_BYTES / bs).max(1);
+        if after >= total || after / persist_every != before / persist_every {
+            inner.write_superblock(&self.env)?;
+            if after >= total {
+                tracing::info!("integrity recalculation complete: every origin block has a tag");
+            }
+        }
+        Ok(RecalcProgress {
+            position_blocks: after,
+            total_blocks: total,
+            blocks_tagged: tagged,
+        })
+    }
+
+    /// Recalculate until every origin block has a tag (tests, offline use).
+    pub fn recalc_all(&self, mut progress: impl FnMut(&RecalcProgress)) -> EngineResult<()> {
+        let steps_max = self.env.volume_blocks + 1;
+        for _ in 0..steps_max {
+            let p = self.recalc_step()?;
+            progress(&p);
+            if p.done() {
+                return Ok(());
+            }
+        }
+        Err(EngineError::Failed("recalculation did not finish".into()))
+    }
+
+    /// Verify every origin block against its tag, with an optional rate
+    /// limit. Mismatching blocks with a clean, verified cached copy are
+    /// rewritten from it when `opts.repair`. Safe while serving.
+    pub fn scrub_origin(
+        &self,
+        opts: &ScrubOptions,
+        mut progress: impl FnMut(u64, u64),
+    ) -> EngineResult<ScrubReport> {
+        let mut report = ScrubReport::default();
+        if !self.env.integrity {
+            return Ok(report);
+        }
+        let bs = self.env.bs as u64;
+        let total = self.env.volume_blocks;
+        let step = (INTEGRITY_STEP_BYTES / bs).max(1);
+        let started = Instant::now();
+        let mut buf = vec![0u8; (step * bs) as usize];
+        let mut pos = 0u64;
+        // Bounded: each round covers `step` blocks.
+        while pos < total {
+            let count = step.min(total - pos);
+            let chunk = &mut buf[..(count * bs) as usize];
+            {
+                let _serial = self
+                    .writeback_lock
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                self.env.origin.read_at(pos * bs, chunk).map_err(|e| {
+                    Counters::add(&self.env.counters.origin_read_errors, 1);
+                    EngineError::Origin(e)
+                })?;
+                for k in 0..count {
+                    let lba = pos + k;
+                    let block = &chunk[(k * bs) as usize..((k + 1) * bs) as usize];
+                    self.scrub_block(lba, block, opts, &mut report)?;
+                }
+            }
+            Counters::add(&self.env.counters.scrub_blocks, count);
+            pos += count;
+            progress(pos, total);
+            if let Some(rate) = opts.rate_bytes_per_s.filter(|&r| r > 0) {
+                // Sleep until the bytes read so far fit the rate.
+                let due = Duration::from_secs_f64((pos * bs) as f64 / rate as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Judge one origin block during a scrub; the write-back lock is held.
+    fn scrub_block(
+        &self,
+        lba: u64,
+        block: &[u8],
+        opts: &ScrubOptions,
+        report: &mut ScrubReport,
+    ) -> EngineResult<()> {
+        let bs = self.env.bs as u64;
+        report.blocks_checked += 1;
+        let (tag, cached_clean) = {
+            let inner = self.lock()?;
+            let slot = inner.map.get(lba, &inner.slots);
+            let pending = inner.ranges.covering(lba).is_some() || inner.lost.contains(&lba);
+            let dirty = slot.is_some_and(|s| inner.slot_is_dirty(s));
+            if pending || dirty {
+                report.blocks_skipped += 1;
+                return Ok(());
+            }
+            let cached_clean = slot.and_then(|s| {
+                // A clean copy still in the open record is not on the device.
+                if inner.open_slot_index(s).is_some() {
+                    None
+                } else {
+                    Some((s, inner.slots.crc(s)))
+                }
+            });
+            (
+                inner.tags.as_ref().map_or(TAG_UNSET, |t| t.get(lba)),
+                cached_clean,
+            )
+        };
+        match tag_matches(tag, lba, block) {
+            None => {
+                if tag == TAG_UNSET {
+                    report.blocks_unverified += 1;
+                }
+                return Ok(());
+            }
+            Some(true) => {
+                report.blocks_verified += 1;
+                return Ok(());
+            }
+            Some(false) => {}
+        }
+        report_mismatch(&self.env, lba);
+        if opts.repair {
+            if let Some((slot, crc)) = cached_clean {
+                let mut copy = vec![0u8; bs as usize];
+                let read = self
+                    .env
+                    .cache
+                    .read_at(self.env.layout.slot_offset_bytes(slot as u64), &mut copy);
+                // Check data after reading it: only a verified copy that also
+                // matches the tag may overwrite the origin.
+                if read.is_ok()
+                    && block_checksum(lba, &copy) == crc
+                    && tag_matches(tag, lba, &copy) == Some(true)
+                {
+                    let origin = self.env.origin.as_ref();
+                    let written = origin
+                        .write_at(lba * bs, &copy)
+                        .and_then(|()| origin.flush());
+                    match written {
+                        Ok(()) => {
+                            Counters::add(&self.env.counters.origin_repairs, 1);
+                            tracing::warn!(
+                                lba,
+                                offset_bytes = lba * bs,
+                                "origin block repaired from its clean cached copy"
+                            );
+                            report.repaired.push(lba);
+                            return Ok(());
+                        }
+                        Err(e) => {
+                            Counters::add(&self.env.counters.origin_write_errors, 1);
+                            tracing::error!(lba, "origin repair failed: {e}");
+                        }
+                    }
+                }
+            }
+        }
+        report.mismatches.push(lba);
+        Ok(())
+    }
+}
