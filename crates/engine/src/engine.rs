@@ -401,6 +401,7 @@ impl Engine {
                 inner.sb.recalc_position_blocks = tags.recalc_pos;
             }
             inner.tags = Some(tags);
+            inner.heal_clean_copy_tags(&env);
         }
         if opts.force_origin && inner.sb.origin_identity != env.origin.identity() {
             let mut identity = env.origin.identity();
@@ -632,6 +633,47 @@ impl Inner {
         if st & state::CORRUPT == 0 {
             self.slots.set_state(slot, st | state::CORRUPT);
             self.corrupt_blocks += 1;
+        }
+    }
+
+    /// After recovery: a clean copy inserted from an origin read holds what
+    /// the origin held then, and the origin has not changed since (a later
+    /// write would have replaced the copy in the index). Its tag may still
+    /// be the pre-crash one if the write-back that produced that origin data
+    /// had not persisted its tags: that write-back is redone later, but
+    /// until then the tag must already describe the origin. So the tag is
+    /// set from the copy's checksum. Nothing is trusted that was not
+    /// verified: the copy's crc came from a verified origin read.
+    pub(crate) fn heal_clean_copy_tags(&mut self, env: &Env) {
+        let Some(tags) = self.tags.as_mut() else {
+            return;
+        };
+        let zeroes = vec![0u8; env.bs];
+        let mut healed = 0u64;
+        for slot in 0..self.n as u32 {
+            let st = self.slots.state(slot);
+            if st & state::LIVE == 0
+                || st & state::CLEAN_INSERT == 0
+                || st & state::CORRUPT != 0
+            {
+                continue;
+            }
+            let lba = self.slots.lba(slot);
+            let crc = self.slots.crc(slot);
+            let expected = cairn_format::fold_tag(crc);
+            let tag = tags.get(lba);
+            let agrees = tag == expected
+                || (tag == cairn_format::TAG_ZERO && block_checksum(lba, &zeroes) == crc);
+            if !agrees {
+                tags.set(lba, expected);
+                healed += 1;
+            }
+        }
+        if healed > 0 {
+            tracing::info!(
+                blocks = healed,
+                "integrity tags brought up to date from clean cached copies after recovery"
+            );
         }
     }
 

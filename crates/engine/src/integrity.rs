@@ -325,13 +325,14 @@ impl Engine {
                 report.blocks_skipped += 1;
                 return Ok(());
             }
-            let cached_clean = slot.and_then(|s| {
-                // A clean copy still in the open record is not on the device.
-                if inner.open_slot_index(s).is_some() {
-                    None
-                } else {
-                    Some((s, inner.slots.crc(s)))
-                }
+            let cached_clean = slot.map(|s| {
+                // A clean copy still in the open record is not on the device
+                // yet: take it from memory.
+                let in_memory = inner.open_slot_index(s).map(|k| {
+                    let open = inner.open.as_ref().expect("open record");
+                    open.data[k * bs as usize..(k + 1) * bs as usize].to_vec()
+                });
+                (s, inner.slots.crc(s), in_memory)
             });
             (
                 inner.tags.as_ref().map_or(TAG_UNSET, |t| t.get(lba)),
@@ -353,12 +354,18 @@ impl Engine {
         }
         report_mismatch(&self.env, lba);
         if opts.repair {
-            if let Some((slot, crc)) = cached_clean {
-                let mut copy = vec![0u8; bs as usize];
-                let read = self
-                    .env
-                    .cache
-                    .read_at(self.env.layout.slot_offset_bytes(slot as u64), &mut copy);
+            if let Some((slot, crc, in_memory)) = cached_clean {
+                let (copy, read) = match in_memory {
+                    Some(copy) => (copy, Ok(())),
+                    None => {
+                        let mut copy = vec![0u8; bs as usize];
+                        let read = self
+                            .env
+                            .cache
+                            .read_at(self.env.layout.slot_offset_bytes(slot as u64), &mut copy);
+                        (copy, read)
+                    }
+                };
                 // Check data after reading it: only a verified copy that also
                 // matches the tag may overwrite the origin.
                 if read.is_ok()

@@ -1,0 +1,217 @@
+//! Whole-volume integrity through the real binary: `format --integrity`
+//! over an origin that already holds data, background recalculation,
+//! corruption and a misdirected write on the origin file behind cairn's
+//! back (EIO over NBD, counted in status, listed by `check --origin`),
+//! repair from a clean cached copy, and no device reads for tags while
+//! writing (`/proc/PID/io`).
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+const BS: u64 = 4096;
+
+fn qemu_io_text(uri: &str, commands: &[&str]) -> (bool, String) {
+    let mut cmd = tool("qemu-io");
+    cmd.args(["-f", "raw", uri]);
+    for c in commands {
+        cmd.args(["-c", c]);
+    }
+    let out = run(&mut cmd, TOOL_TIMEOUT);
+    (
+        out.status.success(),
+        format!("{}{}", stdout(&out), stderr(&out)),
+    )
+}
+
+fn origin_block(origin: &Path, lba: u64) -> Vec<u8> {
+    let f = std::fs::File::open(origin).expect("open origin");
+    let mut buf = vec![0u8; BS as usize];
+    f.read_exact_at(&mut buf, lba * BS).expect("read origin");
+    buf
+}
+
+fn write_origin(origin: &Path, offset: u64, data: &[u8]) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(origin)
+        .expect("open origin for writing");
+    f.write_all_at(data, offset).expect("write origin");
+    f.sync_all().expect("sync origin");
+}
+
+fn wait_recalc_complete(ctx: &Ctx, cache: &Path) -> serde_json::Value {
+    let mut last = serde_json::Value::Null;
+    let done = eventually(Duration::from_secs(120), || {
+        last = ctx.status(cache);
+        last["recalc_state"] == "complete"
+    });
+    assert!(done, "recalculation did not complete: {last}");
+    last
+}
+
+#[test]
+fn corrupt_and_misdirected_origin_blocks_are_caught_and_repaired() {
+    if !require_tools("integrity_cli", &["qemu-io"]) {
+        return;
+    }
+    let ctx = Ctx::new("integrity_cli");
+    let cache = ctx.file("cache.img", 16 * MIB);
+    let origin = ctx.file("origin.img", 32 * MIB);
+    // The origin already holds data before the format.
+    let original = pattern(0x0417, (32 * MIB) as usize);
+    write_origin(&origin, 0, &original);
+    let out = ctx.cairn_ok(&[
+        "format",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--origin",
+        &origin.to_string_lossy(),
+        "--integrity",
+    ]);
+    assert!(
+        stdout(&out).contains("integrity on"),
+        "format does not say integrity is on: {}",
+        describe(&out)
+    );
+    let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &[]);
+    let uri = server.uri();
+    let status = wait_recalc_complete(&ctx, &cache);
+    assert_eq!(status["integrity"], true, "{status}");
+    assert_eq!(status["recalc_position_blocks"], 8192, "{status}");
+    assert!(status["tag_algorithm"].is_string(), "{status}");
+
+    // Intact data reads back.
+    let (ok, text) = qemu_io_text(&uri, &["read 409600 4096"]);
+    assert!(ok && !text.contains("error"), "{text}");
+
+    // 1. One byte flipped behind cairn's back: EIO, counted, listed.
+    let mut byte = [original[(200 * BS + 17) as usize]];
+    byte[0] ^= 0x01;
+    write_origin(&origin, 200 * BS + 17, &byte);
+    let (_, text) = qemu_io_text(&uri, &[&format!("read {} 4096", 200 * BS)]);
+    assert!(
+        text.contains("Input/output error"),
+        "a corrupt origin block was returned: {text}"
+    );
+    let status = ctx.status(&cache);
+    assert!(
+        status["origin_mismatches"].as_u64().unwrap_or(0) >= 1,
+        "{status}"
+    );
+    let c = cache.to_string_lossy().to_string();
+    let out = ctx.cairn(&["check", "--cache", &c, "--origin"]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(
+        stdout(&out).contains("origin block 200 (byte offset 819200)"),
+        "check --origin does not list the address: {}",
+        describe(&out)
+    );
+
+    // 2. Block A's bytes written over block B: caught at B.
+    write_origin(
+        &origin,
+        500 * BS,
+        &original[(400 * BS) as usize..(401 * BS) as usize],
+    );
+    let (_, text) = qemu_io_text(&uri, &[&format!("read {} 4096", 500 * BS)]);
+    assert!(text.contains("Input/output error"), "misdirected: {text}");
+
+    // 3. A block with a clean cached copy: the read succeeds from the
+    //    cache, and the scrub rewrites the origin from it.
+    let (ok, text) = qemu_io_text(&uri, &[&format!("read {} 4096", 300 * BS)]);
+    assert!(ok && !text.contains("error"), "{text}");
+    let mut rotten = original[(300 * BS) as usize..(301 * BS) as usize].to_vec();
+    rotten[4000] ^= 0x80;
+    write_origin(&origin, 300 * BS, &rotten);
+    let (_, text) = qemu_io_text(&uri, &[&format!("read {} 4096", 300 * BS)]);
+    assert!(!text.contains("error"), "cached clean copy not served: {text}");
+    let out = ctx.cairn(&["check", "--cache", &c, "--origin", "--rate", "64M"]);
+    assert!(
+        stdout(&out).contains("repaired: origin block 300"),
+        "no repair: {}",
+        describe(&out)
+    );
+    assert_eq!(
+        origin_block(&origin, 300),
+        original[(300 * BS) as usize..(301 * BS) as usize],
+        "the origin was not repaired"
+    );
+    let status = ctx.status(&cache);
+    assert!(status["origin_repairs"].as_u64().unwrap_or(0) >= 1, "{status}");
+    assert!(
+        server.proc.log_text().contains("does not match its integrity tag"),
+        "no log line names the bad block"
+    );
+    assert!(server.terminate().success());
+
+    // Offline, the scrub still finds blocks 200 and 500.
+    let out = ctx.cairn(&["check", "--cache", &c, "--origin"]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("origin block 200 ") && text.contains("origin block 500 "),
+        "{text}"
+    );
+}
+
+#[test]
+fn sequential_writes_read_nothing_for_tags() {
+    if !require_tools("integrity_io", &["fio"]) {
+        return;
+    }
+    let ctx = Ctx::new("integrity_io");
+    let cache = ctx.file("cache.img", 256 * MIB);
+    let origin = ctx.file("origin.img", 256 * MIB);
+    ctx.format(&cache, &origin.to_string_lossy(), &["--integrity"]);
+    let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &["--no-writeback"]);
+    wait_recalc_complete(&ctx, &cache);
+    let read_bytes = |pid: i32| -> u64 {
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).expect("/proc/PID/io");
+        io.lines()
+            .find_map(|l| l.strip_prefix("read_bytes: "))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("read_bytes in /proc/PID/io")
+    };
+    let pid = server.proc.pid();
+    let before = read_bytes(pid);
+    let mut fio = tool("fio");
+    fio.args([
+        "--name=seq",
+        "--ioengine=nbd",
+        &format!("--uri={}", server.uri()),
+        "--rw=write",
+        "--bs=64k",
+        "--iodepth=8",
+        "--size=96M",
+        "--end_fsync=1",
+    ]);
+    run_ok(&mut fio, TOOL_TIMEOUT);
+    let after = read_bytes(pid);
+    assert_eq!(
+        after - before,
+        0,
+        "the daemon read {} bytes from its devices during sequential writes",
+        after - before
+    );
+    let status = ctx.status(&cache);
+    assert_eq!(status["dirty_blocks"], 96 * MIB / BS, "{status}");
+    {
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "integrity: 96 MiB of 64 KiB sequential writes with integrity on: read_bytes delta 0"
+        );
+    }
+    // Write-back then sets the tags; a scrub verifies the new data.
+    ctx.flush(&cache);
+    let c = cache.to_string_lossy().to_string();
+    let out = ctx.cairn_ok(&["check", "--cache", &c, "--origin"]);
+    assert!(stdout(&out).contains("0 bad"), "{}", describe(&out));
+    assert!(server.terminate().success());
+}
