@@ -130,7 +130,10 @@ fn corrupt_and_misdirected_origin_blocks_are_caught_and_repaired() {
     rotten[4000] ^= 0x80;
     write_origin(&origin, 300 * BS, &rotten);
     let (_, text) = qemu_io_text(&uri, &[&format!("read {} 4096", 300 * BS)]);
-    assert!(!text.contains("error"), "cached clean copy not served: {text}");
+    assert!(
+        !text.contains("error"),
+        "cached clean copy not served: {text}"
+    );
     let out = ctx.cairn(&["check", "--cache", &c, "--origin", "--rate", "64M"]);
     assert!(
         stdout(&out).contains("repaired: origin block 300"),
@@ -143,9 +146,15 @@ fn corrupt_and_misdirected_origin_blocks_are_caught_and_repaired() {
         "the origin was not repaired"
     );
     let status = ctx.status(&cache);
-    assert!(status["origin_repairs"].as_u64().unwrap_or(0) >= 1, "{status}");
     assert!(
-        server.proc.log_text().contains("does not match its integrity tag"),
+        status["origin_repairs"].as_u64().unwrap_or(0) >= 1,
+        "{status}"
+    );
+    assert!(
+        server
+            .proc
+            .log_text()
+            .contains("does not match its integrity tag"),
         "no log line names the bad block"
     );
     assert!(server.terminate().success());

@@ -652,10 +652,7 @@ impl Inner {
         let mut healed = 0u64;
         for slot in 0..self.n as u32 {
             let st = self.slots.state(slot);
-            if st & state::LIVE == 0
-                || st & state::CLEAN_INSERT == 0
-                || st & state::CORRUPT != 0
-            {
+            if st & state::LIVE == 0 || st & state::CLEAN_INSERT == 0 || st & state::CORRUPT != 0 {
                 continue;
             }
             let lba = self.slots.lba(slot);

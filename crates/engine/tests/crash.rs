@@ -86,7 +86,10 @@ fn check_tags(ctx: &str, engine: &cairn_engine::Engine, stage: &str) {
         "{ctx}: {stage}: blocks without a tag outside the recalculation window"
     );
     let s = engine.stats();
-    assert_eq!(s.origin_mismatches, 0, "{ctx}: {stage}: reads saw mismatches");
+    assert_eq!(
+        s.origin_mismatches, 0,
+        "{ctx}: {stage}: reads saw mismatches"
+    );
     assert_eq!(
         s.origin_unverified_reads, 0,
         "{ctx}: {stage}: unverified origin reads"
