@@ -445,6 +445,9 @@ pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
         ("integrity_recalc_position_blocks", s.recalc_position_blocks),
         ("integrity_recalc_total_blocks", s.recalc_total_blocks),
         ("integrity_tag_memory_bytes", s.tag_memory_bytes),
+        ("cache_degraded", s.degraded as u64),
+        ("cache_failed", s.failed as u64),
+        ("origin_failing", s.origin_failing as u64),
     ] {
         let _ = writeln!(out, "# TYPE cairn_{name} gauge\ncairn_{name} {value}");
     }

@@ -7,10 +7,18 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
     m.insert("mode".into(), json!(s.mode));
-    m.insert(
-        "state".into(),
-        json!(if s.failed { "failed" } else { "ok" }),
-    );
+    // The cache device's state: ok; degraded (cache writes failed for good,
+    // every write goes straight to the origin); failed (stopped, every
+    // request fails until restart). `state` is the same word.
+    let cache_state = if s.failed {
+        "failed"
+    } else if s.degraded {
+        "degraded"
+    } else {
+        "ok"
+    };
+    m.insert("state".into(), json!(cache_state));
+    m.insert("cache_state".into(), json!(cache_state));
     m.insert("origin".into(), json!(sb.origin_identity));
     m.insert(
         "origin_state".into(),
@@ -114,7 +122,12 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("checksum_mismatches"),
         get("repairs")
     )?;
-    writeln!(out, "  origin: {}", get("origin_state"))?;
+    writeln!(
+        out,
+        "  cache device: {}, origin: {}",
+        get("cache_state"),
+        get("origin_state")
+    )?;
     if v.get("integrity").and_then(|x| x.as_bool()) == Some(true) {
         writeln!(
             out,

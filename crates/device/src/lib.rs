@@ -26,8 +26,8 @@ pub use local::{
 };
 pub use nbd_client::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 pub use sim::{
-    build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, PendingWrite, SimCounters,
-    SimDevice, SECTOR_BYTES,
+    build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, OpKinds, PendingWrite,
+    RangeFault, SimCounters, SimDevice, SECTOR_BYTES,
 };
 pub use uring::{UringDevice, UringOptions};
 

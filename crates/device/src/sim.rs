@@ -43,6 +43,62 @@ pub enum FaultMode {
     Sticky,
 }
 
+/// Which kinds of operation a [`RangeFault`] fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpKinds {
+    /// `read_at` and friends.
+    pub reads: bool,
+    /// `write_at`, vectored writes, `write_zeroes` and `discard`.
+    pub writes: bool,
+    /// `flush` (a barrier has no range: it matches whatever the range).
+    pub flushes: bool,
+}
+
+impl OpKinds {
+    pub const WRITES: OpKinds = OpKinds {
+        reads: false,
+        writes: true,
+        flushes: false,
+    };
+    pub const READS: OpKinds = OpKinds {
+        reads: true,
+        writes: false,
+        flushes: false,
+    };
+    pub const ALL: OpKinds = OpKinds {
+        reads: true,
+        writes: true,
+        flushes: true,
+    };
+}
+
+/// Fail operations of some kinds that touch a byte range: a bad region of
+/// the medium (a worn-out area of an SSD), rather than the Nth I/O.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RangeFault {
+    pub kinds: OpKinds,
+    /// Bytes `[start, end)`; an operation overlapping it matches.
+    pub start: u64,
+    pub end: u64,
+    /// `Once`: the first matching operation fails, then the fault is gone.
+    /// `Sticky`: every matching operation fails from now on.
+    pub mode: FaultMode,
+}
+
+impl RangeFault {
+    fn matches(&self, op: &'static str, range: Option<(u64, u64)>) -> bool {
+        let kind = match op {
+            "read" => self.kinds.reads,
+            "flush" => self.kinds.flushes,
+            _ => self.kinds.writes,
+        };
+        kind && match range {
+            Some((offset, len)) => offset < self.end && offset + len.max(1) > self.start,
+            None => true,
+        }
+    }
+}
+
 /// How to build one crash image from the pending writes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CrashPlan {
@@ -62,6 +118,9 @@ struct SimState {
     pending: Vec<PendingWrite>,
     counters: SimCounters,
     fail_at_op: Option<(u64, FaultMode)>,
+    range_fault: Option<RangeFault>,
+    /// Operations failed by injection so far.
+    injected_failures: u64,
     misdirect_next_write_to: Option<u64>,
     discard_zeroes: bool,
     journal: Option<(Journal, u8)>,
@@ -135,6 +194,8 @@ impl SimDevice {
                 pending: Vec::new(),
                 counters: SimCounters::default(),
                 fail_at_op: None,
+                range_fault: None,
+                injected_failures: 0,
                 misdirect_next_write_to: None,
                 discard_zeroes: true,
                 journal: None,
@@ -170,9 +231,22 @@ impl SimDevice {
         s.fail_at_op = Some((at, mode));
     }
 
+    /// Fail the operations `fault` describes (replacing any earlier range
+    /// fault).
+    pub fn fail_range(&self, fault: RangeFault) {
+        assert!(fault.start < fault.end, "empty fault range");
+        self.lock().range_fault = Some(fault);
+    }
+
+    /// How many operations injected faults have failed so far.
+    pub fn injected_failures(&self) -> u64 {
+        self.lock().injected_failures
+    }
+
     pub fn clear_faults(&self) {
         let mut s = self.lock();
         s.fail_at_op = None;
+        s.range_fault = None;
         s.misdirect_next_write_to = None;
     }
 
@@ -219,21 +293,38 @@ impl SimDevice {
         SimDevice::from_image(&self.name, image)
     }
 
-    fn account(&self, s: &mut SimState, op: &'static str) -> DeviceResult<()> {
+    /// Count one operation and decide whether an injected fault fails it.
+    /// `range` is `(offset, len)`, `None` for a flush.
+    fn account(
+        &self,
+        s: &mut SimState,
+        op: &'static str,
+        range: Option<(u64, u64)>,
+    ) -> DeviceResult<()> {
         let index = s.counters.ops;
         s.counters.ops += 1;
+        let mut hit = false;
         if let Some((at, mode)) = s.fail_at_op {
-            let hit = match mode {
+            hit = match mode {
                 FaultMode::Once => index == at,
                 FaultMode::Sticky => index >= at,
             };
-            if hit {
-                return Err(DeviceError::Injected {
-                    device: s.name.clone(),
-                    op,
-                    op_index: index,
-                });
+        }
+        if let Some(fault) = &s.range_fault {
+            if fault.matches(op, range) {
+                hit = true;
+                if fault.mode == FaultMode::Once {
+                    s.range_fault = None;
+                }
             }
+        }
+        if hit {
+            s.injected_failures += 1;
+            return Err(DeviceError::Injected {
+                device: s.name.clone(),
+                op,
+                op_index: index,
+            });
         }
         Ok(())
     }
@@ -303,7 +394,7 @@ impl Device for SimDevice {
             self.size_bytes,
         )?;
         let mut s = self.lock();
-        self.account(&mut s, "read")?;
+        self.account(&mut s, "read", Some((offset, buf.len() as u64)))?;
         s.counters.reads += 1;
         s.counters.bytes_read += buf.len() as u64;
         buf.copy_from_slice(&s.live[offset as usize..offset as usize + buf.len()]);
@@ -319,7 +410,7 @@ impl Device for SimDevice {
             self.size_bytes,
         )?;
         let mut s = self.lock();
-        self.account(&mut s, "write")?;
+        self.account(&mut s, "write", Some((offset, buf.len() as u64)))?;
         s.counters.writes += 1;
         s.counters.bytes_written += buf.len() as u64;
         let mut target = offset;
@@ -352,7 +443,7 @@ impl Device for SimDevice {
 
     fn flush(&self) -> DeviceResult<()> {
         let mut s = self.lock();
-        self.account(&mut s, "flush")?;
+        self.account(&mut s, "flush", None)?;
         s.counters.flushes += 1;
         if let Some((j, device)) = &s.journal {
             j.push(JournalEvent::Flush { device: *device });
@@ -376,7 +467,7 @@ impl Device for SimDevice {
             // Modelled as a zero write so crashes may drop or tear it too.
             let zeroes = vec![0u8; len as usize];
             let mut s = self.lock();
-            self.account(&mut s, "discard")?;
+            self.account(&mut s, "discard", Some((offset, len)))?;
             s.live[offset as usize..(offset + len) as usize].fill(0);
             if let Some((j, device)) = &s.journal {
                 j.push(JournalEvent::Write {
@@ -460,5 +551,40 @@ mod tests {
         d.fail_at(0, FaultMode::Sticky);
         assert!(d.flush().is_err());
         assert!(d.flush().is_err());
+    }
+
+    #[test]
+    fn range_faults_fail_only_matching_operations() {
+        let d = SimDevice::new("t", 16384);
+        d.fail_range(RangeFault {
+            kinds: OpKinds::WRITES,
+            start: 8192,
+            end: 12288,
+            mode: FaultMode::Sticky,
+        });
+        // Outside the range, and reads and flushes inside it, still work.
+        d.write_at(0, &[1u8; 4096]).unwrap();
+        d.write_at(12288, &[1u8; 4096]).unwrap();
+        let mut buf = vec![0u8; 4096];
+        d.read_at(8192, &mut buf).unwrap();
+        d.flush().unwrap();
+        // Any write overlapping it fails, every time; nothing lands.
+        assert!(d.write_at(8192, &[2u8; 512]).is_err());
+        assert!(d.write_at(4096, &[2u8; 8192]).is_err());
+        assert!(d.write_zeroes(11776, 512).is_err());
+        assert_eq!(d.live_image()[8192], 0);
+        assert_eq!(d.injected_failures(), 3);
+        // Once: one failure, then the region works again.
+        d.fail_range(RangeFault {
+            kinds: OpKinds::ALL,
+            start: 0,
+            end: 4096,
+            mode: FaultMode::Once,
+        });
+        assert!(d.read_at(0, &mut buf).is_err());
+        d.read_at(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 1));
+        d.clear_faults();
+        d.write_at(8192, &[3u8; 512]).unwrap();
     }
 }

@@ -50,6 +50,12 @@ pub struct EngineConfig {
     /// Reads continuing a sequential stream longer than this are not
     /// promoted (counted as bypassed); 0 disables the cutoff.
     pub sequential_cutoff_bytes: u64,
+    /// A failed cache write is tried this many times in all (when retrying
+    /// it is safe, see `docs/design.md`) before the engine goes degraded.
+    pub cache_write_attempts: u32,
+    /// Wait before the first retry of a failed cache write, doubled before
+    /// each further one. Zero in the simulation tests.
+    pub cache_write_backoff_us: u64,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +65,8 @@ impl Default for EngineConfig {
             unsynced_blocks_max: 4096,
             promote_after_misses: 1,
             sequential_cutoff_bytes: 4 << 20,
+            cache_write_attempts: 4,
+            cache_write_backoff_us: 5_000,
         }
     }
 }
@@ -147,9 +155,18 @@ pub(crate) struct Inner {
     /// Bumped by every write, zero and discard; a read fill is inserted
     /// only if nothing changed since the origin read began.
     pub mutations: u64,
+    /// The engine is stopped: every request fails until restart.
     pub failed: Option<String>,
     /// Origin integrity tags, with integrity on.
     pub tags: Option<crate::tags::TagTable>,
+    /// A cache write failed for good (after its retries). Nothing more may
+    /// be written to the cache; `Engine::degrade` must run before any
+    /// request proceeds.
+    pub degrade_pending: Option<String>,
+    /// Degraded mode: every dirty block was written back, the DEGRADED flag
+    /// is durable in the superblock, and writes go straight to the origin.
+    /// The cache device is never written again.
+    pub degraded: bool,
 }
 
 pub(crate) enum Space {
@@ -183,6 +200,13 @@ pub struct Engine {
     pub(crate) mode: AtomicU8,
     pub(crate) sequential: SequentialDetector,
     pub(crate) hit_filter: HitFilter,
+    /// Mirrors `Inner::degraded` so requests pick their path without the
+    /// lock; the lock re-checks it.
+    pub(crate) degraded: AtomicBool,
+    /// Serialises degraded-mode writes, zeroes and discards: a partial
+    /// block is read, patched and written whole, and two of those on the
+    /// same block must not interleave.
+    pub(crate) degraded_write_lock: Mutex<()>,
 }
 
 pub(crate) const SPACE_RETRIES_MAX: usize = 100_000;
@@ -376,6 +400,18 @@ impl Engine {
             device: env.cache.name().to_string(),
             detail: format!("unknown cache mode code {} in the superblock", sb.mode),
         })?;
+        if sb.degraded() {
+            // The cache's contents may be older than the origin: nothing is
+            // replayed, nothing is read from it, nothing is written to it.
+            tracing::error!(
+                "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving the origin directly; every write is acknowledged once durable there. To cache again, fix or replace the cache device, stop cairn and run: cairn format --force --cache {} --origin {}",
+                env.cache.name(),
+                env.cache.name(),
+                sb.origin_identity
+            );
+            let inner = Inner::degraded_empty(sb, layout.log_blocks);
+            return Ok(Self::assemble(env, inner, mode, true));
+        }
         let mut inner = crate::recovery::recover(&env, sb)?;
         if env.integrity {
             let (tags, lost_pages) = TagTable::load(
@@ -411,9 +447,15 @@ impl Engine {
         // Bump the generation and make everything replayed durable before
         // anything new is written.
         inner.sb.generation += 1;
+        // A failure here refuses the open (nothing new was written yet).
         inner.write_superblock(&env)?;
         inner.durable_seq = inner.next_seq - 1;
-        Ok(Engine {
+        Ok(Self::assemble(env, inner, mode, false))
+    }
+
+    fn assemble(env: Env, inner: Inner, mode: CacheMode, degraded: bool) -> Engine {
+        assert_eq!(inner.degraded, degraded);
+        Engine {
             env,
             inner: Mutex::new(inner),
             writeback_lock: Mutex::new(()),
@@ -423,10 +465,30 @@ impl Engine {
             mode: AtomicU8::new(mode.code()),
             sequential: SequentialDetector::default(),
             hit_filter: HitFilter::default(),
-        })
+            degraded: AtomicBool::new(degraded),
+            degraded_write_lock: Mutex::new(()),
+        }
     }
 
+    /// The index, for the normal (cache-writing) paths. Fails if the engine
+    /// stopped, and with `DegradeRequired` once a cache write failed for
+    /// good or the engine went degraded: the caller's request is then
+    /// re-run on the degraded path by `with_degrade`.
     pub(crate) fn lock(&self) -> EngineResult<MutexGuard<'_, Inner>> {
+        let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reason) = &guard.failed {
+            return Err(EngineError::Failed(reason.clone()));
+        }
+        if guard.degrade_pending.is_some() || guard.degraded {
+            return Err(EngineError::DegradeRequired);
+        }
+        Ok(guard)
+    }
+
+    /// The index, for paths valid in every state but stopped (reads,
+    /// checks, degraded writes). They never write the cache device when it
+    /// is degraded or about to be.
+    pub(crate) fn lock_index(&self) -> EngineResult<MutexGuard<'_, Inner>> {
         let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reason) = &guard.failed {
             return Err(EngineError::Failed(reason.clone()));
@@ -486,7 +548,8 @@ impl Engine {
         s.mode = self.mode().name();
         s.policy_memory_bytes = self.hit_filter.memory_bytes() as u64;
         s.failed = inner.failed.is_some();
-        s.integrity = self.env.integrity;
+        // A degraded cache keeps no tags (see `degrade.rs`).
+        s.integrity = self.env.integrity && inner.tags.is_some();
         if let Some(tags) = &inner.tags {
             s.tag_algorithm = "crc32c(lba_le64 || block)";
             s.recalc_position_blocks = tags.recalc_pos;
@@ -494,6 +557,7 @@ impl Engine {
             s.tag_pages_dirty = tags.dirty_pages();
             s.tag_memory_bytes = tags.memory_bytes() as u64;
         }
+        s.degraded = inner.degraded;
         s
     }
 
@@ -513,7 +577,7 @@ impl Engine {
         let mut block = vec![0u8; bs];
         for slot in 0..n as u32 {
             let entry = {
-                let inner = self.lock()?;
+                let inner = self.lock_index()?;
                 if inner.slots.is_live(slot) {
                     Some((inner.slots.lba(slot), inner.slots.crc(slot)))
                 } else {
@@ -528,7 +592,7 @@ impl Engine {
                     .is_ok()
                     && block_checksum(lba, &block) == crc;
                 if !ok {
-                    let inner = self.lock()?;
+                    let inner = self.lock_index()?;
                     // Only report if the mapping did not move meanwhile.
                     if inner.slots.is_live(slot)
                         && inner.slots.lba(slot) == lba
@@ -595,16 +659,24 @@ impl Inner {
         st & state::LIVE != 0 && st & state::CLEAN_INSERT == 0 && self.logical_of(slot) >= self.wb
     }
 
+    /// A cache write failed for good (its retries, if any, are spent; the
+    /// errors were counted). No further cache write may happen: the next
+    /// request switches the engine to degraded mode (`Engine::degrade`).
     pub(crate) fn fail(
         &mut self,
-        env: &Env,
+        _env: &Env,
         what: &str,
         e: cairn_device::DeviceError,
     ) -> EngineError {
-        Counters::add(&env.counters.cache_write_errors, 1);
         let reason = format!("{what}: {e}");
-        tracing::error!("cache device failed: {reason}");
-        self.failed = Some(reason);
+        // Degraded mode never writes the cache device.
+        assert!(!self.degraded, "cache write in degraded mode: {reason}");
+        if self.degrade_pending.is_none() {
+            tracing::error!(
+                "cache device write failed for good ({reason}); switching to degraded mode"
+            );
+            self.degrade_pending = Some(reason);
+        }
         EngineError::Cache(e)
     }
 

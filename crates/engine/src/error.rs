@@ -76,6 +76,14 @@ pub enum EngineError {
     },
     #[error("the engine stopped after an earlier cache device failure ({0}); restart to recover")]
     Failed(String),
+    /// Internal: a cache write failed for good, or the engine went degraded,
+    /// while this request was on the normal path. `Engine::with_degrade`
+    /// switches to degraded mode and re-runs the request; clients never see
+    /// this (if one did, it would get EIO).
+    #[error("the cache device is switching to degraded mode")]
+    DegradeRequired,
+    #[error("cache {device} is degraded (a cache write failed for good; every write goes straight to the origin), so {action} is not possible. Fix or replace the cache device, stop cairn and run `cairn format --force` on it")]
+    CacheDegraded { device: String, action: String },
 }
 
 impl EngineError {

@@ -16,6 +16,7 @@
 //! background write-back by calling [`Engine::writeback_step`], and tests
 //! drive everything deterministically.
 
+mod degrade;
 mod engine;
 mod error;
 mod index;

@@ -7,6 +7,8 @@ use cairn_format::{
     SUPERBLOCK_OFFSETS,
 };
 
+use cairn_device::DeviceError;
+
 use crate::engine::*;
 use crate::error::EngineResult;
 use crate::index::state;
@@ -23,14 +25,27 @@ impl Engine {
     // ----------------------------------------------------------- checkpoints
 
     /// Write a checkpoint of the index (and persist the write-back position).
+    /// Degraded: nothing to checkpoint (the cache is not written again).
     pub fn checkpoint(&self) -> EngineResult<()> {
-        let mut inner = self.lock()?;
-        inner.checkpoint(&self.env)
+        self.with_degrade(|degraded| {
+            if degraded {
+                return Ok(());
+            }
+            let mut inner = self.lock()?;
+            inner.checkpoint(&self.env)
+        })
     }
 
     /// Clean shutdown: flush, checkpoint. The engine stays usable.
+    /// Degraded: flush the origin (every write is durable there already).
     pub fn close(&self) -> EngineResult<()> {
-        self.checkpoint()
+        self.with_degrade(|degraded| {
+            if degraded {
+                return self.degraded_flush();
+            }
+            let mut inner = self.lock()?;
+            inner.checkpoint(&self.env)
+        })
     }
 }
 
@@ -167,6 +182,7 @@ impl Inner {
         epoch_end: bool,
         barrier: bool,
     ) -> EngineResult<()> {
+        assert!(!self.degraded, "no log record is sealed in degraded mode");
         let open = match self.open.take() {
             Some(open) => open,
             None => {
@@ -230,11 +246,17 @@ impl Inner {
         } else {
             &[&hbuf, &open.data]
         };
-        let result = if barrier {
-            env.cache.write_vectored_and_flush(at, bufs)
-        } else {
-            env.cache.write_vectored_at(at, bufs)
-        };
+        // A barrier that failed may also have lost the records sealed since
+        // the last one (a failed fsync drops dirty pages); retrying this
+        // write cannot bring them back, so that case goes degraded at once.
+        let retry_safe = !barrier || self.unsynced_blocks == 0;
+        let result = retrying_cache_write(env, "sealing a log record", retry_safe, || {
+            if barrier {
+                env.cache.write_vectored_and_flush(at, bufs)
+            } else {
+                env.cache.write_vectored_at(at, bufs)
+            }
+        });
         if let Err(e) = result {
             self.open = Some(open);
             return Err(self.fail(env, "sealing a log record", e));
@@ -271,35 +293,52 @@ impl Inner {
     }
 
     pub fn write_superblock(&mut self, env: &Env) -> EngineResult<()> {
+        // Retrying is safe only if no sealed record waits for a barrier.
+        let retry_safe = self.unsynced_blocks == 0;
         // Tags first: a superblock never advances the write-back or
-        // recalculation position past tags that are not durable.
+        // recalculation position past tags that are not durable. A failed
+        // persist changes nothing, so it is retried whole.
         if let Some(tags) = self.tags.as_mut() {
-            if let Err(e) = tags.persist(env.cache.as_ref(), &env.layout, &env.counters) {
+            let persisted =
+                retrying_cache_write(env, "writing integrity tag pages", retry_safe, || {
+                    tags.persist(env.cache.as_ref(), &env.layout, &env.counters)
+                });
+            let recalc_pos = tags.recalc_pos;
+            if let Err(e) = persisted {
                 return Err(self.fail(env, "writing integrity tag pages", e));
             }
-            self.sb.recalc_position_blocks = tags.recalc_pos;
+            self.sb.recalc_position_blocks = recalc_pos;
         }
-        self.sb.sequence += 1;
-        let buf = self.sb.encode();
-        let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(self.sb.sequence)];
-        self.write_durably(env, at, &buf, "the superblock")?;
-        Counters::add(&env.counters.superblock_writes, 1);
+        if let Err(e) = self.write_superblock_io(env, retry_safe) {
+            return Err(self.fail(env, "writing the superblock", e));
+        }
         Ok(())
     }
 
-    /// Write metadata and make it durable (write, then one barrier).
-    pub(crate) fn write_durably(
+    /// Write the next superblock copy durably. The sequence only moves on
+    /// once the copy is durable, so a retry (or the degraded superblock
+    /// after a failure) rewrites the same copy, and the other copy, the last
+    /// good one, is never the one at risk.
+    pub(crate) fn write_superblock_io(
         &mut self,
         env: &Env,
-        at: u64,
-        buf: &[u8],
-        what: &str,
-    ) -> EngineResult<()> {
-        if let Err(e) = env.cache.write_vectored_and_flush(at, &[buf]) {
-            return Err(self.fail(env, &format!("writing {what}"), e));
-        }
+        retry_safe: bool,
+    ) -> Result<(), cairn_device::DeviceError> {
+        assert!(
+            !self.degraded,
+            "degraded mode never writes the superblock again"
+        );
+        let mut next = self.sb.clone();
+        next.sequence += 1;
+        let buf = next.encode();
+        let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(next.sequence)];
+        retrying_cache_write(env, "writing the superblock", retry_safe, || {
+            env.cache.write_vectored_and_flush(at, &[&buf])
+        })?;
+        self.sb.sequence = next.sequence;
         Counters::add(&env.counters.cache_bytes_written, buf.len() as u64);
         Counters::add(&env.counters.cache_barriers, 1);
+        Counters::add(&env.counters.superblock_writes, 1);
         Ok(())
     }
 
@@ -320,6 +359,44 @@ impl Inner {
             self.wb_limit = self.head;
         }
         assert!(self.open.is_none());
+        assert_eq!(self.unsynced_blocks, 0, "a checkpoint follows a barrier");
+        // The slot is retried whole: its chunks are plain writes covered by
+        // the header's barrier, so if that barrier fails the chunks must be
+        // written again too, not just the header.
+        let attempts = env.config.cache_write_attempts.max(1);
+        let mut backoff_us = env.config.cache_write_backoff_us;
+        let mut attempt = 1;
+        let header = loop {
+            match self.write_checkpoint_slot(env) {
+                Ok(header) => break header,
+                Err(e) => {
+                    Counters::add(&env.counters.cache_write_errors, 1);
+                    if attempt >= attempts {
+                        return Err(self.fail(env, "writing a checkpoint", e));
+                    }
+                    tracing::warn!(
+                        "writing a checkpoint failed (attempt {attempt} of {attempts}), retrying: {e}"
+                    );
+                    Counters::add(&env.counters.cache_write_retries, 1);
+                    backoff(&mut backoff_us);
+                    attempt += 1;
+                }
+            }
+        };
+        let target = 1 - self.sb.active_checkpoint;
+        self.sb.active_checkpoint = target;
+        self.sb.checkpoint_sequence = header.sequence;
+        self.sb.writeback_offset = self.wb;
+        self.write_superblock(env)?;
+        self.wb_persisted = self.wb;
+        self.ckpt_head = self.head;
+        Counters::add(&env.counters.checkpoints, 1);
+        Ok(())
+    }
+
+    /// Stream the index into the inactive checkpoint slot and write its
+    /// header with a barrier. The superblock is not touched.
+    fn write_checkpoint_slot(&self, env: &Env) -> Result<CheckpointHeader, DeviceError> {
         // Streamed in bounded chunks: a checkpoint of a full 4 GiB cache is
         // 16 MiB, and building it whole would double the daemon's memory.
         let target = 1 - self.sb.active_checkpoint;
@@ -338,36 +415,33 @@ impl Inner {
         let mut payload_crc = 0u32;
         let mut entry_count = 0u64;
         let mut written = 0u64;
-        let mut put =
-            |this: &mut Self, bytes: &[u8; 32], len: usize, last: bool| -> EngineResult<()> {
-                // Items may straddle chunks: the payload on disk is contiguous,
-                // so every chunk but the last is written whole.
-                let mut src = &bytes[..len];
-                loop {
-                    let n = src.len().min(chunk_bytes - used);
-                    chunk[used..used + n].copy_from_slice(&src[..n]);
-                    used += n;
-                    src = &src[n..];
-                    let flush_full = used == chunk_bytes;
-                    let flush_last = last && src.is_empty() && used > 0;
-                    if flush_full || flush_last {
-                        payload_crc = crc32c::crc32c_append(payload_crc, &chunk[..used]);
-                        // Only the final chunk can be partial: pad it to a whole
-                        // block; the crc covers the payload only.
-                        let io_len = cairn_format::align_up(used as u64, env.bs as u64) as usize;
-                        chunk[used..io_len].fill(0);
-                        if let Err(e) = env.cache.write_at(at, &chunk[..io_len]) {
-                            return Err(this.fail(env, "writing a checkpoint", e));
-                        }
-                        at += io_len as u64;
-                        written += io_len as u64;
-                        used = 0;
-                    }
-                    if src.is_empty() {
-                        return Ok(());
-                    }
+        let mut put = |bytes: &[u8; 32], len: usize, last: bool| -> Result<(), DeviceError> {
+            // Items may straddle chunks: the payload on disk is contiguous,
+            // so every chunk but the last is written whole.
+            let mut src = &bytes[..len];
+            loop {
+                let n = src.len().min(chunk_bytes - used);
+                chunk[used..used + n].copy_from_slice(&src[..n]);
+                used += n;
+                src = &src[n..];
+                let flush_full = used == chunk_bytes;
+                let flush_last = last && src.is_empty() && used > 0;
+                if flush_full || flush_last {
+                    payload_crc = crc32c::crc32c_append(payload_crc, &chunk[..used]);
+                    // Only the final chunk can be partial: pad it to a whole
+                    // block; the crc covers the payload only.
+                    let io_len = cairn_format::align_up(used as u64, env.bs as u64) as usize;
+                    chunk[used..io_len].fill(0);
+                    env.cache.write_at(at, &chunk[..io_len])?;
+                    at += io_len as u64;
+                    written += io_len as u64;
+                    used = 0;
                 }
-            };
+                if src.is_empty() {
+                    return Ok(());
+                }
+            }
+        };
         for slot in 0..self.n as u32 {
             if !self.slots.is_live(slot) {
                 continue;
@@ -380,16 +454,16 @@ impl Inner {
             };
             let mut bytes = [0u8; 32];
             entry.encode(&mut Writer::new(&mut bytes[..CHECKPOINT_ENTRY_BYTES]));
-            put(self, &bytes, CHECKPOINT_ENTRY_BYTES, false)?;
+            put(&bytes, CHECKPOINT_ENTRY_BYTES, false)?;
             entry_count += 1;
         }
         assert_eq!(entry_count, live, "every live slot is in the checkpoint");
         for r in &ranges {
             let mut bytes = [0u8; 32];
             r.encode(&mut Writer::new(&mut bytes[..PENDING_RANGE_BYTES]));
-            put(self, &bytes, PENDING_RANGE_BYTES, false)?;
+            put(&bytes, PENDING_RANGE_BYTES, false)?;
         }
-        put(self, &[0u8; 32], 0, true)?;
+        put(&[0u8; 32], 0, true)?;
         Counters::add(&env.counters.cache_bytes_written, written);
         let header = CheckpointHeader {
             sequence: self.sb.checkpoint_sequence + 1,
@@ -405,14 +479,57 @@ impl Inner {
             payload_crc,
         };
         // The header goes last, with the barrier that covers the payload.
-        self.write_durably(env, slot_at, &header.encode(), "a checkpoint")?;
-        self.sb.active_checkpoint = target;
-        self.sb.checkpoint_sequence = header.sequence;
-        self.sb.writeback_offset = self.wb;
-        self.write_superblock(env)?;
-        self.wb_persisted = self.wb;
-        self.ckpt_head = self.head;
-        Counters::add(&env.counters.checkpoints, 1);
-        Ok(())
+        let hbuf = header.encode();
+        env.cache.write_vectored_and_flush(slot_at, &[&hbuf])?;
+        Counters::add(&env.counters.cache_bytes_written, hbuf.len() as u64);
+        Counters::add(&env.counters.cache_barriers, 1);
+        Ok(header)
+    }
+}
+
+/// Run one cache write, retrying it up to `cache_write_attempts` times in
+/// all with a doubling backoff when `retry_safe`. Every failed attempt is
+/// counted in `cache_write_errors`.
+pub(crate) fn retrying_cache_write(
+    env: &Env,
+    what: &str,
+    retry_safe: bool,
+    mut op: impl FnMut() -> Result<(), DeviceError>,
+) -> Result<(), DeviceError> {
+    let attempts = if retry_safe {
+        env.config.cache_write_attempts.max(1)
+    } else {
+        1
+    };
+    let mut backoff_us = env.config.cache_write_backoff_us;
+    let mut attempt = 1;
+    loop {
+        match op() {
+            Ok(()) => {
+                if attempt > 1 {
+                    tracing::warn!("{what}: succeeded on attempt {attempt} of {attempts}");
+                }
+                return Ok(());
+            }
+            Err(e) => {
+                Counters::add(&env.counters.cache_write_errors, 1);
+                if attempt >= attempts {
+                    return Err(e);
+                }
+                tracing::warn!("{what} failed (attempt {attempt} of {attempts}), retrying: {e}");
+                Counters::add(&env.counters.cache_write_retries, 1);
+                backoff(&mut backoff_us);
+                attempt += 1;
+            }
+        }
+    }
+}
+
+/// Sleep for the current backoff and double it. The engine owns no clock:
+/// this only waits, and zero (the simulation tests) does not wait at all.
+fn backoff(backoff_us: &mut u64) {
+    if *backoff_us > 0 {
+        std::thread::sleep(std::time::Duration::from_micros(*backoff_us));
+        *backoff_us = backoff_us.saturating_mul(2);
     }
 }

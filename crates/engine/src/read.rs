@@ -56,7 +56,11 @@ impl Engine {
         let promote = self.env.config.promote_read_misses && self.mode().caches_reads() && !bypass;
         {
             let blocks: &mut [u8] = if aligned { buf } else { &mut staging };
-            self.read_blocks(first, blocks, promote, bypass, prefetch)?;
+            // Reads take the same path in every state; only promotion (a
+            // cache write) stops once the cache is degraded. A promotion
+            // that hits a cache write failure re-runs the read after the
+            // switch.
+            self.with_degrade(|_| self.read_blocks(first, blocks, promote, bypass, prefetch))?;
         }
         if !aligned {
             let skip = (offset - first * bs) as usize;
@@ -80,7 +84,7 @@ impl Engine {
         let mut plans = Vec::with_capacity(count);
         let mutations_before;
         {
-            let mut inner = self.lock()?;
+            let mut inner = self.lock_index()?;
             mutations_before = inner.mutations;
             for (i, block) in out.chunks_mut(bs).enumerate() {
                 plans.push(inner.plan_read(&self.env, first + i as u64, block)?);
@@ -163,7 +167,7 @@ impl Engine {
             Counters::add(&c.bypassed, missed as u64);
         }
         if promote && !miss_runs.is_empty() {
-            let mut inner = self.lock()?;
+            let mut inner = self.lock_index()?;
             if inner.mutations == mutations_before {
                 for &(start, end) in &miss_runs {
                     for i in start..end {
@@ -200,7 +204,7 @@ impl Engine {
         block: &mut [u8],
     ) -> EngineResult<()> {
         let c = &self.env.counters;
-        let mut inner = self.lock()?;
+        let mut inner = self.lock_index()?;
         // Re-read under the lock: nothing can move now.
         match inner.plan_read(&self.env, lba, block)? {
             Plan::Done => Ok(()),
@@ -331,6 +335,10 @@ impl Inner {
     /// Insert a clean copy (read fill or repair). Returns false if there was
     /// no room without evicting dirty data (then nothing is inserted).
     pub(crate) fn promote(&mut self, env: &Env, lba: u64, block: &[u8]) -> EngineResult<bool> {
+        if self.degraded || self.degrade_pending.is_some() {
+            // The cache device is not written any more.
+            return Ok(false);
+        }
         if !matches!(self.ensure_space(env, 1)?, Space::Ready) {
             return Ok(false);
         }

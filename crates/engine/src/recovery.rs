@@ -373,6 +373,8 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
         mutations: 0,
         failed: None,
         tags: None,
+        degrade_pending: None,
+        degraded: false,
     };
     inner.sb.generation = sb_generation;
     // Gauges, and the invariant that every live slot lies in [tail, head).

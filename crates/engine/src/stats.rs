@@ -36,6 +36,9 @@ macro_rules! counters {
             /// Write-back to the origin is failing (retrying with backoff).
             pub origin_failing: bool,
             pub failed: bool,
+            /// Degraded mode: the cache device failed writes; every write
+            /// goes straight to the origin.
+            pub degraded: bool,
             pub mode: &'static str,
             pub policy_memory_bytes: u64,
             /// Origin integrity tags are kept.
@@ -87,6 +90,7 @@ counters!(
     second_chances,
     cache_read_errors,
     cache_write_errors,
+    cache_write_retries,
     origin_read_errors,
     origin_write_errors,
     writeback_blocks,
@@ -108,6 +112,8 @@ counters!(
     tag_pages_lost,
     recalc_blocks,
     scrub_blocks,
+    degraded_writes,
+    degrade_drained_blocks,
 );
 
 impl Counters {

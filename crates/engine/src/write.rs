@@ -30,6 +30,19 @@ impl Engine {
         if fua {
             Counters::add(&c.fua_writes, 1);
         }
+        self.with_degrade(|degraded| {
+            if degraded {
+                self.degraded_write(offset, data)
+            } else {
+                self.write_cached(offset, data, fua)
+            }
+        })
+    }
+
+    /// The normal write path: into the log (then through to the origin in
+    /// the modes other than write-back).
+    fn write_cached(&self, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
+        let c = &self.env.counters;
         let bs = self.env.bs as u64;
         let mut at = offset;
         let end = offset + data.len() as u64;
@@ -114,7 +127,23 @@ impl Engine {
     pub fn set_mode(
         &self,
         mode: CacheMode,
-        progress: impl FnMut(&WritebackProgress),
+        mut progress: impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
+        self.with_degrade(|degraded| {
+            if degraded {
+                return Err(EngineError::CacheDegraded {
+                    device: self.env.cache.name().to_string(),
+                    action: format!("switching to mode {}", mode.name()),
+                });
+            }
+            self.set_mode_cached(mode, &mut progress)
+        })
+    }
+
+    fn set_mode_cached(
+        &self,
+        mode: CacheMode,
+        progress: &mut impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
         // A mode change is a management action: everything acknowledged
         // before it is made durable first, whatever the new mode.
@@ -131,15 +160,20 @@ impl Engine {
                 ..Default::default()
             });
         }
-        self.drain_with_progress(progress)
+        self.drain_cached(progress)
     }
 
     /// Make every write acknowledged so far durable. Costs one cache barrier
     /// when there is something to persist, none otherwise.
     pub fn flush(&self) -> EngineResult<()> {
         Counters::add(&self.env.counters.flushes, 1);
-        let mut inner = self.lock()?;
-        inner.flush(&self.env)
+        self.with_degrade(|degraded| {
+            if degraded {
+                self.degraded_flush()
+            } else {
+                self.flush_internal()
+            }
+        })
     }
 
     /// Zero a range. Whole blocks become a logged zero range (no data is
@@ -167,6 +201,21 @@ impl Engine {
         if length_bytes == 0 {
             return Ok(());
         }
+        self.with_degrade(|degraded| {
+            if degraded {
+                self.degraded_zero_range(offset, length_bytes, kind)
+            } else {
+                self.zero_range_cached(offset, length_bytes, kind)
+            }
+        })
+    }
+
+    fn zero_range_cached(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        kind: RangeKind,
+    ) -> EngineResult<()> {
         let bs = self.env.bs as u64;
         let end = offset + length_bytes;
         let first_full = offset.div_ceil(bs);

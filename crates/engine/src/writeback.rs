@@ -25,14 +25,20 @@ impl Engine {
     /// One step of background write-back: one epoch group, unless paused.
     /// Returns what was written; zero blocks means nothing was eligible.
     pub fn writeback_step(&self) -> EngineResult<WritebackProgress> {
-        if self.writeback_paused() {
-            let inner = self.lock()?;
-            return Ok(WritebackProgress {
-                dirty_blocks: inner.dirty_blocks,
-                ..Default::default()
-            });
-        }
-        self.writeback_group()
+        self.with_degrade(|degraded| {
+            if degraded {
+                // Degrading wrote everything back; nothing is dirty since.
+                return Ok(WritebackProgress::default());
+            }
+            if self.writeback_paused() {
+                let inner = self.lock()?;
+                return Ok(WritebackProgress {
+                    dirty_blocks: inner.dirty_blocks,
+                    ..Default::default()
+                });
+            }
+            self.writeback_group()
+        })
     }
 
     /// Write back everything: flush, then write back every group, then
@@ -45,7 +51,26 @@ impl Engine {
         &self,
         mut progress: impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
-        self.flush()?;
+        self.with_degrade(|degraded| {
+            if degraded {
+                self.degraded_flush()?;
+                let p = WritebackProgress {
+                    dirty_blocks: self.lock_index()?.dirty_blocks,
+                    ..Default::default()
+                };
+                progress(&p);
+                return Ok(p);
+            }
+            self.drain_cached(&mut progress)
+        })
+    }
+
+    pub(crate) fn drain_cached(
+        &self,
+        progress: &mut impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
+        Counters::add(&self.env.counters.flushes, 1);
+        self.flush_internal()?;
         let mut total = WritebackProgress::default();
         // Bounded: each group advances the write-back position.
         for _ in 0..=self.env.layout.log_blocks {
@@ -104,7 +129,6 @@ impl Engine {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let env = &self.env;
-        let bs = env.bs;
         let (start, limit, n) = {
             let inner = self.lock()?;
             (inner.wb, inner.wb_limit, inner.n)
@@ -116,170 +140,238 @@ impl Engine {
                 ..Default::default()
             });
         }
-        // Walk records from the write-back position to the next epoch end.
-        let mut records: Vec<(u64, RecordHeader, Vec<u8>)> = Vec::new();
-        let mut pos = start;
-        for _ in 0..n {
-            let (at, header) =
-                crate::recovery::read_record_header(env, pos, n)?.ok_or_else(|| {
-                    EngineError::LogDamaged {
-                        device: env.cache.name().to_string(),
-                        detail: format!("no valid record at write-back position {pos}"),
-                    }
-                })?;
-            let data_count = header.data_count();
-            let mut data = vec![0u8; data_count * bs];
-            if data_count > 0 {
-                env.cache
-                    .read_at(env.layout.slot_offset_bytes((at + 1) % n), &mut data)
-                    .map_err(|e| {
-                        Counters::add(&env.counters.cache_read_errors, 1);
-                        EngineError::Cache(e)
-                    })?;
-            }
-            pos = at + header.length_blocks();
-            let epoch_end = header.epoch_end();
-            records.push((at, header, data));
-            if epoch_end || pos >= limit {
-                break;
-            }
-        }
-        assert!(pos <= limit, "write-back walked past the durable limit");
-        // Final state of the group: ranges in order, then the last valid
-        // version of each block.
-        let mut final_blocks: BTreeMap<u64, (usize, usize, u32)> = BTreeMap::new();
-        let mut range_ops: Vec<(RangeKind, u64, u64)> = Vec::new();
-        let mut bad: Vec<(u64, u64)> = Vec::new();
-        for (ri, (at, header, data)) in records.iter().enumerate() {
-            let mut k = 0usize;
-            for entry in &header.entries {
-                match *entry {
-                    RecordEntry::Data { lba, crc, clean } => {
-                        let block = &data[k * bs..(k + 1) * bs];
-                        let slot_offset = at + 1 + k as u64;
-                        k += 1;
-                        if clean {
-                            continue;
-                        }
-                        if block_checksum(lba, block) != crc {
-                            // Never copy a block that fails its checksum.
-                            final_blocks.remove(&lba);
-                            bad.push((lba, slot_offset));
-                            continue;
-                        }
-                        final_blocks.insert(lba, (ri, k - 1, crc));
-                    }
-                    RecordEntry::Range {
-                        kind,
-                        lba,
-                        block_count,
-                    } => {
-                        let end = lba + block_count as u64;
-                        let inside: Vec<u64> =
-                            final_blocks.range(lba..end).map(|(&l, _)| l).collect();
-                        for l in inside {
-                            final_blocks.remove(&l);
-                        }
-                        range_ops.push((kind, lba, block_count as u64));
-                    }
-                }
-            }
-        }
-        // Origin I/O: ranges, then data merged into runs, then one flush.
-        let origin = env.origin.as_ref();
-        let origin_err = |e| {
-            Counters::add(&env.counters.origin_write_errors, 1);
-            EngineError::Origin(e)
-        };
-        for &(kind, lba, count) in &range_ops {
-            let (at, len) = (lba * bs as u64, count * bs as u64);
-            match kind {
-                RangeKind::Zero => origin.write_zeroes(at, len).map_err(origin_err)?,
-                RangeKind::Discard => {
-                    origin.discard(at, len).map_err(origin_err)?;
-                }
-            }
-        }
-        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
-        for (&lba, &(ri, k, _)) in &final_blocks {
-            let block = &records[ri].2[k * bs..(k + 1) * bs];
-            match runs.last_mut() {
-                Some((start_lba, buf))
-                    if *start_lba + (buf.len() / bs) as u64 == lba && buf.len() < (1 << 20) =>
-                {
-                    buf.extend_from_slice(block)
-                }
-                _ => runs.push((lba, block.to_vec())),
-            }
-        }
-        let writes: Vec<(u64, &[u8])> = runs
-            .iter()
-            .map(|(lba, buf)| (lba * bs as u64, buf.as_slice()))
-            .collect();
-        origin.write_many(&writes).map_err(origin_err)?;
-        origin.flush().map_err(origin_err)?;
+        let (records, pos) = read_group(env, start, limit, n)?;
+        let applied = apply_group(env, &records)?;
         // Commit: the group is on the origin.
         let mut inner = self.lock()?;
         assert_eq!(inner.wb, start, "write-back is serialized");
-        for (at, header, _) in &records {
+        inner.commit_group(env, start, pos, &records, &applied);
+        Ok(WritebackProgress {
+            blocks_written: applied.blocks_written,
+            groups: 1,
+            dirty_blocks: inner.dirty_blocks,
+        })
+    }
+}
+
+/// Records read back from the log: (logical offset, header, data blocks).
+pub(crate) type GroupRecords = Vec<(u64, RecordHeader, Vec<u8>)>;
+
+/// What `apply_group` copied to the origin.
+pub(crate) struct Applied {
+    pub blocks_written: u64,
+    /// What the origin now holds, in the order it was written: the ranges,
+    /// then each block written with its (verified) checksum. Integrity tags
+    /// follow it at commit.
+    pub ranges: Vec<(RangeKind, u64, u64)>,
+    pub blocks: Vec<(u64, u32)>,
+    /// (address, logical offset) of dirty blocks that failed their checksum
+    /// and were not copied.
+    pub bad: Vec<(u64, u64)>,
+}
+
+/// Read the records from `start` to the next epoch end, or until `limit`
+/// (exclusive) if no epoch end comes first. Returns them and where the next
+/// record starts.
+pub(crate) fn read_group(
+    env: &Env,
+    start: u64,
+    limit: u64,
+    n: u64,
+) -> EngineResult<(GroupRecords, u64)> {
+    let bs = env.bs;
+    let mut records: GroupRecords = Vec::new();
+    let mut pos = start;
+    for _ in 0..n {
+        let (at, header) = crate::recovery::read_record_header(env, pos, n)?.ok_or_else(|| {
+            EngineError::LogDamaged {
+                device: env.cache.name().to_string(),
+                detail: format!("no valid record at write-back position {pos}"),
+            }
+        })?;
+        let data_count = header.data_count();
+        let mut data = vec![0u8; data_count * bs];
+        if data_count > 0 {
+            env.cache
+                .read_at(env.layout.slot_offset_bytes((at + 1) % n), &mut data)
+                .map_err(|e| {
+                    Counters::add(&env.counters.cache_read_errors, 1);
+                    EngineError::Cache(e)
+                })?;
+        }
+        pos = at + header.length_blocks();
+        let epoch_end = header.epoch_end();
+        records.push((at, header, data));
+        if epoch_end || pos >= limit {
+            break;
+        }
+    }
+    assert!(pos <= limit, "write-back walked past its limit");
+    Ok((records, pos))
+}
+
+/// Copy one group to the origin: its final state (ranges in order, then
+/// the last valid version of each block, sorted and merged by address),
+/// then one origin flush. A block that fails its checksum is never copied.
+pub(crate) fn apply_group(env: &Env, records: &GroupRecords) -> EngineResult<Applied> {
+    let bs = env.bs;
+    let mut final_blocks: BTreeMap<u64, (usize, usize, u32)> = BTreeMap::new();
+    let mut range_ops: Vec<(RangeKind, u64, u64)> = Vec::new();
+    let mut bad: Vec<(u64, u64)> = Vec::new();
+    for (ri, (at, header, data)) in records.iter().enumerate() {
+        assert_eq!(data.len(), header.data_count() * bs);
+        let mut k = 0usize;
+        for entry in &header.entries {
+            match *entry {
+                RecordEntry::Data { lba, crc, clean } => {
+                    let block = &data[k * bs..(k + 1) * bs];
+                    let slot_offset = at + 1 + k as u64;
+                    k += 1;
+                    if clean {
+                        continue;
+                    }
+                    if block_checksum(lba, block) != crc {
+                        // Never copy a block that fails its checksum.
+                        final_blocks.remove(&lba);
+                        bad.push((lba, slot_offset));
+                        continue;
+                    }
+                    final_blocks.insert(lba, (ri, k - 1, crc));
+                }
+                RecordEntry::Range {
+                    kind,
+                    lba,
+                    block_count,
+                } => {
+                    let end = lba + block_count as u64;
+                    let inside: Vec<u64> = final_blocks.range(lba..end).map(|(&l, _)| l).collect();
+                    for l in inside {
+                        final_blocks.remove(&l);
+                    }
+                    range_ops.push((kind, lba, block_count as u64));
+                }
+            }
+        }
+    }
+    // Origin I/O: ranges, then data merged into runs, then one flush.
+    let origin = env.origin.as_ref();
+    let origin_err = |e| {
+        Counters::add(&env.counters.origin_write_errors, 1);
+        EngineError::Origin(e)
+    };
+    for &(kind, lba, count) in &range_ops {
+        let (at, len) = (lba * bs as u64, count * bs as u64);
+        match kind {
+            RangeKind::Zero => origin.write_zeroes(at, len).map_err(origin_err)?,
+            RangeKind::Discard => {
+                origin.discard(at, len).map_err(origin_err)?;
+            }
+        }
+    }
+    let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+    for (&lba, &(ri, k, _)) in &final_blocks {
+        let block = &records[ri].2[k * bs..(k + 1) * bs];
+        match runs.last_mut() {
+            Some((start_lba, buf))
+                if *start_lba + (buf.len() / bs) as u64 == lba && buf.len() < (1 << 20) =>
+            {
+                buf.extend_from_slice(block)
+            }
+            _ => runs.push((lba, block.to_vec())),
+        }
+    }
+    let writes: Vec<(u64, &[u8])> = runs
+        .iter()
+        .map(|(lba, buf)| (lba * bs as u64, buf.as_slice()))
+        .collect();
+    origin.write_many(&writes).map_err(origin_err)?;
+    origin.flush().map_err(origin_err)?;
+    Ok(Applied {
+        blocks_written: final_blocks.len() as u64,
+        ranges: range_ops,
+        blocks: final_blocks
+            .iter()
+            .map(|(&lba, &(_, _, crc))| (lba, crc))
+            .collect(),
+        bad,
+    })
+}
+
+impl Inner {
+    /// The group `[start, pos)` is on the origin: its dirty blocks become
+    /// clean, blocks that failed their checksum are marked corrupt, its
+    /// ranges are forgotten and the write-back position moves to `pos`.
+    pub(crate) fn commit_group(
+        &mut self,
+        env: &Env,
+        start: u64,
+        pos: u64,
+        records: &GroupRecords,
+        applied: &Applied,
+    ) {
+        let n = self.n;
+        assert_eq!(self.wb, start, "groups are committed in log order");
+        assert!(pos > start);
+        for (at, header, _) in records {
             let mut k = 0u64;
             for entry in &header.entries {
                 if let RecordEntry::Data { .. } = entry {
                     let slot = ((at + 1 + k) % n) as u32;
                     k += 1;
-                    if inner.slots.is_live(slot)
-                        && inner.slots.state(slot) & (state::CLEAN_INSERT | state::CORRUPT) == 0
-                        && inner.logical_of(slot) == at + k
+                    if self.slots.is_live(slot)
+                        && self.slots.state(slot) & (state::CLEAN_INSERT | state::CORRUPT) == 0
+                        && self.logical_of(slot) == at + k
                     {
-                        inner.dirty_blocks -= 1;
-                        inner.clean_blocks += 1;
+                        self.dirty_blocks -= 1;
+                        self.clean_blocks += 1;
                     }
                 }
             }
         }
-        for &(lba, logical) in &bad {
+        for &(lba, logical) in &applied.bad {
             let slot = (logical % n) as u32;
             Counters::add(&env.counters.writeback_skipped_corrupt, 1);
-            if inner.slots.is_live(slot)
-                && inner.slots.lba(slot) == lba
-                && inner.logical_of(slot) == logical
+            if self.slots.is_live(slot)
+                && self.slots.lba(slot) == lba
+                && self.logical_of(slot) == logical
             {
                 tracing::error!(
                     lba,
                     "dirty block failed its checksum during write-back; not copied to the origin"
                 );
                 Counters::add(&env.counters.checksum_mismatches, 1);
-                if inner.slots.state(slot) & state::CORRUPT == 0 {
-                    inner.mark_corrupt(slot);
+                if self.slots.state(slot) & state::CORRUPT == 0 {
+                    self.mark_corrupt(slot);
                 }
                 // It stays dirty-corrupt until evicted; then it is "lost".
             }
         }
         // The group is on the origin and flushed: its tags may follow, in
         // the order the origin saw it (ranges, then data). The checksums
-        // were verified above, so nothing is recomputed.
-        if let Some(tags) = inner.tags.as_mut() {
-            for &(kind, lba, count) in &range_ops {
+        // were verified, so nothing is recomputed.
+        self.set_tags_after_origin_write(applied);
+        self.ranges.retire_records(start, pos);
+        self.wb = pos;
+        let bs = env.bs as u64;
+        Counters::add(&env.counters.writeback_blocks, applied.blocks_written);
+        Counters::add(&env.counters.writeback_bytes, applied.blocks_written * bs);
+        Counters::add(&env.counters.writeback_groups, 1);
+    }
+
+    /// Integrity tags for what `applied` put on the origin (no-op without
+    /// integrity).
+    pub(crate) fn set_tags_after_origin_write(&mut self, applied: &Applied) {
+        if let Some(tags) = self.tags.as_mut() {
+            for &(kind, lba, count) in &applied.ranges {
                 let tag = match kind {
                     RangeKind::Zero => cairn_format::TAG_ZERO,
                     RangeKind::Discard => cairn_format::TAG_DISCARDED,
                 };
                 tags.set_range(lba, count, tag);
             }
-            for (&lba, &(_, _, crc)) in &final_blocks {
+            for &(lba, crc) in &applied.blocks {
                 tags.set(lba, cairn_format::fold_tag(crc));
             }
         }
-        inner.ranges.retire_records(start, pos);
-        inner.wb = pos;
-        let blocks_written = final_blocks.len() as u64;
-        Counters::add(&env.counters.writeback_blocks, blocks_written);
-        Counters::add(&env.counters.writeback_bytes, blocks_written * bs as u64);
-        Counters::add(&env.counters.writeback_groups, 1);
-        Ok(WritebackProgress {
-            blocks_written,
-            groups: 1,
-            dirty_blocks: inner.dirty_blocks,
-        })
     }
 }

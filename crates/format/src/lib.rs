@@ -45,9 +45,17 @@ pub const TAG_PAGE_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNTAG");
 /// Superblock feature: origin integrity tags (a tag area between the
 /// superblocks and the checkpoint slots; see `tags`).
 pub const FEATURE_INTEGRITY: u32 = 1;
+/// Superblock feature: the cache is *degraded*. A cache write failed for
+/// good, every dirty block was written back to the origin, and from then on
+/// writes went straight to the origin. The cache's contents (log, clean
+/// copies, checkpoints, tags) may be stale and must never be served or
+/// replayed. Set once, cleared only by formatting again.
+pub const FEATURE_DEGRADED: u32 = 2;
 /// Every feature bit this build understands. A superblock with any other
-/// bit set is refused, so an older build never misreads a newer cache.
-pub const FEATURES_KNOWN: u32 = FEATURE_INTEGRITY;
+/// bit set is refused, so an older build never misreads a newer cache (and
+/// a build older than `FEATURE_DEGRADED` refuses a degraded cache instead
+/// of serving stale data from it).
+pub const FEATURES_KNOWN: u32 = FEATURE_INTEGRITY | FEATURE_DEGRADED;
 
 /// Each superblock copy occupies this many bytes.
 pub const SUPERBLOCK_BYTES: usize = 4096;

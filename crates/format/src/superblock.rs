@@ -165,6 +165,11 @@ impl Superblock {
         }
     }
 
+    /// Is the DEGRADED flag set (see [`crate::FEATURE_DEGRADED`])?
+    pub fn degraded(&self) -> bool {
+        self.features & crate::FEATURE_DEGRADED != 0
+    }
+
     /// Which copy (0 or 1) the superblock with this sequence is written to.
     pub fn copy_index(sequence: u64) -> usize {
         (sequence % 2) as usize
@@ -224,6 +229,43 @@ mod tests {
             assert!(
                 Superblock::decode(&bad).is_err(),
                 "flip at {i} not detected"
+            );
+        }
+    }
+
+    #[test]
+    fn degraded_flag_roundtrips_and_is_covered_by_the_crc() {
+        let mut sb = sample();
+        assert!(!sb.degraded());
+        sb.features |= crate::FEATURE_DEGRADED;
+        let buf = sb.encode();
+        let back = Superblock::decode(&buf).unwrap();
+        assert!(back.degraded());
+        assert_eq!(back, sb);
+        // Clearing the flag in place (without fixing the crc) is detected:
+        // a damaged flag never silently turns a degraded cache into a
+        // normal one.
+        let mut cleared = buf.clone();
+        cleared[12] &= !(crate::FEATURE_DEGRADED as u8);
+        assert!(matches!(
+            Superblock::decode(&cleared),
+            Err(DecodeError::BadChecksum { .. })
+        ));
+    }
+
+    #[test]
+    fn unknown_feature_bits_are_refused() {
+        // Bits 0 (integrity) and 1 (degraded) are known.
+        for bit in 2..32 {
+            let mut sb = sample();
+            sb.features = 1 << bit;
+            assert_eq!(
+                Superblock::decode(&sb.encode()),
+                Err(DecodeError::OutOfRange {
+                    field: "features",
+                    value: 1 << bit
+                }),
+                "bit {bit}"
             );
         }
     }

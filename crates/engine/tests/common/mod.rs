@@ -34,6 +34,9 @@ pub fn config() -> EngineConfig {
         unsynced_blocks_max: 512,
         promote_after_misses: 1,
         sequential_cutoff_bytes: 64 << 10,
+        cache_write_attempts: 4,
+        // Deterministic and fast: retries do not wait.
+        cache_write_backoff_us: 0,
     }
 }
 
