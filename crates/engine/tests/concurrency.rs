@@ -11,6 +11,18 @@ use std::sync::Arc;
 
 #[test]
 fn concurrent_writers_readers_flush_and_writeback() {
+    run_concurrent(None);
+}
+
+/// The same load while the cache's log stops taking writes part way: every
+/// request still succeeds (the engine goes degraded under load), and the
+/// final volume and origin hold every last write.
+#[test]
+fn concurrent_requests_while_the_cache_goes_degraded() {
+    run_concurrent(Some(5000));
+}
+
+fn run_concurrent(fail_log_after_writes: Option<u64>) {
     const THREADS: u64 = 4;
     const BLOCKS_PER_THREAD: u64 = 96;
     let volume_blocks = THREADS * BLOCKS_PER_THREAD;
@@ -43,9 +55,22 @@ fn concurrent_writers_readers_flush_and_writeback() {
     let bg = {
         let e = engine.clone();
         let stop = stop.clone();
+        let cache = rig.cache.clone();
         std::thread::spawn(move || {
             let mut steps = 0u64;
+            let mut injected = false;
             while !stop.load(Ordering::Relaxed) {
+                if !injected && fail_log_after_writes.is_some_and(|w| e.stats().writes >= w) {
+                    injected = true;
+                    let layout =
+                        cairn_format::Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+                    cache.fail_range(cairn_device::RangeFault {
+                        kinds: cairn_device::OpKinds::WRITES,
+                        start: layout.log_offset_bytes(),
+                        end: cache_bytes_small(),
+                        mode: cairn_device::FaultMode::Sticky,
+                    });
+                }
                 e.flush().expect("flush");
                 e.writeback_step().expect("writeback");
                 steps += 1;
@@ -79,8 +104,19 @@ fn concurrent_writers_readers_flush_and_writeback() {
         "origin differs after drain"
     );
     let s = engine.stats();
+    if fail_log_after_writes.is_some() {
+        assert!(s.degraded && !s.failed, "{s:?}");
+        assert!(
+            rig.origin.durable_image() == expected,
+            "origin misses acknowledged writes"
+        );
+    } else {
+        assert!(!s.degraded);
+    }
     report!(
-        "concurrency: {THREADS} writers x 3000 writes, {steps} flush+write-back steps, {} blocks written back, 0 divergences",
-        s.writeback_blocks
+        "concurrency{}: {THREADS} writers x 3000 writes, {steps} flush+write-back steps, {} blocks written back, {} writes through a degraded cache, 0 divergences",
+        if s.degraded { " (degraded part way)" } else { "" },
+        s.writeback_blocks,
+        s.degraded_writes
     );
 }

@@ -428,3 +428,562 @@ fn large_checkpoint_roundtrip() {
         lba += n as u64 / BS;
     }
 }
+
+// ------------------------------------------------------------------------
+// Cache write failures: retry, then degraded mode (docs/design.md).
+
+use cairn_device::{CrashPlan, OpKinds, RangeFault};
+use cairn_format::SUPERBLOCK_OFFSETS;
+
+/// Byte range of the cache's log area (the superblocks and checkpoint
+/// slots lie before it).
+fn log_area() -> (u64, u64) {
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    (layout.log_offset_bytes(), cache_bytes_small())
+}
+
+/// The log area stops taking writes for good (a worn-out region); the
+/// superblocks still work, and reads everywhere.
+fn fail_log_writes(cache: &SimDevice) {
+    let (start, end) = log_area();
+    cache.fail_range(RangeFault {
+        kinds: OpKinds::WRITES,
+        start,
+        end,
+        mode: FaultMode::Sticky,
+    });
+}
+
+fn durable_superblock(cache: &SimDevice) -> cairn_format::Superblock {
+    let image = SimDevice::from_image("cache", cache.durable_image());
+    Engine::read_superblock(&image).expect("a valid superblock")
+}
+
+/// Apply one workload op to the engine and the model; every op must
+/// succeed.
+fn apply(rig: &mut Rig, model: &mut Model, op: &Op, ctx: &str) {
+    let e = rig.engine();
+    match op {
+        Op::Write {
+            offset,
+            len,
+            fua,
+            seed,
+        } => {
+            let data = pattern(*seed, *len as usize);
+            e.write(*offset, &data, *fua)
+                .unwrap_or_else(|err| panic!("{ctx}: write: {err}"));
+            model.write(*offset, &data);
+        }
+        Op::Read { offset, len } => {
+            let mut buf = vec![0u8; *len as usize];
+            e.read(*offset, &mut buf)
+                .unwrap_or_else(|err| panic!("{ctx}: read: {err}"));
+            assert!(
+                buf == model.image[*offset as usize..(*offset + *len) as usize],
+                "{ctx}: read returned wrong data"
+            );
+        }
+        Op::Flush => e
+            .flush()
+            .unwrap_or_else(|err| panic!("{ctx}: flush: {err}")),
+        Op::Discard { offset, len } => {
+            e.discard(*offset, *len)
+                .unwrap_or_else(|err| panic!("{ctx}: discard: {err}"));
+            model.discard(*offset, *len);
+        }
+        Op::Zero { offset, len } => {
+            e.write_zeroes(*offset, *len)
+                .unwrap_or_else(|err| panic!("{ctx}: zero: {err}"));
+            model.zero(*offset, *len);
+        }
+        Op::WritebackStep => {
+            e.writeback_step()
+                .unwrap_or_else(|err| panic!("{ctx}: write-back: {err}"));
+        }
+        Op::Drain => {
+            e.drain()
+                .unwrap_or_else(|err| panic!("{ctx}: drain: {err}"));
+        }
+        Op::Checkpoint => e
+            .checkpoint()
+            .unwrap_or_else(|err| panic!("{ctx}: checkpoint: {err}")),
+        Op::ReopenClean => rig.reopen_clean(),
+        Op::SetMode(_) => unreachable!("mode switches are off in these workloads"),
+    }
+}
+
+/// Every cache write fails once, one at a time, in a workload whose
+/// barriers never cover earlier unflushed records: each failure is retried
+/// and succeeds, the engine never degrades, and nothing is lost.
+#[test]
+fn cache_write_failing_once_is_retried_without_degrading() {
+    let mut n = 0u64;
+    let mut injected = 0u64;
+    loop {
+        let (rig, mut model) = populated(n % 5 + 1);
+        let e = rig.engine();
+        rig.cache.fail_at(n, FaultMode::Once);
+        // Writes, flushes, FUA writes and checkpoints only: no cache reads,
+        // so the fault always lands on a cache write or barrier. Each flush
+        // covers one record (< 64 blocks), so every barrier is retry-safe.
+        for round in 0..6u64 {
+            for i in 0..40u64 {
+                let lba = (round * 53 + i * 7) % VOLUME_BLOCKS;
+                let data = pattern(50_000 + round * 100 + i, BS as usize);
+                e.write(lba * BS, &data, i == 39 && round % 2 == 1)
+                    .unwrap_or_else(|err| panic!("fail-once at #{n}: write: {err}"));
+                model.write(lba * BS, &data);
+            }
+            e.flush()
+                .unwrap_or_else(|err| panic!("fail-once at #{n}: flush: {err}"));
+            if round % 3 == 2 {
+                e.checkpoint()
+                    .unwrap_or_else(|err| panic!("fail-once at #{n}: checkpoint: {err}"));
+            }
+        }
+        let hit = rig.cache.injected_failures();
+        rig.cache.clear_faults();
+        let s = e.stats();
+        assert!(!s.degraded, "fail-once at #{n}: the engine degraded");
+        assert!(!s.failed, "fail-once at #{n}: the engine stopped");
+        assert_eq!(
+            s.cache_write_errors, hit,
+            "fail-once at #{n}: errors counted"
+        );
+        assert_eq!(
+            s.cache_write_retries, hit,
+            "fail-once at #{n}: retries counted"
+        );
+        assert_volume(e, &model, &format!("fail-once at #{n}"));
+        // Everything was flushed: a power cut now loses nothing.
+        let cache = rig.cache.crashed(CrashPlan::DropAll, n);
+        let origin = rig.origin.crashed(CrashPlan::DropAll, n);
+        let reopened =
+            open(&cache, &origin).unwrap_or_else(|err| panic!("fail-once at #{n}: reopen: {err}"));
+        assert!(!reopened.is_degraded());
+        assert_volume(&reopened, &model, &format!("fail-once at #{n}, reopened"));
+        if hit == 0 {
+            break;
+        }
+        injected += hit;
+        n += 1;
+        assert!(n < 10_000, "the workload never completed");
+    }
+    // Every cache write and barrier of the workload: seals, checkpoint
+    // chunks and headers, superblocks.
+    assert!(injected >= 20, "only {injected} failures were injected");
+    report!("fail-once sweep over cache writes: {injected} failures, each retried, none degraded");
+}
+
+/// A barrier that fails after records were sealed without one is not
+/// retried (the failed fsync may have dropped those records' pages, and no
+/// retry of this write would tell): the engine goes degraded at once, and
+/// the flush still succeeds with everything on the origin.
+#[test]
+fn failed_barrier_over_unflushed_records_degrades_at_once() {
+    let (rig, mut model) = populated(2);
+    let e = rig.engine();
+    // 100 blocks: one full record sealed without a barrier, the rest open.
+    let data = pattern(4242, 100 * BS as usize);
+    e.write(0, &data, false).unwrap();
+    model.write(0, &data);
+    assert!(e.stats().records_sealed > 0);
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds {
+            reads: false,
+            writes: false,
+            flushes: true,
+        },
+        start: 0,
+        end: 1,
+        mode: FaultMode::Once,
+    });
+    e.flush().expect("the flush succeeds, degraded");
+    let s = e.stats();
+    assert!(s.degraded, "not degraded: {s:?}");
+    assert_eq!(s.cache_write_errors, 1);
+    assert_eq!(s.cache_write_retries, 0, "an unsafe barrier is not retried");
+    assert!(
+        rig.origin.durable_image() == model.image,
+        "origin misses acknowledged data"
+    );
+    assert!(durable_superblock(&rig.cache).degraded());
+}
+
+/// The log stops taking writes while the cache holds clean copies, dirty
+/// records (flushed and not) and acknowledged writes still in memory.
+/// Writes keep succeeding, every acknowledged write is durable on the
+/// origin, status says degraded, and the cache is never written again
+/// after the two superblock copies.
+#[test]
+fn sticky_log_write_failure_goes_degraded_and_writes_through() {
+    let (mut rig, mut model) = populated(3);
+    let e = rig.engine();
+    // Clean cached copies (read fills), then dirty data in every state:
+    // flushed, sealed without a flush, and still in the open record.
+    read_volume(e).unwrap();
+    for (lba, blocks, seed) in [(10u64, 5u64, 1u64), (100, 70, 2), (200, 3, 3)] {
+        let data = pattern(60_000 + seed, (blocks * BS) as usize);
+        e.write(lba * BS, &data, false).unwrap();
+        model.write(lba * BS, &data);
+        if seed == 1 {
+            e.flush().unwrap();
+        }
+    }
+    let before = e.stats();
+    assert!(
+        before.dirty_blocks > 70 && before.clean_blocks > 0,
+        "{before:?}"
+    );
+    fail_log_writes(&rig.cache);
+    // A partial-block write, a FUA write, zeroes, a discard, a flush.
+    let mut ops: Vec<Op> = vec![
+        Op::Write {
+            offset: 12 * BS + 100,
+            len: 3000,
+            fua: false,
+            seed: 7,
+        },
+        Op::Flush,
+        Op::Write {
+            offset: 150 * BS,
+            len: 4 * BS,
+            fua: true,
+            seed: 8,
+        },
+        Op::Zero {
+            offset: 101 * BS - 512,
+            len: 3 * BS,
+        },
+        Op::Discard {
+            offset: 120 * BS,
+            len: 8 * BS,
+        },
+    ];
+    let mut wl = Workload::new(99, VOLUME_BLOCKS);
+    wl.allow_reopen = false;
+    for _ in 0..300 {
+        ops.push(wl.next_op());
+    }
+    let mut cache_writes_after_degrade = None;
+    for (i, op) in ops.iter().enumerate() {
+        let ctx = format!("op #{i} {op:?}");
+        apply(&mut rig, &mut model, op, &ctx);
+        if rig.engine().is_degraded() {
+            // Acknowledged means durable on the origin.
+            assert!(
+                rig.origin.durable_image() == model.image,
+                "{ctx}: the origin misses an acknowledged write"
+            );
+            let writes = rig.cache.counters().writes;
+            match cache_writes_after_degrade {
+                None => cache_writes_after_degrade = Some(writes),
+                Some(w) => assert_eq!(writes, w, "{ctx}: the cache was written while degraded"),
+            }
+        }
+    }
+    let e = rig.engine();
+    let s = e.stats();
+    assert!(s.degraded && !s.failed, "{s:?}");
+    // The first failure was a barrier over a record sealed without one
+    // (the 70-block write), so it was not retried.
+    assert!(s.cache_write_errors >= 1, "{s:?}");
+    assert_eq!(s.dirty_blocks, 0);
+    assert!(s.degrade_drained_blocks >= 78, "{s:?}");
+    assert!(s.degraded_writes > 0);
+    assert_volume(e, &model, "degraded");
+    assert!(rig.origin.durable_image() == model.image);
+    let sb = durable_superblock(&rig.cache);
+    assert!(sb.degraded(), "the DEGRADED flag is not durable");
+    // Both copies carry it: no older superblock is left to replay from.
+    let image = rig.cache.durable_image();
+    for at in SUPERBLOCK_OFFSETS {
+        let copy = cairn_format::Superblock::decode(&image[at as usize..at as usize + 4096])
+            .expect("both copies valid");
+        assert!(
+            copy.degraded(),
+            "superblock copy at {at} is not marked degraded"
+        );
+    }
+    report!(
+        "degraded: {} blocks drained, {} writes through to the origin, {} cache write errors, 0 acknowledged writes missing on the origin",
+        s.degrade_drained_blocks,
+        s.degraded_writes,
+        s.cache_write_errors
+    );
+}
+
+/// Make the engine degrade now: the log is failing, so sealing a new block
+/// fails for good.
+fn degrade_now(rig: &mut Rig, model: &mut Model) {
+    fail_log_writes(&rig.cache);
+    let data = pattern(0xdead, BS as usize);
+    rig.engine()
+        .write(0, &data, true)
+        .expect("the FUA write goes through");
+    model.write(0, &data);
+    assert!(rig.engine().is_degraded());
+}
+
+/// Power cut now (every unflushed write on both devices lost), reopen.
+fn crash_and_reopen(rig: &Rig, seed: u64) -> (SimDevice, SimDevice, Engine) {
+    let cache = rig.cache.crashed(CrashPlan::DropAll, seed);
+    let origin = rig.origin.crashed(CrashPlan::DropAll, seed);
+    let engine = open(&cache, &origin).unwrap_or_else(|e| panic!("reopen refused: {e}"));
+    (cache, origin, engine)
+}
+
+/// After going degraded and writing through, a restart must serve neither
+/// the old clean cached copy of a block nor an old log record of it. The
+/// test also shows that the DEGRADED flag is what prevents it: with the
+/// flag cleared, the same cache image serves stale data.
+#[test]
+fn reopen_after_degrade_never_serves_stale_data() {
+    let (mut rig, mut model) = populated(4);
+    let (x, y) = (5u64, 6u64);
+    let e = rig.engine();
+    // x: written back, so the log holds a clean copy of it. y: dirty,
+    // flushed, in the log.
+    let old_x = pattern(71, BS as usize);
+    let old_y = pattern(72, BS as usize);
+    e.write(x * BS, &old_x, false).unwrap();
+    e.flush().unwrap();
+    e.drain().unwrap();
+    e.write(y * BS, &old_y, false).unwrap();
+    e.flush().unwrap();
+    model.write(x * BS, &old_x);
+    model.write(y * BS, &old_y);
+    let mut buf = vec![0u8; BS as usize];
+    e.read(x * BS, &mut buf).unwrap();
+    assert!(e.is_cached(x) && e.is_cached(y));
+    degrade_now(&mut rig, &mut model);
+    let e = rig.engine();
+    for (lba, seed) in [(x, 81u64), (y, 82)] {
+        let data = pattern(seed, BS as usize);
+        e.write(lba * BS, &data, false).unwrap();
+        model.write(lba * BS, &data);
+        assert!(
+            !e.is_cached(lba),
+            "block {lba}: the old cached copy survived a write"
+        );
+    }
+    assert_volume(e, &model, "degraded, before the restart");
+
+    let (cache, origin, reopened) = crash_and_reopen(&rig, 1);
+    assert!(reopened.is_degraded(), "a degraded cache reopens degraded");
+    assert_volume(&reopened, &model, "after the restart");
+    // Nothing is served from, or written to, the cache any more.
+    cache.reset_counters();
+    read_volume(&reopened).unwrap();
+    reopened
+        .write(9 * BS, &pattern(90, BS as usize), true)
+        .unwrap();
+    reopened.close().unwrap();
+    assert_eq!(cache.counters().ops, 0, "a degraded cache was touched");
+    drop(reopened);
+
+    // Teeth: the same image with the flag cleared (both copies rewritten
+    // with valid checksums) serves stale data.
+    let mut image = cache.durable_image();
+    for at in SUPERBLOCK_OFFSETS {
+        let at = at as usize;
+        let mut sb = cairn_format::Superblock::decode(&image[at..at + 4096]).unwrap();
+        sb.features = 0;
+        image[at..at + 4096].copy_from_slice(&sb.encode());
+    }
+    let unflagged = open(&SimDevice::from_image("cache", image), &origin).unwrap();
+    let vol = read_volume(&unflagged).unwrap();
+    let stale = [(x, &old_x), (y, &old_y)]
+        .iter()
+        .filter(|(lba, old)| &vol[(lba * BS) as usize..((lba + 1) * BS) as usize] == old.as_slice())
+        .count();
+    assert!(
+        stale > 0,
+        "without the DEGRADED flag no stale block is served: this test checks nothing"
+    );
+    report!("reopen after degrade: no stale data; with the flag cleared {stale} of 2 blocks would be stale");
+}
+
+/// Model check: random workloads go degraded part way, keep running
+/// (including clean reopens), and after a power cut at any point the
+/// volume equals every acknowledged write: degraded acknowledgements are
+/// durable on the origin.
+#[test]
+fn degraded_workloads_match_the_model_across_power_cuts() {
+    let mut checks = 0u64;
+    for seed in seeds(12) {
+        let mut rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+        let mut model = Model::new(VOLUME_BLOCKS);
+        let mut wl = Workload::new(seed ^ 0xdec, VOLUME_BLOCKS);
+        let before = 60 + (seed * 37) % 200;
+        for i in 0..before {
+            let op = wl.next_op();
+            apply(&mut rig, &mut model, &op, &format!("seed {seed} op #{i}"));
+        }
+        degrade_now(&mut rig, &mut model);
+        for i in 0..250u64 {
+            let op = wl.next_op();
+            let ctx = format!(
+                "seed {seed} degraded op #{i} {op:?}; {}",
+                repro("faults", seed)
+            );
+            apply(&mut rig, &mut model, &op, &ctx);
+            assert!(rig.engine().is_degraded(), "{ctx}: left degraded mode");
+            assert!(
+                rig.origin.durable_image() == model.image,
+                "{ctx}: an acknowledged write is not durable on the origin"
+            );
+            if i % 25 == 24 {
+                let (_, _, reopened) = crash_and_reopen(&rig, seed * 1000 + i);
+                assert!(reopened.is_degraded(), "{ctx}");
+                assert_volume(&reopened, &model, &format!("{ctx}: after a power cut"));
+                checks += 1;
+            }
+        }
+    }
+    report!("degraded model check: {checks} power cuts, volume equal to every acknowledged write");
+}
+
+/// The drain fails (the log can no longer be read either): the engine
+/// stops with a clear error, every later request fails, nothing is written
+/// through, and a restart recovers the flushed data from the log.
+#[test]
+fn failure_during_the_degrade_drain_stops_without_write_through() {
+    let (rig, mut model) = populated(5);
+    let e = rig.engine();
+    // Sealed dirty records the drain will have to read.
+    for lba in 30..40u64 {
+        let data = pattern(3000 + lba, BS as usize);
+        e.write(lba * BS, &data, false).unwrap();
+        model.write(lba * BS, &data);
+    }
+    e.flush().unwrap();
+    let durable_model = model.image.clone();
+    // Acknowledged, not flushed, in memory.
+    let x = 50u64;
+    let new_x = pattern(5050, BS as usize);
+    e.write(x * BS, &new_x, false).unwrap();
+    let (start, end) = log_area();
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds {
+            reads: true,
+            writes: true,
+            flushes: false,
+        },
+        start,
+        end,
+        mode: FaultMode::Sticky,
+    });
+    let origin_before = rig.origin.live_image();
+    let err = e.flush().expect_err("the flush cannot succeed");
+    let msg = err.to_string();
+    assert!(msg.contains("degraded mode failed"), "unclear error: {msg}");
+    let s = e.stats();
+    assert!(s.failed && !s.degraded, "{s:?}");
+    // Stopped: every request fails, nothing reaches the origin.
+    let y = pattern(6060, BS as usize);
+    assert!(e.write(70 * BS, &y, true).is_err());
+    assert!(e.flush().is_err());
+    assert!(e.read(0, &mut vec![0u8; BS as usize]).is_err());
+    assert!(
+        rig.origin.live_image() == origin_before,
+        "something was written through"
+    );
+    assert!(!durable_superblock(&rig.cache).degraded());
+    // A restart (the region readable again) recovers the flushed state.
+    rig.cache.clear_faults();
+    let (_, _, reopened) = crash_and_reopen(&rig, 5);
+    assert!(!reopened.is_degraded());
+    let vol = read_volume(&reopened).unwrap();
+    for lba in 0..VOLUME_BLOCKS {
+        let got = &vol[(lba * BS) as usize..((lba + 1) * BS) as usize];
+        let durable = &durable_model[(lba * BS) as usize..((lba + 1) * BS) as usize];
+        assert!(
+            got == durable || (lba == x && got == new_x.as_slice()),
+            "block {lba} after the restart is neither its flushed value nor a later one"
+        );
+        assert!(
+            got != y.as_slice(),
+            "a write refused while stopped is on the volume"
+        );
+    }
+}
+
+/// The drain succeeds but the DEGRADED superblock cannot be written (every
+/// cache write fails): the engine stops and never writes through; a restart
+/// (the old superblock) replays the log as usual.
+#[test]
+fn failure_writing_the_degraded_superblock_stops_without_write_through() {
+    let (rig, mut model) = populated(6);
+    let e = rig.engine();
+    for lba in 60..70u64 {
+        let data = pattern(7000 + lba, BS as usize);
+        e.write(lba * BS, &data, false).unwrap();
+        model.write(lba * BS, &data);
+    }
+    e.flush().unwrap();
+    let durable_model = model.image.clone();
+    let x = 80u64;
+    let new_x = pattern(8080, BS as usize);
+    e.write(x * BS, &new_x, false).unwrap();
+    model.write(x * BS, &new_x);
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds::WRITES,
+        start: 0,
+        end: cache_bytes_small(),
+        mode: FaultMode::Sticky,
+    });
+    let err = e.flush().expect_err("the flush cannot succeed");
+    assert!(err.to_string().contains("degraded mode failed"), "{err}");
+    let s = e.stats();
+    assert!(s.failed && !s.degraded, "{s:?}");
+    assert!(!durable_superblock(&rig.cache).degraded());
+    // The drain did reach the origin: everything acknowledged is there.
+    assert!(rig.origin.durable_image() == model.image);
+    let origin_after_drain = rig.origin.live_image();
+    let y = pattern(9090, BS as usize);
+    assert!(e.write(90 * BS, &y, true).is_err());
+    assert!(e.discard(0, 16 * BS).is_err());
+    assert!(
+        rig.origin.live_image() == origin_after_drain,
+        "something was written through"
+    );
+    rig.cache.clear_faults();
+    let (_, _, reopened) = crash_and_reopen(&rig, 6);
+    assert!(!reopened.is_degraded());
+    let vol = read_volume(&reopened).unwrap();
+    for lba in 0..VOLUME_BLOCKS {
+        let got = &vol[(lba * BS) as usize..((lba + 1) * BS) as usize];
+        let durable = &durable_model[(lba * BS) as usize..((lba + 1) * BS) as usize];
+        assert!(
+            got == durable || (lba == x && got == new_x.as_slice()),
+            "block {lba} after the restart is neither its flushed value nor a later one"
+        );
+    }
+}
+
+/// Status of a degraded engine: mode changes are refused with the fix
+/// named; drain, checkpoint and close succeed without touching the cache.
+#[test]
+fn degraded_engine_refuses_mode_changes_and_keeps_management_working() {
+    let (mut rig, mut model) = populated(7);
+    degrade_now(&mut rig, &mut model);
+    let e = rig.engine();
+    let err = e
+        .set_mode(cairn_engine::CacheMode::WriteThrough, |_| {})
+        .expect_err("a degraded cache cannot change mode");
+    assert!(err.to_string().contains("cairn format --force"), "{err}");
+    let writes = rig.cache.counters().writes;
+    let p = e.drain().unwrap();
+    assert_eq!(p.dirty_blocks, 0);
+    e.checkpoint().unwrap();
+    e.close().unwrap();
+    assert!(e.check(|_, _| {}).unwrap().is_empty());
+    assert_eq!(
+        rig.cache.counters().writes,
+        writes,
+        "the degraded cache was written"
+    );
+    assert_volume(e, &model, "after management actions");
+}
