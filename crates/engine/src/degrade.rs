@@ -6,19 +6,25 @@
 //! degrade as pending and nothing more is written to the log. The next
 //! request (any thread) runs [`Engine::degrade`]:
 //!
-//! 1. every sealed record not yet written back is read from the cache,
-//!    verified and copied to the origin, epoch group by epoch group, each
-//!    followed by an origin flush (ordinary ordered write-back);
-//! 2. the open record (acknowledged writes that never reached the cache)
-//!    goes to the origin last, with a flush, and its slots leave the index;
-//! 3. the superblock is written with the DEGRADED flag and the write-back
-//!    position at the head, to both copies, each with a barrier.
+//! 1. every complete epoch group not yet written back (data durable in the
+//!    log) is read from the cache, verified and copied to the origin, each
+//!    followed by an origin flush: ordinary ordered write-back;
+//! 2. the records sealed after the last epoch end are read back (verified);
+//! 3. the superblock is written with the DEGRADED flag, to both copies,
+//!    each with a barrier;
+//! 4. those records and then the open record (acknowledged writes that
+//!    were never flushed, or never reached the cache at all) go to the
+//!    origin as one group with one flush, and the open record's slots leave
+//!    the index.
 //!
-//! Only then does any write go straight to the origin. If a step fails the
-//! engine stops (every request fails) and nothing was written through, so a
-//! restart replays the log as usual: no record older than a write-through
-//! can ever be replayed over it. Once the DEGRADED flag is durable, open
-//! never replays or reads the cache again (see `Engine::open`).
+//! Only then does any request go straight to the origin. Nothing that is
+//! not durable in the log reaches the origin before the DEGRADED flag is
+//! durable, so a restart either replays a log that is at least as new as
+//! the origin (flag not durable) or never replays it again (flag durable):
+//! no record older than the origin's copy can be replayed over it. If a
+//! step fails the engine stops (every request fails) and nothing is written
+//! through. Once the flag is durable, open never replays or reads the cache
+//! again (see `Engine::open`).
 //!
 //! Degraded writes, zeroes and discards drop the cached copy of every block
 //! they change, then write the origin and flush it before the reply. Reads
@@ -148,29 +154,64 @@ impl Engine {
             assert_eq!(open.start, end, "the open record starts at the head");
         }
         let mut drained_blocks = 0u64;
-        // 1. Sealed records, in log order, including those after the last
-        //    epoch end (acknowledged, never flushed): one group each up to
-        //    the next epoch end, or to the head.
+        // 1. Complete epoch groups (up to the last durable epoch end), as
+        //    write-back does: only data that is durable in the log reaches
+        //    the origin, and the origin stays the volume as of a flush.
         for _ in 0..=n {
-            if place(inner.wb, n) >= end {
+            if inner.wb >= inner.wb_limit {
                 break;
             }
             let start = inner.wb;
-            let (records, pos) = read_group(env, start, end, n)?;
+            let (records, pos) = read_group(env, start, inner.wb_limit, n)?;
             let applied = apply_group(env, &records)?;
             inner.commit_group(env, start, pos, &records, &applied);
             drained_blocks += applied.blocks_written;
         }
-        assert!(
-            place(inner.wb, n) >= end,
-            "degrade drained every sealed record"
+        assert_eq!(
+            inner.wb, inner.wb_limit,
+            "every complete epoch is on the origin"
         );
-        // 2. The open record: its writes were acknowledged (the current
-        //    request's may be among them; it is re-run after the switch)
-        //    but never reached the cache device. They go to the origin
-        //    after everything sealed before them, and leave the index.
-        if let Some(open) = inner.open.take() {
-            let data_count = open.data_count();
+        // 2. The rest was acknowledged but never flushed: records sealed
+        //    after the last epoch end, then the open record (the current
+        //    request's writes may be among them; it is re-run after the
+        //    switch). Read it all now, in log order, before anything else
+        //    changes: if the log cannot be read, stop here.
+        let start = inner.wb;
+        let mut tail = Vec::new();
+        let mut pos = start;
+        for _ in 0..=n {
+            if place(pos, n) >= end {
+                break;
+            }
+            let (mut more, next) = read_group(env, pos, end, n)?;
+            tail.append(&mut more);
+            pos = next;
+        }
+        assert!(place(pos, n) >= end, "degrade read every sealed record");
+        let sealed = tail.len();
+        // 3. DEGRADED, durable in both superblock copies, BEFORE any
+        //    unflushed data reaches the origin. Were it the other way
+        //    round, a crash in between would replay the log over an origin
+        //    newer than it: reads would serve the log's older copy of a
+        //    block, and later (once evicted) the origin's newer one. From
+        //    here on a restart never replays the log, whichever copy
+        //    survives; it serves the origin, which holds at least every
+        //    flushed write (step 1).
+        inner.sb.features |= FEATURE_DEGRADED;
+        inner.sb.writeback_offset = inner.wb;
+        for _ in 0..2 {
+            inner
+                .write_superblock_io(env, true)
+                .map_err(EngineError::Cache)?;
+        }
+        inner.wb_persisted = inner.wb;
+        // 4. The unflushed rest, as one group with one origin flush: the
+        //    origin goes from the last flushed state straight to the
+        //    acknowledged one (plus possibly part of the request in
+        //    flight).
+        let open = inner.open.take();
+        let open_slots = open.as_ref().map(|o| (o.start, o.data_count()));
+        if let Some(open) = open {
             let header = RecordHeader {
                 sequence: 0,
                 log_offset: open.start,
@@ -181,20 +222,31 @@ impl Engine {
                 flags: 0,
                 entries: open.entries,
             };
-            let records = vec![(open.start, header, open.data)];
-            let applied = apply_group(env, &records)?;
-            assert!(
-                applied.bad.is_empty(),
-                "open record data matches its checksums"
-            );
+            tail.push((open.start, header, open.data));
+        }
+        if !tail.is_empty() {
+            let applied = apply_group(env, &tail)?;
             drained_blocks += applied.blocks_written;
+            if let Some((open_start, _)) = open_slots {
+                assert!(
+                    applied.bad.iter().all(|&(_, logical)| logical < open_start),
+                    "open record data matches its checksums"
+                );
+            }
+            if sealed > 0 {
+                inner.commit_group(env, start, pos, &tail[..sealed], &applied);
+            }
+        }
+        // The open record never reached the cache device: its slots leave
+        // the index (the origin has their data now).
+        if let Some((open_start, data_count)) = open_slots {
             for k in 0..data_count {
-                let slot = inner.phys(open.start + 1 + k);
+                let slot = inner.phys(open_start + 1 + k);
                 if inner.slots.is_live(slot) {
                     inner.retire_slot(slot);
                 }
             }
-            inner.ranges.retire_records(open.start, open.start + 1);
+            inner.ranges.retire_records(open_start, open_start + 1);
         }
         assert_eq!(
             inner.ranges.len(),
@@ -205,20 +257,19 @@ impl Engine {
         // copies (and corrupt ones, which keep reading as EIO).
         inner.wb = inner.head;
         inner.wb_limit = inner.head;
+        inner.wb_persisted = inner.head;
         inner.epoch_open = false;
         inner.unsynced_blocks = 0;
         inner.recount_gauges();
         assert_eq!(inner.dirty_blocks, 0);
-        // 3. DEGRADED, durable in both superblock copies: after a crash from
-        //    here on, open sees the flag whichever copy survives.
-        inner.sb.features |= FEATURE_DEGRADED;
-        inner.sb.writeback_offset = inner.wb;
-        for _ in 0..2 {
-            inner
-                .write_superblock_io(env, true)
-                .map_err(EngineError::Cache)?;
+        // Integrity tags live on the cache device, which is not written
+        // again: they could never be persisted, and a restart ignores the
+        // cache. Origin reads are not verified from here on.
+        if inner.tags.take().is_some() {
+            tracing::error!(
+                "integrity tags are dropped with the cache: origin reads are not verified while degraded"
+            );
         }
-        inner.wb_persisted = inner.wb;
         Ok(drained_blocks)
     }
 

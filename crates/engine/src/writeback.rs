@@ -306,7 +306,7 @@ impl Inner {
         env: &Env,
         start: u64,
         pos: u64,
-        records: &GroupRecords,
+        records: &[(u64, RecordHeader, Vec<u8>)],
         applied: &Applied,
     ) {
         let n = self.n;
