@@ -16,6 +16,7 @@ struct NbdOrigin {
     file: PathBuf,
     socket: PathBuf,
     proc: Proc,
+    args: Vec<String>,
 }
 
 impl NbdOrigin {
@@ -24,16 +25,36 @@ impl NbdOrigin {
         std::fs::write(&file, pattern(seed, size as usize)).expect("write origin");
         let socket = ctx.path("origin.sock");
         let file_arg = format!("file={}", file.display());
-        let mut args: Vec<&str> = filter_args
+        let mut args: Vec<String> = filter_args
             .iter()
-            .copied()
             .filter(|a| a.starts_with("--"))
+            .map(|a| a.to_string())
             .collect();
-        args.push("file");
-        args.push(&file_arg);
-        args.extend(filter_args.iter().copied().filter(|a| !a.starts_with("--")));
-        let proc = start_nbdkit(ctx, &socket, &args);
-        NbdOrigin { file, socket, proc }
+        args.push("file".into());
+        args.push(file_arg);
+        args.extend(
+            filter_args
+                .iter()
+                .filter(|a| !a.starts_with("--"))
+                .map(|a| a.to_string()),
+        );
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let proc = start_nbdkit(ctx, &socket, &argv);
+        NbdOrigin {
+            file,
+            socket,
+            proc,
+            args,
+        }
+    }
+
+    /// Start nbdkit again on the same file and socket (after `kill9`).
+    fn restart(&mut self, ctx: &Ctx) {
+        assert!(self.proc.try_status().is_some(), "nbdkit still runs");
+        // A killed nbdkit leaves its socket file behind.
+        let _ = std::fs::remove_file(&self.socket);
+        let argv: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        self.proc = start_nbdkit(ctx, &self.socket, &argv);
     }
 
     fn uri(&self) -> String {
@@ -409,4 +430,103 @@ fn kill9_during_offline_flush_keeps_the_origin_ordered() {
         &origin_bytes(&origin.file),
         &image,
     );
+}
+
+/// The origin's nbdkit dies while cairn serves (kill -9) and comes back
+/// later on the same socket: cached data keeps reading correctly, new
+/// writes are absorbed and flushed by the cache, status reports the origin
+/// failing with its errors counted, and once nbdkit is back cairn
+/// reconnects, write-back drains, and the origin file equals everything
+/// written.
+#[test]
+fn origin_lost_while_serving_and_back() {
+    if !require_tools("nbd_lost", &["nbdkit"]) || !require_python_nbd("nbd_lost") {
+        return;
+    }
+    let ctx = Ctx::new("nbd_lost");
+    let size = 16 * MIB;
+    let mut origin = NbdOrigin::start(&ctx, size, 0x10, &[]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let mut image = pattern(0x10, size as usize);
+
+    // Written and flushed (dirty, then written back), and origin data read
+    // once (promoted): both are cached.
+    let a = pattern(0xA0, MIB as usize);
+    let a_at = MIB;
+    nbd_write(&uri, a_at, &a, true);
+    image[a_at as usize..(a_at + MIB) as usize].copy_from_slice(&a);
+    let r_at = 8 * MIB;
+    let r_len = 2 * MIB as usize;
+    assert_same_bytes(
+        "origin data through cairn",
+        &nbd_read(&uri, r_at, r_len),
+        &image[r_at as usize..r_at as usize + r_len],
+    );
+    assert_same_bytes("a, cached", &nbd_read(&uri, a_at, a.len()), &a);
+
+    // The origin dies.
+    origin.proc.kill9();
+
+    // Cached data still reads correctly.
+    assert_same_bytes("a, origin gone", &nbd_read(&uri, a_at, a.len()), &a);
+    assert_same_bytes(
+        "promoted origin data, origin gone",
+        &nbd_read(&uri, r_at, r_len),
+        &image[r_at as usize..r_at as usize + r_len],
+    );
+    // New writes are accepted and flushed (to the cache).
+    let b = pattern(0xB0, 512 << 10);
+    let b_at = 4 * MIB + 4096;
+    nbd_write(&uri, b_at, &b, true);
+    image[b_at as usize..b_at as usize + b.len()].copy_from_slice(&b);
+    assert_same_bytes("b, origin gone", &nbd_read(&uri, b_at, b.len()), &b);
+    // A read of data only the origin has fails, for that request only.
+    let miss = try_nbd_read(&uri, 14 * MIB, 4096);
+    assert!(
+        !miss.status.success(),
+        "a read miss succeeded without an origin"
+    );
+    // Status: the origin is failing, errors counted; the cache is fine.
+    let mut st = serde_json::Value::Null;
+    let failing = eventually(Duration::from_secs(30), || {
+        st = ctx.status(&cache);
+        st["origin_state"] == "failing" && u64_of(&st, "origin_write_errors") > 0
+    });
+    assert!(failing, "status never reported the origin failing: {st}");
+    assert_eq!(st["cache_state"], "ok", "{st}");
+    assert_eq!(st["served"], true, "{st}");
+    assert!(u64_of(&st, "dirty_blocks") >= 128, "{st}");
+    assert!(u64_of(&st, "origin_read_errors") >= 1, "{st}");
+    assert!(server.proc.try_status().is_none(), "the daemon died");
+
+    // More writes while it is still down, unflushed this time.
+    let c = pattern(0xC0, 64 << 10);
+    let c_at = 12 * MIB;
+    nbd_write(&uri, c_at, &c, false);
+    image[c_at as usize..c_at as usize + c.len()].copy_from_slice(&c);
+
+    // The origin comes back on the same socket: cairn reconnects and
+    // write-back drains on its own.
+    origin.restart(&ctx);
+    let mut st = serde_json::Value::Null;
+    let drained = eventually(Duration::from_secs(60), || {
+        st = ctx.status(&cache);
+        st["origin_state"] == "ok" && u64_of(&st, "dirty_blocks") == 0
+    });
+    assert!(
+        drained,
+        "write-back did not drain after the origin came back: {st}"
+    );
+    // Everything, the unflushed write included, once flushed.
+    ctx.flush(&cache);
+    assert_same_bytes("origin after recovery", &origin_bytes(&origin.file), &image);
+    assert_same_bytes(
+        "the volume after recovery",
+        &nbd_read(&uri, 0, size as usize),
+        &image,
+    );
+    assert!(server.terminate().success());
 }
