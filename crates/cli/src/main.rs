@@ -293,6 +293,11 @@ fn open_engine_with(
         None => recorded_origin(cache.as_ref())?,
     };
     let origin = open_origin(&origin_spec)?;
+    tracing::info!(
+        cache_backend = cache.backend(),
+        origin_backend = origin.backend(),
+        "devices opened"
+    );
     let opts = OpenOptions {
         force_origin: force,
         config,
@@ -715,7 +720,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             let engine = open_engine_with(&cache, origin.as_deref(), force, config)?;
             if let Some(mode) = mode {
-                if engine.mode() != mode.engine() {
+                if engine.is_degraded() {
+                    // Serving beats refusing to start: every write goes to
+                    // the origin anyway.
+                    tracing::warn!(
+                        "the cache is degraded: --mode {} is ignored until it is reformatted",
+                        mode.engine().name()
+                    );
+                } else if engine.mode() != mode.engine() {
                     let p = engine.set_mode(mode.engine(), |_| {})?;
                     tracing::info!(
                         "mode set to {} ({} blocks written back first)",

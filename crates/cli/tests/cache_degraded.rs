@@ -223,8 +223,9 @@ fn cache_write_failure_goes_degraded_end_to_end() {
         server.proc.log_text()
     );
 
-    // A restart stays degraded, serves the origin, writes through.
-    let mut server = ctx.serve(&fcache, &sock, &[]);
+    // A restart stays degraded, serves the origin, writes through (and a
+    // --mode it cannot honour does not stop it from serving).
+    let mut server = ctx.serve(&fcache, &sock, &["--mode", "writethrough"]);
     let uri = server.uri();
     assert!(
         server.proc.log_text().contains("cairn format --force"),
@@ -233,6 +234,9 @@ fn cache_write_failure_goes_degraded_end_to_end() {
     );
     let st = ctx.status(&fcache);
     assert_eq!(st["cache_state"], "degraded", "{st}");
+    assert_eq!(st["mode"], "writeback", "{st}");
+    let out = ctx.cairn(&["mode", "--cache", &fcache.to_string_lossy(), "writearound"]);
+    assert_clean_failure(&out, &["degraded", "cairn format --force"]);
     assert_same_bytes(
         "volume after a restart",
         &nbd_read(&uri, 0, size as usize),
