@@ -135,7 +135,7 @@ impl Engine {
         let mut tag = planned;
         for _ in 0..RECHECK_ROUNDS_MAX {
             let plan = {
-                let mut inner = self.lock()?;
+                let mut inner = self.lock_index()?;
                 inner.plan_read(&self.env, lba, block)?
             };
             match plan {
@@ -180,6 +180,21 @@ impl Engine {
     /// already set (by write-back) are left alone. The position is persisted
     /// every so often and at the end, so a restart resumes near here.
     pub fn recalc_step(&self) -> EngineResult<RecalcProgress> {
+        let total = self.env.volume_blocks;
+        self.with_degrade(|degraded| {
+            if degraded {
+                // A degraded cache keeps no tags: nothing to recalculate.
+                return Ok(RecalcProgress {
+                    position_blocks: total,
+                    total_blocks: total,
+                    blocks_tagged: 0,
+                });
+            }
+            self.recalc_step_cached()
+        })
+    }
+
+    fn recalc_step_cached(&self) -> EngineResult<RecalcProgress> {
         let bs = self.env.bs as u64;
         let total = self.env.volume_blocks;
         if !self.env.integrity {
@@ -262,6 +277,22 @@ impl Engine {
         &self,
         opts: &ScrubOptions,
         mut progress: impl FnMut(u64, u64),
+    ) -> EngineResult<ScrubReport> {
+        self.with_degrade(|degraded| {
+            if degraded && self.env.integrity {
+                return Err(EngineError::CacheDegraded {
+                    device: self.env.cache.name().to_string(),
+                    action: "checking the origin against integrity tags".into(),
+                });
+            }
+            self.scrub_origin_cached(opts, &mut progress)
+        })
+    }
+
+    fn scrub_origin_cached(
+        &self,
+        opts: &ScrubOptions,
+        progress: &mut impl FnMut(u64, u64),
     ) -> EngineResult<ScrubReport> {
         let mut report = ScrubReport::default();
         if !self.env.integrity {

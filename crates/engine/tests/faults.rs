@@ -989,3 +989,54 @@ fn degraded_engine_refuses_mode_changes_and_keeps_management_working() {
     );
     assert_volume(e, &model, "after management actions");
 }
+
+/// With origin integrity tags: the drain and degraded writes raise no false
+/// mismatch, the tags are dropped (they could never be persisted), and
+/// checking the origin says why it cannot run.
+#[test]
+fn degrading_a_cache_with_integrity_tags() {
+    let volume_blocks = VOLUME_BLOCKS;
+    let cache_bytes = cache_bytes_small() + 2 * 4096 * cairn_format::tag_pages_for(volume_blocks);
+    let mut rig = Rig::with_integrity(cache_bytes, volume_blocks);
+    let mut model = Model::new(volume_blocks);
+    let e = rig.engine();
+    for i in 0..200u64 {
+        let lba = (i * 13) % volume_blocks;
+        let data = pattern(90_000 + i, BS as usize);
+        e.write(lba * BS, &data, false).unwrap();
+        model.write(lba * BS, &data);
+        if i % 40 == 39 {
+            e.flush().unwrap();
+            e.writeback_step().unwrap();
+        }
+    }
+    e.discard(200 * BS, 4 * BS).unwrap();
+    model.discard(200 * BS, 4 * BS);
+    assert!(e.stats().integrity);
+    let layout =
+        cairn_format::Layout::compute_with_tags(cache_bytes, BS as u32, Some(volume_blocks))
+            .unwrap();
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds::WRITES,
+        start: layout.log_offset_bytes(),
+        end: cache_bytes,
+        mode: FaultMode::Sticky,
+    });
+    let data = pattern(4_242, 3 * BS as usize);
+    e.write(20 * BS, &data, true).unwrap();
+    model.write(20 * BS, &data);
+    let s = e.stats();
+    assert!(s.degraded && !s.integrity, "{s:?}");
+    assert_volume(e, &model, "degraded with integrity");
+    let s = e.stats();
+    assert_eq!(s.origin_mismatches, 0, "{s:?}");
+    assert!(rig.origin.durable_image() == model.image);
+    let err = e
+        .scrub_origin(&cairn_engine::ScrubOptions::default(), |_, _| {})
+        .expect_err("no tags to check against");
+    assert!(err.to_string().contains("degraded"), "{err}");
+    assert!(e.recalc_step().unwrap().done());
+    rig.reopen_clean();
+    assert!(rig.engine().is_degraded());
+    assert_volume(rig.engine(), &model, "reopened");
+}
