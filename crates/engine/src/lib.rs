@@ -25,6 +25,7 @@ mod log;
 mod policy;
 mod ranges;
 mod read;
+mod read_batch;
 mod recovery;
 mod stats;
 mod tags;

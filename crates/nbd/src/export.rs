@@ -81,6 +81,25 @@ pub struct Extent {
 pub trait Export: Send + Sync + 'static {
     fn size_bytes(&self) -> u64;
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError>;
+    /// Whether [`Export::read_quick_many`] may serve anything. Only then
+    /// does the server gather pipelined reads into batches; otherwise every
+    /// read is its own call to [`Export::read`].
+    fn has_quick_reads(&self) -> bool {
+        false
+    }
+    /// Serve together those of `requests` that are quick (for a cache: the
+    /// ones wholly cached, with one device submission for all of them) and
+    /// leave the others untouched for [`Export::read`]: `results[i]` is set
+    /// to the outcome of each request served and left `None` for the rest.
+    /// `results` has one element per request, all `None` on entry. The
+    /// default serves none.
+    fn read_quick_many(
+        &self,
+        requests: &mut [(u64, &mut [u8])],
+        results: &mut [Option<Result<(), ExportError>>],
+    ) {
+        let _ = (requests, results);
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
     fn flush(&self) -> Result<(), ExportError>;
     fn trim(&self, offset: u64, length: u64) -> Result<(), ExportError>;

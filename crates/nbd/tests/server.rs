@@ -8,7 +8,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,13 @@ struct Instrumented {
     slow_read_ms: AtomicU64,
     current: AtomicUsize,
     peak: AtomicUsize,
+    /// Serve reads through `read_quick_many` (except the slow one).
+    quick_reads: AtomicBool,
+    /// A quick read at this offset fails with EIO.
+    quick_error_offset: AtomicU64,
+    /// Largest `read_quick_many` batch seen, and reads it served.
+    quick_batch_max: AtomicUsize,
+    quick_served: AtomicUsize,
 }
 
 impl Instrumented {
@@ -40,6 +47,10 @@ impl Instrumented {
             slow_read_ms: AtomicU64::new(0),
             current: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            quick_reads: AtomicBool::new(false),
+            quick_error_offset: AtomicU64::new(u64::MAX),
+            quick_batch_max: AtomicUsize::new(0),
+            quick_served: AtomicUsize::new(0),
         })
     }
 
@@ -73,6 +84,31 @@ impl Export for Instrumented {
             sleep_ms(self.slow_read_ms.load(Ordering::SeqCst));
         }
         self.inner.read(offset, buf)
+    }
+    fn has_quick_reads(&self) -> bool {
+        self.quick_reads.load(Ordering::SeqCst)
+    }
+    fn read_quick_many(
+        &self,
+        requests: &mut [(u64, &mut [u8])],
+        results: &mut [Option<Result<(), ExportError>>],
+    ) {
+        let _g = self.enter();
+        self.quick_batch_max
+            .fetch_max(requests.len(), Ordering::SeqCst);
+        for ((offset, buf), result) in requests.iter_mut().zip(results.iter_mut()) {
+            if *offset == self.slow_read_offset.load(Ordering::SeqCst) {
+                continue; // left for `read`
+            }
+            self.quick_served.fetch_add(1, Ordering::SeqCst);
+            *result = Some(
+                if *offset == self.quick_error_offset.load(Ordering::SeqCst) {
+                    Err(ExportError::io("injected quick read failure"))
+                } else {
+                    self.inner.read(*offset, buf)
+                },
+            );
+        }
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
         let _g = self.enter();
@@ -431,6 +467,68 @@ fn pipelined_requests_are_answered_out_of_order_within_the_in_flight_bound() {
         (2..=3).contains(&peak),
         "in-flight bound not respected: {peak} concurrent calls"
     );
+}
+
+/// With an export that serves quick reads in batches, pipelined reads are
+/// batched (one call for several), a slow read is left out of the batch and
+/// overtaken, a failed read of a batch fails alone, and every read is
+/// answered exactly once with its own data.
+#[test]
+fn pipelined_reads_are_batched_and_a_slow_one_does_not_hold_up_the_batch() {
+    let export = Instrumented::new(SIZE);
+    export.quick_reads.store(true, Ordering::SeqCst);
+    let config = ServerConfig {
+        max_in_flight_per_connection: 16,
+        worker_count: 4,
+        ..ServerConfig::default()
+    };
+    let server = TestServer::start(export.clone(), config);
+    for mode in [Mode::Simple, Mode::Structured] {
+        let mut c = Client::open(&server.socket, mode, false).unwrap();
+        for i in 0..64u64 {
+            assert_eq!(c.write(i * 4096, &pattern(i as u8, 4096)).unwrap(), 0);
+        }
+        export.slow_read_offset.store(0, Ordering::SeqCst);
+        export.slow_read_ms.store(300, Ordering::SeqCst);
+        export.quick_error_offset.store(5 * 4096, Ordering::SeqCst);
+        let mut requests = Vec::new();
+        for i in 0..64u64 {
+            requests.extend(request(false, 0, CMD_READ, 1000 + i, i * 4096, 4096));
+        }
+        let cookies: Vec<u64> = (0..64u64)
+            .map(|i| c.expect_reply(1000 + i, CMD_READ, i * 4096, 4096))
+            .collect();
+        let mut writer = c.stream.try_clone().unwrap();
+        let sender = std::thread::spawn(move || writer.write_all(&requests));
+        let mut order = Vec::new();
+        for _ in 0..64 {
+            let r = c.reply().unwrap();
+            let i = r.cookie - 1000;
+            if i == 5 {
+                assert_ne!(r.error, 0, "the injected failure is reported");
+            } else {
+                assert_eq!(r.error, 0, "read {i}");
+                assert_eq!(
+                    r.data,
+                    pattern(i as u8, 4096),
+                    "reply matched to the wrong request"
+                );
+            }
+            order.push(r.cookie);
+        }
+        sender.join().unwrap().unwrap();
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, cookies, "every cookie answered exactly once");
+        assert_ne!(order[0], 1000, "the slow read should have been overtaken");
+        assert!(
+            export.quick_batch_max.load(Ordering::SeqCst) > 1,
+            "pipelined reads were not batched"
+        );
+        export.slow_read_ms.store(0, Ordering::SeqCst);
+        c.disconnect().unwrap();
+    }
+    assert!(export.quick_served.load(Ordering::SeqCst) >= 2 * 63);
 }
 
 #[test]

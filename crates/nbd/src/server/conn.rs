@@ -4,16 +4,16 @@
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::SyncSender;
+use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::listener::Stream;
-use super::pool::Job;
+use super::pool::{FanOut, Job, Task};
 use super::{lock, Shared};
 use crate::codec::reply::{encode_error, read_prefix_bytes};
 use crate::codec::{
-    decode_request, Command, Negotiation, NegotiationStep, ProtocolError, RequestAction,
+    decode_request, Command, Negotiation, NegotiationStep, ProtocolError, Request, RequestAction,
     RequestDecode, Session,
 };
 use crate::proto;
@@ -21,6 +21,10 @@ use crate::proto;
 /// Bytes asked of the kernel per read; several small requests usually
 /// arrive in one go.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// Most reads served as one batch (one `Export::read_quick_many` call, one
+/// reply write). The per-connection in-flight limit bounds it too.
+const READ_BATCH_MAX: usize = 64;
 
 /// The reply side of a connection, shared by its reader and the workers.
 pub(crate) struct ConnWriter {
@@ -67,6 +71,30 @@ impl ConnWriter {
         }
     }
 
+    /// Write several pieces as one message (one system call when the
+    /// socket takes it all), with [`ConnWriter::send`]'s failure handling.
+    pub(crate) fn send_all(&self, pieces: &[&[u8]]) -> bool {
+        if pieces.len() == 1 {
+            return self.send(pieces[0]);
+        }
+        if self.broken.load(Ordering::SeqCst) {
+            return false;
+        }
+        let mut w = lock(&self.writer);
+        if self.broken.load(Ordering::SeqCst) {
+            return false;
+        }
+        match write_all_vectored(&mut w, pieces) {
+            Ok(()) => true,
+            Err(e) => {
+                self.broken.store(true, Ordering::SeqCst);
+                tracing::debug!(conn = self.id, error = %e, "reply write failed; closing connection");
+                w.shutdown(Shutdown::Both);
+                false
+            }
+        }
+    }
+
     fn is_broken(&self) -> bool {
         self.broken.load(Ordering::SeqCst)
     }
@@ -82,6 +110,16 @@ impl ConnWriter {
                 .unwrap_or_else(|e| e.into_inner());
         }
         *n += 1;
+    }
+
+    /// Take an in-flight slot if one is free now, without waiting.
+    fn try_acquire_slot(&self, max: usize) -> bool {
+        let mut n = lock(&self.in_flight);
+        if *n >= max {
+            return false;
+        }
+        *n += 1;
+        true
     }
 
     pub(crate) fn in_flight(&self) -> usize {
@@ -107,6 +145,34 @@ impl ConnWriter {
     }
 }
 
+/// `write_all` for several buffers, with `writev` (at most 1024 at a time).
+fn write_all_vectored(w: &mut Stream, pieces: &[&[u8]]) -> io::Result<()> {
+    let mut index = 0usize; // first piece not completely written
+    let mut skip = 0usize; // bytes of it already written
+    while index < pieces.len() {
+        let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity((pieces.len() - index).min(1024));
+        slices.push(io::IoSlice::new(&pieces[index][skip..]));
+        for piece in pieces[index + 1..].iter().take(1023) {
+            slices.push(io::IoSlice::new(piece));
+        }
+        let mut written = match w.write_vectored(&slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        while index < pieces.len() && written >= pieces[index].len() - skip {
+            written -= pieces[index].len() - skip;
+            index += 1;
+            skip = 0;
+        }
+        if index < pieces.len() {
+            skip += written;
+        }
+    }
+    Ok(())
+}
+
 /// Why a connection ended.
 #[derive(Debug)]
 enum End {
@@ -127,7 +193,7 @@ enum End {
 }
 
 /// Serve one client until it leaves, misbehaves, or the server stops.
-pub(crate) fn run(shared: &Arc<Shared>, id: u64, mut stream: Stream, jobs: SyncSender<Job>) {
+pub(crate) fn run(shared: &Arc<Shared>, id: u64, mut stream: Stream, jobs: SyncSender<Task>) {
     let peer = stream.peer();
     let writer = match stream.try_clone() {
         Ok(w) => w,
@@ -225,9 +291,48 @@ fn transmit(
     stream: &mut Stream,
     input: &mut InBuf,
     session: &Session,
-    jobs: &SyncSender<Job>,
+    jobs: &SyncSender<Task>,
+) -> End {
+    // Reads already parsed but not yet handed on: every read the client
+    // pipelined that is already in our buffer joins one batch, served with
+    // one export call and answered with one write.
+    let mut reads: Vec<Job> = Vec::new();
+    let fan_out = FanOut::new(jobs.clone());
+    let batches = Batches {
+        enabled: shared.export.has_quick_reads(),
+        fan_out: &fan_out,
+    };
+    let end = transmit_loop(
+        shared, conn, stream, input, session, jobs, &batches, &mut reads,
+    );
+    // Whatever ended the loop, reads taken from the client still get their
+    // replies (or at least release their slots and budget).
+    if dispatch_reads(shared, conn, input, jobs, &batches, &mut reads).is_err() {
+        return End::Stopping;
+    }
+    end
+}
+
+/// Whether this connection batches reads, and how a batch run by the
+/// reader hands its slow reads to the workers.
+struct Batches<'a> {
+    enabled: bool,
+    fan_out: &'a FanOut,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn transmit_loop(
+    shared: &Shared,
+    conn: &Arc<ConnWriter>,
+    stream: &mut Stream,
+    input: &mut InBuf,
+    session: &Session,
+    jobs: &SyncSender<Task>,
+    batches: &Batches<'_>,
+    reads: &mut Vec<Job>,
 ) -> End {
     let max_in_flight = shared.config.max_in_flight_per_connection;
+    let stopping = |_| End::Stopping;
     loop {
         if conn.is_broken() {
             return End::WriteFailed;
@@ -238,6 +343,13 @@ fn transmit(
         };
         let (header_bytes, action) = match decoded {
             RequestDecode::NeedMore { min_total_bytes } => {
+                // Nothing more is buffered: hand on the batch before
+                // waiting for the client.
+                if let Err(end) =
+                    dispatch_reads(shared, conn, input, jobs, batches, reads).map_err(stopping)
+                {
+                    return end;
+                }
                 if let Err(end) = input.fill(stream, min_total_bytes, None) {
                     return end;
                 }
@@ -249,6 +361,23 @@ fn transmit(
             } => (header_bytes, action),
         };
         input.consume(header_bytes);
+        let batchable = batches.enabled
+            && matches!(
+                action,
+                RequestAction::Execute(Request {
+                    command: Command::Read { length_bytes },
+                    ..
+                }) if length_bytes > 0
+            );
+        if !batchable {
+            // Anything else is handled in arrival order after the reads
+            // before it.
+            if let Err(end) =
+                dispatch_reads(shared, conn, input, jobs, batches, reads).map_err(stopping)
+            {
+                return end;
+            }
+        }
         match action {
             RequestAction::Disconnect => return End::Disconnect,
             RequestAction::Reject {
@@ -275,7 +404,16 @@ fn transmit(
                 }
             }
             RequestAction::Execute(request) => {
-                conn.acquire_slot(max_in_flight);
+                // Never wait for a slot or budget while holding a batch:
+                // its own slots may be what we are waiting for.
+                if !conn.try_acquire_slot(max_in_flight) {
+                    if let Err(end) =
+                        dispatch_reads(shared, conn, input, jobs, batches, reads).map_err(stopping)
+                    {
+                        return end;
+                    }
+                    conn.acquire_slot(max_in_flight);
+                }
                 let payload_bytes = request.payload_bytes();
                 let budget_bytes = match request.command {
                     Command::Read { length_bytes } => {
@@ -283,7 +421,15 @@ fn transmit(
                     }
                     _ => payload_bytes,
                 };
-                shared.budget.acquire(budget_bytes);
+                if !shared.budget.try_acquire(budget_bytes) {
+                    if let Err(end) =
+                        dispatch_reads(shared, conn, input, jobs, batches, reads).map_err(stopping)
+                    {
+                        conn.release_slot();
+                        return end;
+                    }
+                    shared.budget.acquire(budget_bytes);
+                }
                 let payload = match input.read_payload(stream, payload_bytes) {
                     Ok(p) => p,
                     Err(end) => {
@@ -299,6 +445,17 @@ fn transmit(
                     payload,
                     budget_bytes,
                 };
+                if batchable {
+                    reads.push(job);
+                    if reads.len() >= READ_BATCH_MAX {
+                        if let Err(end) = dispatch_reads(shared, conn, input, jobs, batches, reads)
+                            .map_err(stopping)
+                        {
+                            return end;
+                        }
+                    }
+                    continue;
+                }
                 // Nothing else in flight and nothing more pipelined: the
                 // client is waiting for this reply, so run it here instead
                 // of handing it to a worker and back.
@@ -306,13 +463,57 @@ fn transmit(
                     super::pool::execute(shared, job);
                     continue;
                 }
-                if jobs.send(job).is_err() {
-                    shared.budget.release(budget_bytes);
-                    conn.release_slot();
+                if let Err(mpsc::SendError(task)) = jobs.send(Task::One(job)) {
+                    release_task(shared, task);
                     return End::Stopping;
                 }
             }
         }
+    }
+}
+
+/// Hand the pending reads on: run them here when they are all that is in
+/// flight on this connection and nothing more is buffered (the client is
+/// waiting for them, so a hand-off to a worker and back would only add two
+/// context switches; measured: 2x the daemon CPU per read and no more
+/// IOPS), otherwise queue them for a worker as one task. Fails only when
+/// the pool is gone (the server is stopping); the reads' slots and budget
+/// are released then.
+fn dispatch_reads(
+    shared: &Shared,
+    conn: &ConnWriter,
+    input: &InBuf,
+    jobs: &SyncSender<Task>,
+    batches: &Batches<'_>,
+    reads: &mut Vec<Job>,
+) -> Result<(), ()> {
+    if reads.is_empty() {
+        return Ok(());
+    }
+    let batch = std::mem::take(reads);
+    let inline = conn.in_flight() == batch.len() && input.len() == 0;
+    if inline {
+        super::pool::execute_reads(shared, batch, batches.fan_out);
+        return Ok(());
+    }
+    match jobs.send(Task::Reads(batch)) {
+        Ok(()) => Ok(()),
+        Err(mpsc::SendError(task)) => {
+            release_task(shared, task);
+            Err(())
+        }
+    }
+}
+
+/// Give back the slots and budget of a task that will never run.
+fn release_task(shared: &Shared, task: Task) {
+    let jobs = match task {
+        Task::One(job) => vec![job],
+        Task::Reads(jobs) => jobs,
+    };
+    for job in jobs {
+        shared.budget.release(job.budget_bytes);
+        job.conn.release_slot();
     }
 }
 

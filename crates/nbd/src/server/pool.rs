@@ -4,7 +4,7 @@
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -29,8 +29,16 @@ pub(crate) struct Job {
     pub budget_bytes: u64,
 }
 
+/// What a reader hands to the pool: one request, or several reads of one
+/// connection that arrived together and are served as one batch.
+pub(crate) enum Task {
+    One(Job),
+    Reads(Vec<Job>),
+}
+
 pub(crate) struct Pool {
-    sender: SyncSender<Job>,
+    sender: SyncSender<Task>,
+    fan_out: Arc<FanOut>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -38,19 +46,22 @@ impl Pool {
     pub(crate) fn start(count: usize, shared: Arc<Shared>) -> io::Result<Pool> {
         // A short queue: readers are already bounded per connection, and a
         // full queue just makes them wait (more backpressure).
-        let (sender, receiver) = sync_channel::<Job>(count * 4);
+        let (sender, receiver) = sync_channel::<Task>(count * 4);
         let receiver = Arc::new(Mutex::new(receiver));
+        let fan_out = Arc::new(FanOut::new(sender.clone()));
         let mut workers = Vec::with_capacity(count);
         for i in 0..count {
             let receiver = receiver.clone();
             let shared = shared.clone();
+            let worker_fan_out = fan_out.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("nbd-worker-{i}"))
-                .spawn(move || worker_loop(&shared, &receiver));
+                .spawn(move || worker_loop(&shared, &receiver, &worker_fan_out));
             match handle {
                 Ok(h) => workers.push(h),
                 Err(e) => {
                     drop(sender);
+                    lock(&fan_out.sender).take();
                     for w in workers {
                         let _ = w.join();
                     }
@@ -58,16 +69,21 @@ impl Pool {
                 }
             }
         }
-        Ok(Pool { sender, workers })
+        Ok(Pool {
+            sender,
+            fan_out,
+            workers,
+        })
     }
 
-    pub(crate) fn sender(&self) -> SyncSender<Job> {
+    pub(crate) fn sender(&self) -> SyncSender<Task> {
         self.sender.clone()
     }
 
     /// Close the queue and wait for the workers to finish what is queued.
     pub(crate) fn stop(self) {
         drop(self.sender);
+        lock(&self.fan_out.sender).take();
         for w in self.workers {
             if w.join().is_err() {
                 tracing::error!("an NBD worker thread panicked");
@@ -76,15 +92,193 @@ impl Pool {
     }
 }
 
-fn worker_loop(shared: &Shared, receiver: &Mutex<Receiver<Job>>) {
+fn worker_loop(shared: &Shared, receiver: &Mutex<Receiver<Task>>, fan_out: &FanOut) {
     loop {
         // Holding the lock while blocked in recv is fine: the other idle
         // workers would be blocked anyway.
-        let job = match lock(receiver).recv() {
-            Ok(job) => job,
+        let task = match lock(receiver).recv() {
+            Ok(task) => task,
             Err(_) => return, // every sender is gone: the server is stopping
         };
+        match task {
+            Task::One(job) => execute(shared, job),
+            Task::Reads(jobs) => execute_reads(shared, jobs, fan_out),
+        }
+    }
+}
+
+/// Run a batch of reads of one connection: the quick ones (for a cache,
+/// the cached ones) with one `Export::read_quick_many` call, their replies
+/// sent with one write; then the others, each as its own job, handed to a
+/// worker through `fan_out` when there is room in the queue, so a slow
+/// read neither holds up the quick ones nor the other slow ones. Called by
+/// the workers, and inline by the reader when the batch is all that is in
+/// flight on its connection.
+pub(crate) fn execute_reads(shared: &Shared, jobs: Vec<Job>, fan_out: &FanOut) {
+    let Some(first) = jobs.first() else {
+        return;
+    };
+    let conn = first.conn.clone();
+    let mode = first.mode;
+    let prefix = read_prefix_bytes(mode);
+    let length_of = |job: &Job| match job.request.command {
+        Command::Read { length_bytes } => length_bytes,
+        _ => unreachable!("a read batch holds only reads"),
+    };
+    let mut total_bytes = 0usize;
+    for job in &jobs {
+        assert!(length_of(job) > 0, "empty reads are not batched");
+        assert!(
+            Arc::ptr_eq(&job.conn, &conn) && job.mode == mode,
+            "one connection per batch"
+        );
+        total_bytes += prefix + length_of(job) as usize;
+    }
+    // Every reply is laid out in one buffer: header, data, header, data...
+    // so the served replies leave in one write with no copy.
+    let mut out = vec![0u8; total_bytes];
+    let mut results: Vec<Option<Result<(), ExportError>>> = (0..jobs.len()).map(|_| None).collect();
+    let export: &dyn Export = &*shared.export;
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let mut requests: Vec<(u64, &mut [u8])> = Vec::with_capacity(jobs.len());
+        let mut rest: &mut [u8] = &mut out;
+        for job in &jobs {
+            let (reply, tail) =
+                std::mem::take(&mut rest).split_at_mut(prefix + length_of(job) as usize);
+            rest = tail;
+            requests.push((job.request.offset, &mut reply[prefix..]));
+        }
+        export.read_quick_many(&mut requests, &mut results);
+    }));
+    if outcome.is_err() {
+        tracing::error!(
+            conn = conn.id(),
+            reads = jobs.len(),
+            "export read_quick_many panicked"
+        );
+        for job in &jobs {
+            let mut reply = Vec::new();
+            encode_error(
+                &mut reply,
+                mode,
+                job.request.reply_to,
+                proto::NBD_EIO,
+                "internal server error",
+            );
+            conn.send(&reply);
+        }
+        shared
+            .counters
+            .requests
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        for job in &jobs {
+            shared.budget.release(job.budget_bytes);
+            conn.release_slot();
+        }
+        return;
+    }
+    // Replies of the served reads, in one write.
+    let mut pieces: Vec<&[u8]> = Vec::with_capacity(jobs.len());
+    let mut error_replies: Vec<Vec<u8>> = Vec::new();
+    {
+        let mut at = 0usize;
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(jobs.len());
+        for (job, result) in jobs.iter().zip(&results) {
+            let len = prefix + length_of(job) as usize;
+            match result {
+                Some(Ok(())) => {
+                    encode_read_prefix(
+                        &mut out[at..at + prefix],
+                        mode,
+                        job.request.reply_to,
+                        length_of(job),
+                    );
+                    // Adjacent replies are sent as one piece.
+                    match spans.last_mut() {
+                        Some((_, end)) if *end == at => *end = at + len,
+                        _ => spans.push((at, at + len)),
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(conn = conn.id(), command = "READ", offset = job.request.offset, error = %e, "export operation failed");
+                    let mut reply = Vec::with_capacity(64 + e.message.len());
+                    encode_error(
+                        &mut reply,
+                        mode,
+                        job.request.reply_to,
+                        errno_to_nbd(e.errno),
+                        &e.message,
+                    );
+                    error_replies.push(reply);
+                }
+                None => {}
+            }
+            at += len;
+        }
+        for &(start, end) in &spans {
+            pieces.push(&out[start..end]);
+        }
+    }
+    for reply in &error_replies {
+        pieces.push(reply);
+    }
+    if !pieces.is_empty() {
+        conn.send_all(&pieces);
+    }
+    let mut deferred = Vec::new();
+    let mut served = 0u64;
+    for (job, result) in jobs.into_iter().zip(&results) {
+        if result.is_some() {
+            served += 1;
+            shared.budget.release(job.budget_bytes);
+            conn.release_slot();
+        } else {
+            deferred.push(job);
+        }
+    }
+    drop(out);
+    shared
+        .counters
+        .requests
+        .fetch_add(served, Ordering::Relaxed);
+    // The rest, one job each: to idle workers if the queue has room (never
+    // waiting for it: this may be a worker), else here.
+    let mut inline = Vec::new();
+    for job in deferred {
+        match fan_out.try_send(Task::One(job)) {
+            Ok(()) => {}
+            Err(Task::One(job)) => inline.push(job),
+            Err(Task::Reads(_)) => unreachable!("sent a single job"),
+        }
+    }
+    for job in inline {
         execute(shared, job);
+    }
+}
+
+/// A way for a worker (or a reader) to queue jobs without waiting and
+/// without keeping the pool alive: the pool drops the sender when it stops.
+pub(crate) struct FanOut {
+    sender: Mutex<Option<SyncSender<Task>>>,
+}
+
+impl FanOut {
+    pub(crate) fn new(sender: SyncSender<Task>) -> FanOut {
+        FanOut {
+            sender: Mutex::new(Some(sender)),
+        }
+    }
+
+    /// Queue `task` if the pool runs and its queue has room; hand it back
+    /// otherwise.
+    pub(crate) fn try_send(&self, task: Task) -> Result<(), Task> {
+        let guard = lock(&self.sender);
+        let Some(sender) = guard.as_ref() else {
+            return Err(task);
+        };
+        sender.try_send(task).map_err(|e| match e {
+            TrySendError::Full(task) | TrySendError::Disconnected(task) => task,
+        })
     }
 }
 
@@ -253,6 +447,19 @@ impl ByteBudget {
                 .unwrap_or_else(|e| e.into_inner());
         }
         *available -= bytes;
+    }
+
+    /// Take `bytes` if they are available now, without waiting.
+    pub(crate) fn try_acquire(&self, bytes: u64) -> bool {
+        if bytes == 0 {
+            return true;
+        }
+        let mut available = lock(&self.available);
+        if *available < bytes {
+            return false;
+        }
+        *available -= bytes;
+        true
     }
 
     pub(crate) fn release(&self, bytes: u64) {
