@@ -1,6 +1,6 @@
 //! The engine proper: write path, read path, flush, write-back, checkpoints.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -12,6 +12,7 @@ use cairn_format::{
 
 use crate::error::{EngineError, EngineResult};
 use crate::index::{remove_mapping, state, ForwardMap, SlotTable};
+use crate::inflight::{Queued, RecordIo};
 use crate::policy::{CacheMode, HitFilter, SequentialDetector};
 use crate::ranges::RangeMap;
 use crate::stats::{Counters, StatsSnapshot};
@@ -102,6 +103,8 @@ pub(crate) struct Env {
     pub format_tag: u32,
     /// Origin integrity tags are kept (`Inner::tags` is `Some`).
     pub integrity: bool,
+    /// Where barriers wait for sealed records written outside the lock.
+    pub record_io: RecordIo,
 }
 
 /// The record being filled in memory. Its header goes at logical offset
@@ -145,6 +148,9 @@ pub(crate) struct Inner {
     /// Records were sealed since the last epoch end.
     pub epoch_open: bool,
     pub open: Option<OpenRecord>,
+    /// Records sealed without a barrier whose write may not be complete,
+    /// in sequence order (see `inflight.rs`).
+    pub sealed: VecDeque<Queued>,
     pub ranges: RangeMap,
     pub dirty_blocks: u64,
     pub clean_blocks: u64,
@@ -395,6 +401,7 @@ impl Engine {
             entries_max: RecordHeader::entries_max(bs),
             format_tag: chain_seed(&sb.uuid),
             integrity,
+            record_io: RecordIo::default(),
         };
         let mode = CacheMode::from_code(sb.mode).ok_or_else(|| EngineError::CheckpointDamaged {
             device: env.cache.name().to_string(),

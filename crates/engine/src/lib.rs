@@ -21,6 +21,7 @@ mod engine;
 mod error;
 mod index;
 mod integrity;
+mod inflight;
 mod log;
 mod policy;
 mod ranges;

@@ -12,6 +12,7 @@ use cairn_device::DeviceError;
 use crate::engine::*;
 use crate::error::EngineResult;
 use crate::index::state;
+use crate::inflight::SealedRecord;
 use crate::stats::Counters;
 
 /// Checkpoints are written in chunks of this size.
@@ -175,7 +176,9 @@ impl Inner {
     }
 
     /// Seal; with `barrier`, the write and the barrier go down together (one
-    /// system call on io_uring).
+    /// system call on io_uring), after every record sealed before it is
+    /// written. Without a barrier the record is queued and written outside
+    /// the lock (see `inflight.rs`).
     pub(crate) fn seal_with(
         &mut self,
         env: &Env,
@@ -183,6 +186,9 @@ impl Inner {
         barrier: bool,
     ) -> EngineResult<()> {
         assert!(!self.degraded, "no log record is sealed in degraded mode");
+        if barrier {
+            self.complete_sealed(env)?;
+        }
         let open = match self.open.take() {
             Some(open) => open,
             None => {
@@ -241,25 +247,24 @@ impl Inner {
                 );
             }
         }
-        let bufs: &[&[u8]] = if open.data.is_empty() {
-            &[&hbuf]
-        } else {
-            &[&hbuf, &open.data]
-        };
-        // A barrier that failed may also have lost the records sealed since
-        // the last one (a failed fsync drops dirty pages); retrying this
-        // write cannot bring them back, so that case goes degraded at once.
-        let retry_safe = !barrier || self.unsynced_blocks == 0;
-        let result = retrying_cache_write(env, "sealing a log record", retry_safe, || {
-            if barrier {
-                env.cache.write_vectored_and_flush(at, bufs)
+        if barrier {
+            let bufs: &[&[u8]] = if open.data.is_empty() {
+                &[&hbuf]
             } else {
-                env.cache.write_vectored_at(at, bufs)
+                &[&hbuf, &open.data]
+            };
+            // A barrier that failed may also have lost the records sealed
+            // since the last one (a failed fsync drops dirty pages);
+            // retrying this write cannot bring them back, so that case goes
+            // degraded at once.
+            let retry_safe = self.unsynced_blocks == 0;
+            let result = retrying_cache_write(env, "sealing a log record", retry_safe, || {
+                env.cache.write_vectored_and_flush(at, bufs)
+            });
+            if let Err(e) = result {
+                self.open = Some(open);
+                return Err(self.fail(env, "sealing a log record", e));
             }
-        });
-        if let Err(e) = result {
-            self.open = Some(open);
-            return Err(self.fail(env, "sealing a log record", e));
         }
         Counters::add(&env.counters.records_sealed, 1);
         Counters::add(
@@ -275,6 +280,10 @@ impl Inner {
             Counters::add(&env.counters.cache_barriers, 1);
             self.durable_seq = self.next_seq - 1;
             self.unsynced_blocks = 0;
+        } else {
+            let record =
+                SealedRecord::new(self.next_seq - 1, open.start, at, hbuf, open.data, env.bs);
+            self.queue_sealed(env, record)?;
         }
         Ok(())
     }

@@ -295,9 +295,8 @@ impl Inner {
         if let Some(slot) = self.map.get(lba, &self.slots) {
             let st = self.slots.state(slot);
             self.slots.set_state(slot, st | state::REFERENCED);
-            if let Some(k) = self.open_slot_index(slot) {
-                let open = self.open.as_ref().expect("open record");
-                block.copy_from_slice(&open.data[k * bs..(k + 1) * bs]);
+            if let Some(data) = self.block_in_memory(slot, bs) {
+                block.copy_from_slice(data);
                 assert_eq!(
                     block_checksum(lba, block),
                     self.slots.crc(slot),

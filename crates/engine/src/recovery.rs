@@ -365,6 +365,7 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
         unsynced_blocks: 0,
         epoch_open: head > wb_limit,
         open: None,
+        sealed: std::collections::VecDeque::new(),
         ranges,
         dirty_blocks: 0,
         clean_blocks: 0,

@@ -71,7 +71,11 @@ impl Engine {
         if fua {
             inner.flush(&self.env)?;
         }
+        // Records this write filled are written outside the lock, so other
+        // writers keep going and several records are in flight at once.
+        let sealed = inner.claim_sealed();
         drop(inner);
+        self.write_claimed(sealed)?;
         let mode = self.mode();
         if mode != CacheMode::WriteBack {
             let first = offset / bs;

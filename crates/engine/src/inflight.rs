@@ -1,0 +1,257 @@
+//! Sealed records whose write to the cache device happens outside the
+//! engine lock, so that several records can be in flight at once while
+//! other writers keep filling the next one.
+//!
+//! A record sealed without a barrier (it was full) is queued in
+//! `Inner::sealed`. The engine call that sealed it *claims* it before
+//! dropping the lock and writes it afterwards ([`Engine::write_claimed`]);
+//! a record nobody claimed is written by the next barrier, or at once when
+//! the queue is at its bound. Until its write is known to be complete a
+//! record's blocks are served from its memory, never from the device.
+//!
+//! Ordering: records sealed without a barrier were never promised to be
+//! durable in any order (the crash harness drops, tears and reorders
+//! every write not yet flushed), so they may be written concurrently and
+//! complete in any order. A barrier (a flush, a FUA write, a checkpoint)
+//! first writes every unclaimed record and waits for every claimed one,
+//! then writes its epoch-end record with the fdatasync: everything sealed
+//! before it is on the device when the barrier is issued, as before.
+//! Write-back only reads up to the last barrier, and eviction never passes
+//! it, so neither ever reads a record still in flight.
+//!
+//! Waiting never needs the engine lock: a writer marks its record done and
+//! signals [`RecordIo`] before it takes the engine lock again (only to
+//! report a failure), so a barrier may wait while holding the engine lock.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+use crate::engine::*;
+use crate::error::{EngineError, EngineResult};
+use crate::stats::Counters;
+
+/// Most sealed records kept in memory before the sealing call writes them
+/// itself under the lock (the old, synchronous behaviour): 16 records of at
+/// most 256 KiB, 4 MiB.
+pub(crate) const SEALED_RECORDS_MAX: usize = 16;
+
+/// A record sealed but not yet known to be written.
+pub(crate) struct SealedRecord {
+    pub sequence: u64,
+    /// Logical offset of its header block; data blocks follow.
+    pub start: u64,
+    pub data_count: u64,
+    /// Byte offset on the cache device.
+    pub at_bytes: u64,
+    pub header: Vec<u8>,
+    pub data: Vec<u8>,
+    /// Set once the write completed (successfully or not); `outcome` says.
+    done: AtomicBool,
+    outcome: OnceLock<Result<(), String>>,
+}
+
+/// A queued record and whether a thread has taken it on to write it.
+pub(crate) struct Queued {
+    pub record: Arc<SealedRecord>,
+    pub claimed: bool,
+}
+
+/// Where threads wait for record writes to complete.
+#[derive(Default)]
+pub(crate) struct RecordIo {
+    lock: Mutex<()>,
+    changed: Condvar,
+}
+
+impl SealedRecord {
+    pub(crate) fn new(
+        sequence: u64,
+        start: u64,
+        at_bytes: u64,
+        header: Vec<u8>,
+        data: Vec<u8>,
+        bs: usize,
+    ) -> SealedRecord {
+        assert!(data.len().is_multiple_of(bs));
+        SealedRecord {
+            sequence,
+            start,
+            data_count: (data.len() / bs) as u64,
+            at_bytes,
+            header,
+            data,
+            done: AtomicBool::new(false),
+            outcome: OnceLock::new(),
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// The data block at `logical`, if this record holds it.
+    fn block(&self, logical: u64, bs: usize) -> Option<&[u8]> {
+        if logical > self.start && logical <= self.start + self.data_count {
+            let k = (logical - self.start - 1) as usize;
+            Some(&self.data[k * bs..(k + 1) * bs])
+        } else {
+            None
+        }
+    }
+
+    /// Write it (header and data in one vectored write, no barrier) and
+    /// publish the outcome. Never takes the engine lock.
+    fn write(&self, env: &Env) -> Result<(), cairn_device::DeviceError> {
+        assert!(!self.is_done(), "record {} written twice", self.sequence);
+        let bufs: &[&[u8]] = if self.data.is_empty() {
+            &[&self.header]
+        } else {
+            &[&self.header, &self.data]
+        };
+        let result = env.cache.write_vectored_at(self.at_bytes, bufs);
+        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
+        {
+            let _guard = env.record_io.lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.done.store(true, Ordering::Release);
+            env.record_io.changed.notify_all();
+        }
+        result
+    }
+}
+
+impl Inner {
+    /// Queue a record sealed without a barrier. Keeps the queue bounded by
+    /// writing records here (under the lock) when it is full.
+    pub(crate) fn queue_sealed(&mut self, env: &Env, record: SealedRecord) -> EngineResult<()> {
+        if let Some(last) = self.sealed.back() {
+            assert!(
+                last.record.sequence < record.sequence,
+                "records are queued in sequence order"
+            );
+        }
+        self.sealed.push_back(Queued {
+            record: Arc::new(record),
+            claimed: false,
+        });
+        self.prune_sealed(env)?;
+        if self.sealed.len() > SEALED_RECORDS_MAX {
+            self.write_unclaimed(env)?;
+            self.wait_sealed(env, SEALED_RECORDS_MAX)?;
+        }
+        Ok(())
+    }
+
+    /// Take on every unclaimed record, to be written by the caller once it
+    /// has dropped the lock (with [`Engine::write_claimed`]).
+    pub(crate) fn claim_sealed(&mut self) -> Vec<Arc<SealedRecord>> {
+        let mut claimed = Vec::new();
+        for queued in self.sealed.iter_mut().filter(|q| !q.claimed) {
+            queued.claimed = true;
+            claimed.push(queued.record.clone());
+        }
+        claimed
+    }
+
+    /// Write every unclaimed record here, in sequence order.
+    fn write_unclaimed(&mut self, env: &Env) -> EngineResult<()> {
+        for record in self.claim_sealed() {
+            if let Err(e) = record.write(env) {
+                return Err(self.fail(env, "sealing a log record", e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait (holding the engine lock: writers do not need it) until at most
+    /// `keep` records are not yet written, then drop the written ones.
+    fn wait_sealed(&mut self, env: &Env, keep: usize) -> EngineResult<()> {
+        {
+            let mut guard = env.record_io.lock.lock().unwrap_or_else(|p| p.into_inner());
+            while self.sealed.iter().filter(|q| !q.record.is_done()).count() > keep {
+                assert!(
+                    self.sealed.iter().all(|q| q.claimed || q.record.is_done()),
+                    "waiting for a record nobody will write"
+                );
+                guard = env
+                    .record_io
+                    .changed
+                    .wait(guard)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        self.prune_sealed(env)
+    }
+
+    /// Drop written records from the queue; a failed write fails the engine.
+    fn prune_sealed(&mut self, env: &Env) -> EngineResult<()> {
+        let mut failure = None;
+        self.sealed.retain(|q| {
+            if !q.record.is_done() {
+                return true;
+            }
+            if let Some(Err(e)) = q.record.outcome.get() {
+                failure.get_or_insert_with(|| e.clone());
+            }
+            false
+        });
+        match failure {
+            None => Ok(()),
+            Some(reason) => Err(self.fail_sealed(env, reason)),
+        }
+    }
+
+    fn fail_sealed(&mut self, env: &Env, reason: String) -> EngineError {
+        if let Some(existing) = &self.failed {
+            return EngineError::Failed(existing.clone());
+        }
+        Counters::add(&env.counters.cache_write_errors, 1);
+        let reason = format!("sealing a log record: {reason}");
+        tracing::error!("cache device failed: {reason}");
+        self.failed = Some(reason.clone());
+        EngineError::Failed(reason)
+    }
+
+    /// Before a barrier: every sealed record is written and complete, so
+    /// the barrier covers them.
+    pub(crate) fn complete_sealed(&mut self, env: &Env) -> EngineResult<()> {
+        self.write_unclaimed(env)?;
+        self.wait_sealed(env, 0)?;
+        assert!(
+            self.sealed.is_empty(),
+            "a barrier follows every sealed record"
+        );
+        Ok(())
+    }
+
+    /// A data block still in memory: in the open record, or in a sealed
+    /// record whose write may not be complete.
+    pub(crate) fn block_in_memory(&self, slot: u32, bs: usize) -> Option<&[u8]> {
+        if let Some(k) = self.open_slot_index(slot) {
+            let open = self.open.as_ref().expect("open record");
+            return Some(&open.data[k * bs..(k + 1) * bs]);
+        }
+        if self.sealed.is_empty() {
+            return None;
+        }
+        let logical = self.logical_of(slot);
+        self.sealed.iter().find_map(|q| q.record.block(logical, bs))
+    }
+}
+
+impl Engine {
+    /// Write records this call claimed, outside the engine lock. A failure
+    /// fails the engine, as a failed seal always did.
+    pub(crate) fn write_claimed(&self, records: Vec<Arc<SealedRecord>>) -> EngineResult<()> {
+        for record in records {
+            if let Err(e) = record.write(&self.env) {
+                let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                return Err(match inner.prune_sealed(&self.env) {
+                    Err(failed) => failed,
+                    Ok(()) => EngineError::Cache(e),
+                });
+            }
+        }
+        Ok(())
+    }
+}
