@@ -344,11 +344,16 @@ fn transmit_loop(
         let (header_bytes, action) = match decoded {
             RequestDecode::NeedMore { min_total_bytes } => {
                 // Nothing more is buffered: hand on the batch before
-                // waiting for the client.
-                if let Err(end) =
-                    dispatch_reads(shared, conn, input, jobs, batches, reads).map_err(stopping)
-                {
-                    return end;
+                // waiting for the client, unless more requests are already
+                // on their way (then read them first: a bigger batch).
+                let more_coming =
+                    !reads.is_empty() && reads.len() < READ_BATCH_MAX && stream.pending_bytes() > 0;
+                if !more_coming {
+                    if let Err(end) =
+                        dispatch_reads(shared, conn, input, jobs, batches, reads).map_err(stopping)
+                    {
+                        return end;
+                    }
                 }
                 if let Err(end) = input.fill(stream, min_total_bytes, None) {
                     return end;
@@ -456,10 +461,14 @@ fn transmit_loop(
                     }
                     continue;
                 }
-                // Nothing else in flight and nothing more pipelined: the
-                // client is waiting for this reply, so run it here instead
-                // of handing it to a worker and back.
-                if conn.in_flight() == 1 && input.len() == 0 {
+                // Nothing else in flight and nothing more pipelined (not in
+                // our buffer, nor in the socket): the client is waiting for
+                // this reply, so run it here instead of handing it to a
+                // worker and back. A client that pipelines (a stream of
+                // writes) goes to the workers, so the reader keeps reading
+                // while they run; checking only our buffer ran every write
+                // of a queue-depth-8 stream here, one at a time.
+                if conn.in_flight() == 1 && input.len() == 0 && stream.pending_bytes() == 0 {
                     super::pool::execute(shared, job);
                     continue;
                 }

@@ -384,6 +384,25 @@ impl Stream {
         }
     }
 
+    /// Bytes the client has sent that we have not read yet (FIONREAD), 0
+    /// if the kernel will not say. Tells a client that pipelines (more
+    /// requests already on their way) from one waiting for a reply.
+    pub(crate) fn pending_bytes(&self) -> usize {
+        let fd = match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        };
+        let mut pending: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int through the pointer, which points
+        // at a live int; the descriptor is owned by `self`.
+        let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut pending as *mut libc::c_int) };
+        if rc == 0 && pending > 0 {
+            pending as usize
+        } else {
+            0
+        }
+    }
+
     pub(crate) fn peer(&self) -> String {
         match self {
             Stream::Unix(_) => "unix".to_string(),
