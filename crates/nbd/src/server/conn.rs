@@ -31,7 +31,7 @@ pub(crate) struct ConnWriter {
     id: u64,
     writer: Mutex<Stream>,
     broken: AtomicBool,
-    in_flight: Mutex<usize>,
+    in_flight: Mutex<Slots>,
     in_flight_changed: Condvar,
 }
 
@@ -41,7 +41,7 @@ impl ConnWriter {
             id,
             writer: Mutex::new(writer),
             broken: AtomicBool::new(false),
-            in_flight: Mutex::new(0),
+            in_flight: Mutex::new(Slots::default()),
             in_flight_changed: Condvar::new(),
         }
     }
@@ -102,47 +102,63 @@ impl ConnWriter {
     /// Take an in-flight slot, waiting while the connection is at its
     /// limit. The reader does not read meanwhile: that is the backpressure.
     fn acquire_slot(&self, max: usize) {
-        let mut n = lock(&self.in_flight);
-        while *n >= max {
-            n = self
+        let mut slots = lock(&self.in_flight);
+        while slots.used >= max {
+            slots.waiters += 1;
+            slots = self
                 .in_flight_changed
-                .wait(n)
+                .wait(slots)
                 .unwrap_or_else(|e| e.into_inner());
+            slots.waiters -= 1;
         }
-        *n += 1;
+        slots.used += 1;
     }
 
     /// Take an in-flight slot if one is free now, without waiting.
     fn try_acquire_slot(&self, max: usize) -> bool {
-        let mut n = lock(&self.in_flight);
-        if *n >= max {
+        let mut slots = lock(&self.in_flight);
+        if slots.used >= max {
             return false;
         }
-        *n += 1;
+        slots.used += 1;
         true
     }
 
     pub(crate) fn in_flight(&self) -> usize {
-        *lock(&self.in_flight)
+        lock(&self.in_flight).used
     }
 
     pub(crate) fn release_slot(&self) {
-        let mut n = lock(&self.in_flight);
-        debug_assert!(*n > 0);
-        *n = n.saturating_sub(1);
-        drop(n);
-        self.in_flight_changed.notify_all();
+        let mut slots = lock(&self.in_flight);
+        debug_assert!(slots.used > 0);
+        slots.used = slots.used.saturating_sub(1);
+        // A notify is a system call even with nobody waiting: only wake
+        // when someone is (the reader at its limit, or at the end).
+        let wake = slots.waiters > 0;
+        drop(slots);
+        if wake {
+            self.in_flight_changed.notify_all();
+        }
     }
 
     fn wait_idle(&self) {
-        let mut n = lock(&self.in_flight);
-        while *n > 0 {
-            n = self
+        let mut slots = lock(&self.in_flight);
+        while slots.used > 0 {
+            slots.waiters += 1;
+            slots = self
                 .in_flight_changed
-                .wait(n)
+                .wait(slots)
                 .unwrap_or_else(|e| e.into_inner());
+            slots.waiters -= 1;
         }
     }
+}
+
+/// In-flight requests of a connection, and threads waiting for one to end.
+#[derive(Default)]
+struct Slots {
+    used: usize,
+    waiters: usize,
 }
 
 /// `write_all` for several buffers, with `writev` (at most 1024 at a time).

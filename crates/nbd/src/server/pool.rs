@@ -421,14 +421,24 @@ fn block_status(
 /// A counting semaphore over bytes: readers take what a request's buffers
 /// need before queueing it, workers give it back after replying.
 pub(crate) struct ByteBudget {
-    available: Mutex<u64>,
+    state: Mutex<Budget>,
     changed: Condvar,
+}
+
+struct Budget {
+    available: u64,
+    /// Readers blocked in `acquire`: only then does `release` notify (a
+    /// notify is a system call even with nobody waiting).
+    waiters: usize,
 }
 
 impl ByteBudget {
     pub(crate) fn new(total_bytes: u64) -> Self {
         ByteBudget {
-            available: Mutex::new(total_bytes),
+            state: Mutex::new(Budget {
+                available: total_bytes,
+                waiters: 0,
+            }),
             changed: Condvar::new(),
         }
     }
@@ -439,14 +449,13 @@ impl ByteBudget {
         if bytes == 0 {
             return;
         }
-        let mut available = lock(&self.available);
-        while *available < bytes {
-            available = self
-                .changed
-                .wait(available)
-                .unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(&self.state);
+        while state.available < bytes {
+            state.waiters += 1;
+            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+            state.waiters -= 1;
         }
-        *available -= bytes;
+        state.available -= bytes;
     }
 
     /// Take `bytes` if they are available now, without waiting.
@@ -454,11 +463,11 @@ impl ByteBudget {
         if bytes == 0 {
             return true;
         }
-        let mut available = lock(&self.available);
-        if *available < bytes {
+        let mut state = lock(&self.state);
+        if state.available < bytes {
             return false;
         }
-        *available -= bytes;
+        state.available -= bytes;
         true
     }
 
@@ -466,7 +475,12 @@ impl ByteBudget {
         if bytes == 0 {
             return;
         }
-        *lock(&self.available) += bytes;
-        self.changed.notify_all();
+        let mut state = lock(&self.state);
+        state.available += bytes;
+        let wake = state.waiters > 0;
+        drop(state);
+        if wake {
+            self.changed.notify_all();
+        }
     }
 }
