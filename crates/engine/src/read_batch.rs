@@ -74,7 +74,9 @@ impl Engine {
                             slot,
                             crc,
                         }),
-                        Ok(Plan::Miss) => unreachable!("block {lba} was mapped under this lock"),
+                        Ok(Plan::Miss { .. }) => {
+                            unreachable!("block {lba} was mapped under this lock")
+                        }
                         Err(e) => {
                             hits.truncate(hits_before);
                             results[i] = Some(Err(e));
