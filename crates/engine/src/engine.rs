@@ -10,6 +10,7 @@ use cairn_format::{
     Superblock, ORIGIN_BLOCKS_MAX, SUPERBLOCK_OFFSETS,
 };
 
+use crate::blockbuf::{BlockBuf, BufPool};
 use crate::error::{EngineError, EngineResult};
 use crate::index::{remove_mapping, state, ForwardMap, SlotTable};
 use crate::inflight::{Queued, RecordIo};
@@ -105,6 +106,8 @@ pub(crate) struct Env {
     pub integrity: bool,
     /// Where barriers wait for sealed records written outside the lock.
     pub record_io: RecordIo,
+    /// Reused record buffers.
+    pub record_bufs: Arc<BufPool>,
 }
 
 /// The record being filled in memory. Its header goes at logical offset
@@ -114,7 +117,8 @@ pub(crate) struct OpenRecord {
     pub entries: Vec<RecordEntry>,
     /// Entry index of each data block, in data order.
     pub data_entry: Vec<u16>,
-    pub data: Vec<u8>,
+    /// Page aligned, so the record is written without a bounce copy.
+    pub data: BlockBuf,
     pub capacity_data: u64,
     pub has_dirty: bool,
 }
@@ -402,6 +406,9 @@ impl Engine {
             format_tag: chain_seed(&sb.uuid),
             integrity,
             record_io: RecordIo::default(),
+            record_bufs: Arc::new(BufPool::new(
+                record_data_blocks_max(bs) as usize * bs as usize,
+            )),
         };
         let mode = CacheMode::from_code(sb.mode).ok_or_else(|| EngineError::CheckpointDamaged {
             device: env.cache.name().to_string(),

@@ -26,6 +26,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
+use crate::blockbuf::{BlockBuf, BufPool};
 use crate::engine::*;
 use crate::error::{EngineError, EngineResult};
 use crate::stats::Counters;
@@ -43,11 +44,20 @@ pub(crate) struct SealedRecord {
     pub data_count: u64,
     /// Byte offset on the cache device.
     pub at_bytes: u64,
-    pub header: Vec<u8>,
-    pub data: Vec<u8>,
+    pub header: BlockBuf,
+    pub data: BlockBuf,
     /// Set once the write completed (successfully or not); `outcome` says.
     done: AtomicBool,
     outcome: OnceLock<Result<(), String>>,
+    /// Where `data` goes back once the record is gone.
+    pool: Arc<BufPool>,
+}
+
+impl Drop for SealedRecord {
+    fn drop(&mut self) {
+        let data = std::mem::replace(&mut self.data, BlockBuf::with_capacity(0));
+        self.pool.give(data);
+    }
 }
 
 /// A queued record and whether a thread has taken it on to write it.
@@ -65,13 +75,14 @@ pub(crate) struct RecordIo {
 
 impl SealedRecord {
     pub(crate) fn new(
+        env: &Env,
         sequence: u64,
         start: u64,
         at_bytes: u64,
-        header: Vec<u8>,
-        data: Vec<u8>,
-        bs: usize,
+        header: BlockBuf,
+        data: BlockBuf,
     ) -> SealedRecord {
+        let bs = env.bs;
         assert!(data.len().is_multiple_of(bs));
         SealedRecord {
             sequence,
@@ -82,6 +93,7 @@ impl SealedRecord {
             data,
             done: AtomicBool::new(false),
             outcome: OnceLock::new(),
+            pool: env.record_bufs.clone(),
         }
     }
 

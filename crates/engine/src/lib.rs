@@ -17,6 +17,7 @@
 //! drive everything deterministically.
 
 mod degrade;
+mod blockbuf;
 mod engine;
 mod error;
 mod index;

@@ -9,6 +9,7 @@ use cairn_format::{
 
 use cairn_device::DeviceError;
 
+use crate::blockbuf::BlockBuf;
 use crate::engine::*;
 use crate::error::EngineResult;
 use crate::index::state;
@@ -210,7 +211,7 @@ impl Inner {
                     start,
                     entries: Vec::new(),
                     data_entry: Vec::new(),
-                    data: Vec::new(),
+                    data: BlockBuf::with_capacity(0),
                     capacity_data: 0,
                     has_dirty: false,
                 }
@@ -231,6 +232,8 @@ impl Inner {
             entries: open.entries.clone(),
         };
         let (hbuf, hcrc) = header.encode(env.bs as u32);
+        // Aligned like the data, so the record goes down without a copy.
+        let hbuf = BlockBuf::copy_of(&hbuf);
         let at = env.layout.slot_offset_bytes(self.phys(open.start) as u64);
         let length = header.length_blocks();
         assert!(
@@ -280,9 +283,9 @@ impl Inner {
             Counters::add(&env.counters.cache_barriers, 1);
             self.durable_seq = self.next_seq - 1;
             self.unsynced_blocks = 0;
+            env.record_bufs.give(open.data);
         } else {
-            let record =
-                SealedRecord::new(self.next_seq - 1, open.start, at, hbuf, open.data, env.bs);
+            let record = SealedRecord::new(env, self.next_seq - 1, open.start, at, hbuf, open.data);
             self.queue_sealed(env, record)?;
         }
         Ok(())
