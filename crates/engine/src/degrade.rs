@@ -175,20 +175,38 @@ impl Engine {
         //    after the last epoch end, then the open record (the current
         //    request's writes may be among them; it is re-run after the
         //    switch). Read it all now, in log order, before anything else
-        //    changes: if the log cannot be read, stop here.
+        //    changes: if the log cannot be read, stop here. The records
+        //    still queued in memory (their write failed, never started, or
+        //    completed behind one that had not: see `inflight.rs`) are the
+        //    end of the log up to the open record; they are taken from
+        //    memory, not read back.
+        let queued = inner.take_sealed(env);
+        let cache_end = queued.first().map_or(end, |r| r.start);
         let start = inner.wb;
         let mut tail = Vec::new();
         let mut pos = start;
         for _ in 0..=n {
-            if place(pos, n) >= end {
+            if place(pos, n) >= cache_end {
                 break;
             }
-            let (mut more, next) = read_group(env, pos, end, n)?;
+            let (mut more, next) = read_group(env, pos, cache_end, n)?;
             tail.append(&mut more);
             pos = next;
         }
-        assert!(place(pos, n) >= end, "degrade read every sealed record");
+        assert!(
+            place(pos, n) >= cache_end,
+            "degrade read every sealed record"
+        );
         let sealed = tail.len();
+        for (i, record) in queued.iter().enumerate() {
+            let next_start = queued.get(i + 1).map_or(end, |r| r.start);
+            assert!(record.start < next_start, "queued records are in log order");
+            tail.push((
+                record.start,
+                record.header_fields.clone(),
+                record.data.to_vec(),
+            ));
+        }
         // 3. DEGRADED, durable in both superblock copies, BEFORE any
         //    unflushed data reaches the origin. Were it the other way
         //    round, a crash in between would replay the log over an origin
@@ -222,20 +240,35 @@ impl Engine {
                 flags: 0,
                 entries: open.entries,
             };
-            tail.push((open.start, header, open.data));
+            tail.push((open.start, header, open.data.to_vec()));
         }
         if !tail.is_empty() {
             let applied = apply_group(env, &tail)?;
             drained_blocks += applied.blocks_written;
-            if let Some((open_start, _)) = open_slots {
-                assert!(
-                    applied.bad.iter().all(|&(_, logical)| logical < open_start),
-                    "open record data matches its checksums"
-                );
-            }
+            // Data taken from memory (queued records, the open record)
+            // matches its checksums.
+            let memory_start = queued.first().map_or(end, |r| r.start);
+            assert!(
+                applied
+                    .bad
+                    .iter()
+                    .all(|&(_, logical)| logical < memory_start),
+                "in-memory record data matches its checksums"
+            );
             if sealed > 0 {
                 inner.commit_group(env, start, pos, &tail[..sealed], &applied);
             }
+        }
+        // Queued records may not have reached the cache device: their slots
+        // leave the index like the open record's (the origin has them now).
+        for record in &queued {
+            for k in 0..record.data_count {
+                let slot = inner.phys(record.start + 1 + k);
+                if inner.slots.is_live(slot) {
+                    inner.retire_slot(slot);
+                }
+            }
+            inner.ranges.retire_records(record.start, record.start + 1);
         }
         // The open record never reached the cache device: its slots leave
         // the index (the origin has their data now).
@@ -440,6 +473,7 @@ impl Inner {
             unsynced_blocks: 0,
             epoch_open: false,
             open: None,
+            sealed: std::collections::VecDeque::new(),
             ranges: RangeMap::default(),
             dirty_blocks: 0,
             clean_blocks: 0,

@@ -27,9 +27,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crate::blockbuf::{BlockBuf, BufPool};
+use cairn_format::RecordHeader;
+
 use crate::engine::*;
 use crate::error::{EngineError, EngineResult};
-use crate::stats::Counters;
+use crate::log::retrying_cache_write;
 
 /// Most sealed records kept in memory before the sealing call writes them
 /// itself under the lock (the old, synchronous behaviour): 16 records of at
@@ -45,6 +47,9 @@ pub(crate) struct SealedRecord {
     /// Byte offset on the cache device.
     pub at_bytes: u64,
     pub header: BlockBuf,
+    /// The header, decoded: degraded mode copies a record that may never
+    /// have reached the cache from memory.
+    pub header_fields: RecordHeader,
     pub data: BlockBuf,
     /// Set once the write completed (successfully or not); `outcome` says.
     done: AtomicBool,
@@ -76,12 +81,13 @@ pub(crate) struct RecordIo {
 impl SealedRecord {
     pub(crate) fn new(
         env: &Env,
-        sequence: u64,
         start: u64,
         at_bytes: u64,
+        header_fields: RecordHeader,
         header: BlockBuf,
         data: BlockBuf,
     ) -> SealedRecord {
+        let sequence = header_fields.sequence;
         let bs = env.bs;
         assert!(data.len().is_multiple_of(bs));
         SealedRecord {
@@ -90,6 +96,7 @@ impl SealedRecord {
             data_count: (data.len() / bs) as u64,
             at_bytes,
             header,
+            header_fields,
             data,
             done: AtomicBool::new(false),
             outcome: OnceLock::new(),
@@ -120,7 +127,10 @@ impl SealedRecord {
         } else {
             &[&self.header, &self.data]
         };
-        let result = env.cache.write_vectored_at(self.at_bytes, bufs);
+        // No barrier is involved, so a failed attempt can be retried.
+        let result = retrying_cache_write(env, "sealing a log record", true, || {
+            env.cache.write_vectored_at(self.at_bytes, bufs)
+        });
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
         assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
         {
@@ -176,15 +186,73 @@ impl Inner {
     }
 
     /// Wait (holding the engine lock: writers do not need it) until at most
-    /// `keep` records are not yet written, then drop the written ones.
+    /// `keep` records are queued, dropping the written ones from the front.
     fn wait_sealed(&mut self, env: &Env, keep: usize) -> EngineResult<()> {
+        loop {
+            self.prune_sealed(env)?;
+            if self.sealed.len() <= keep {
+                return Ok(());
+            }
+            let guard = env.record_io.lock.lock().unwrap_or_else(|p| p.into_inner());
+            let front = self.sealed.front().expect("more than `keep` queued");
+            if front.record.is_done() {
+                continue;
+            }
+            assert!(front.claimed, "waiting for a record nobody will write");
+            drop(
+                env.record_io
+                    .changed
+                    .wait(guard)
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
+        }
+    }
+
+    /// Drop written records from the front of the queue (only the front:
+    /// the queue stays the suffix of the log from the first record not
+    /// known written, which degraded mode relies on). A failed write
+    /// anywhere marks the cache failed (degraded mode follows); the failed
+    /// record stays queued, so its data is still in memory.
+    fn prune_sealed(&mut self, env: &Env) -> EngineResult<()> {
+        while self
+            .sealed
+            .front()
+            .is_some_and(|q| q.record.is_done() && matches!(q.record.outcome.get(), Some(Ok(()))))
+        {
+            self.sealed.pop_front();
+        }
+        let failed = self
+            .sealed
+            .iter()
+            .find_map(|q| match q.record.outcome.get() {
+                Some(Err(reason)) if q.record.is_done() => Some((
+                    q.record.at_bytes,
+                    q.record.header.len() + q.record.data.len(),
+                    reason.clone(),
+                )),
+                _ => None,
+            });
+        match failed {
+            None => Ok(()),
+            Some((at, len, reason)) => {
+                let e = cairn_device::DeviceError::Io {
+                    device: env.cache.name().to_string(),
+                    offset: at,
+                    len: len as u64,
+                    source: std::io::Error::other(reason),
+                };
+                Err(self.fail(env, "sealing a log record", e))
+            }
+        }
+    }
+
+    /// For degraded mode: wait for every record a thread is writing, then
+    /// take the whole queue (written, failed or never written alike), in
+    /// log order. Their data goes to the origin from memory.
+    pub(crate) fn take_sealed(&mut self, env: &Env) -> Vec<Arc<SealedRecord>> {
         {
             let mut guard = env.record_io.lock.lock().unwrap_or_else(|p| p.into_inner());
-            while self.sealed.iter().filter(|q| !q.record.is_done()).count() > keep {
-                assert!(
-                    self.sealed.iter().all(|q| q.claimed || q.record.is_done()),
-                    "waiting for a record nobody will write"
-                );
+            while self.sealed.iter().any(|q| q.claimed && !q.record.is_done()) {
                 guard = env
                     .record_io
                     .changed
@@ -192,36 +260,7 @@ impl Inner {
                     .unwrap_or_else(|p| p.into_inner());
             }
         }
-        self.prune_sealed(env)
-    }
-
-    /// Drop written records from the queue; a failed write fails the engine.
-    fn prune_sealed(&mut self, env: &Env) -> EngineResult<()> {
-        let mut failure = None;
-        self.sealed.retain(|q| {
-            if !q.record.is_done() {
-                return true;
-            }
-            if let Some(Err(e)) = q.record.outcome.get() {
-                failure.get_or_insert_with(|| e.clone());
-            }
-            false
-        });
-        match failure {
-            None => Ok(()),
-            Some(reason) => Err(self.fail_sealed(env, reason)),
-        }
-    }
-
-    fn fail_sealed(&mut self, env: &Env, reason: String) -> EngineError {
-        if let Some(existing) = &self.failed {
-            return EngineError::Failed(existing.clone());
-        }
-        Counters::add(&env.counters.cache_write_errors, 1);
-        let reason = format!("sealing a log record: {reason}");
-        tracing::error!("cache device failed: {reason}");
-        self.failed = Some(reason.clone());
-        EngineError::Failed(reason)
+        self.sealed.drain(..).map(|q| q.record).collect()
     }
 
     /// Before a barrier: every sealed record is written and complete, so

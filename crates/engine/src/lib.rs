@@ -16,8 +16,8 @@
 //! background write-back by calling [`Engine::writeback_step`], and tests
 //! drive everything deterministically.
 
-mod degrade;
 mod blockbuf;
+mod degrade;
 mod engine;
 mod error;
 mod index;

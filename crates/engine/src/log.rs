@@ -285,7 +285,7 @@ impl Inner {
             self.unsynced_blocks = 0;
             env.record_bufs.give(open.data);
         } else {
-            let record = SealedRecord::new(env, self.next_seq - 1, open.start, at, hbuf, open.data);
+            let record = SealedRecord::new(env, open.start, at, header, hbuf, open.data);
             self.queue_sealed(env, record)?;
         }
         Ok(())

@@ -1040,3 +1040,33 @@ fn degrading_a_cache_with_integrity_tags() {
     assert!(rig.engine().is_degraded());
     assert_volume(rig.engine(), &model, "reopened");
 }
+
+/// A full record's write fails outside the engine lock (records are written
+/// after the lock is dropped, see `inflight.rs`): the write that sealed it
+/// still succeeds, on the degraded path, and the record's data, never on
+/// the cache, reaches the origin from memory with everything else.
+#[test]
+fn failed_write_of_a_sealed_record_degrades_and_keeps_its_data() {
+    let (rig, mut model) = populated(5);
+    let e = rig.engine();
+    // Unflushed dirty data already in the log, then the failure.
+    let early = pattern(81_000, (3 * BS) as usize);
+    e.write(30 * BS, &early, false).unwrap();
+    model.write(30 * BS, &early);
+    fail_log_writes(&rig.cache);
+    // 70 blocks: seals a full record (its write fails) and opens another.
+    let data = pattern(81_001, (70 * BS) as usize);
+    e.write(40 * BS, &data, false)
+        .expect("acknowledged on the degraded path");
+    model.write(40 * BS, &data);
+    assert!(
+        e.is_degraded(),
+        "the failed record write degraded the cache"
+    );
+    assert_eq!(e.stats().dirty_blocks, 0);
+    assert!(
+        rig.origin.durable_image() == model.image,
+        "every acknowledged write is durable on the origin, the failed record's included"
+    );
+    assert_volume(e, &model, "after degrading on a record write");
+}
