@@ -175,7 +175,19 @@ fn sequential_writes_read_nothing_for_tags() {
         return;
     }
     let ctx = Ctx::new("integrity_io");
-    let cache = ctx.file("cache.img", 256 * MIB);
+    // A fully written cache file, like a real device: writes into the holes
+    // of a sparse file make the filesystem allocate, and reading its
+    // allocation metadata would be counted against the daemon too.
+    let cache = ctx.path("cache.img");
+    {
+        use std::io::Write as _;
+        let mut f = std::fs::File::create(&cache).expect("create cache file");
+        let zeroes = vec![0u8; MIB as usize];
+        for _ in 0..256 {
+            f.write_all(&zeroes).expect("fill cache file");
+        }
+        f.sync_all().expect("sync cache file");
+    }
     let origin = ctx.file("origin.img", 256 * MIB);
     ctx.format(&cache, &origin.to_string_lossy(), &["--integrity"]);
     let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &["--no-writeback"]);
