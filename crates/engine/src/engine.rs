@@ -110,6 +110,16 @@ pub(crate) struct Env {
     pub record_bufs: Arc<BufPool>,
 }
 
+impl Env {
+    /// Read whole origin blocks from block `lba`, counting a failure.
+    pub(crate) fn read_origin(&self, lba: u64, buf: &mut [u8]) -> EngineResult<()> {
+        self.origin.read_at(lba * self.bs as u64, buf).map_err(|e| {
+            Counters::add(&self.counters.origin_read_errors, 1);
+            EngineError::Origin(e)
+        })
+    }
+}
+
 /// The record being filled in memory. Its header goes at logical offset
 /// `start`, its data blocks right after.
 pub(crate) struct OpenRecord {

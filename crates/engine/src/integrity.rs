@@ -110,28 +110,19 @@ fn report_mismatch(env: &Env, lba: u64) {
 }
 
 impl Engine {
-    pub(crate) fn check_origin_block(
-        &self,
-        lba: u64,
-        block: &[u8],
-        tag: Option<u32>,
-    ) -> EngineResult<()> {
-        judge(&self.env, lba, block, tag)
-    }
-
-    pub(crate) fn report_origin_mismatch(&self, lba: u64) {
-        report_mismatch(&self.env, lba);
-    }
-
-    /// An origin block failed the tag it was planned with. The read may have
-    /// raced a write-back that moved the tag (or cached the block): plan it
-    /// again, and only a mismatch against an unchanged tag is reported.
-    pub(crate) fn recheck_origin_block(
+    /// Check a block just read from the origin against the tag its read was
+    /// planned with. The read may have raced a write-back that moved the
+    /// tag (or cached the block): on a mismatch the block is planned again,
+    /// and only a mismatch against an unchanged tag is reported (EIO).
+    pub(crate) fn verify_origin_read(
         &self,
         lba: u64,
         planned: Option<u32>,
         block: &mut [u8],
     ) -> EngineResult<()> {
+        if judge(&self.env, lba, block, planned).is_ok() {
+            return Ok(());
+        }
         let mut tag = planned;
         for _ in 0..RECHECK_ROUNDS_MAX {
             let plan = {
@@ -141,33 +132,17 @@ impl Engine {
             match plan {
                 Plan::Done => return Ok(()),
                 Plan::Cache { slot, crc } => return self.read_block_slow(lba, slot, crc, block),
-                Plan::Miss { tag: now } if now == tag => {
-                    self.report_origin_mismatch(lba);
-                    return Err(EngineError::OriginCorrupt {
-                        lba,
-                        offset_bytes: lba * self.env.bs as u64,
-                    });
-                }
+                Plan::Miss { tag: now } if now == tag => break,
                 Plan::Miss { tag: now } => {
-                    self.env
-                        .origin
-                        .read_at(lba * self.env.bs as u64, block)
-                        .map_err(|e| {
-                            Counters::add(&self.env.counters.origin_read_errors, 1);
-                            EngineError::Origin(e)
-                        })?;
-                    if self.check_origin_block(lba, block, now).is_ok() {
+                    self.env.read_origin(lba, block)?;
+                    if judge(&self.env, lba, block, now).is_ok() {
                         return Ok(());
                     }
                     tag = now;
                 }
             }
         }
-        self.report_origin_mismatch(lba);
-        Err(EngineError::OriginCorrupt {
-            lba,
-            offset_bytes: lba * self.env.bs as u64,
-        })
+        check_origin_data(&self.env, lba, block, tag)
     }
 
     /// Is origin integrity on for this cache?
@@ -223,10 +198,7 @@ impl Engine {
         let mut buf = vec![0u8; (count * bs) as usize];
         // The origin cannot change under this read: every origin writer
         // holds the write-back lock we hold.
-        self.env.origin.read_at(pos * bs, &mut buf).map_err(|e| {
-            Counters::add(&self.env.counters.origin_read_errors, 1);
-            EngineError::Origin(e)
-        })?;
+        self.env.read_origin(pos, &mut buf)?;
         let mut inner = self.lock()?;
         let tags = inner.tags.as_mut().expect("integrity on");
         assert_eq!(tags.recalc_pos, pos, "recalculation is serialized");
@@ -313,10 +285,7 @@ impl Engine {
                     .writeback_lock
                     .lock()
                     .unwrap_or_else(|p| p.into_inner());
-                self.env.origin.read_at(pos * bs, chunk).map_err(|e| {
-                    Counters::add(&self.env.counters.origin_read_errors, 1);
-                    EngineError::Origin(e)
-                })?;
+                self.env.read_origin(pos, chunk)?;
                 for k in 0..count {
                     let lba = pos + k;
                     let block = &chunk[(k * bs) as usize..((k + 1) * bs) as usize];
@@ -347,28 +316,18 @@ impl Engine {
     ) -> EngineResult<()> {
         let bs = self.env.bs as u64;
         report.blocks_checked += 1;
-        let (tag, cached_clean) = {
+        let tag = {
             let inner = self.lock()?;
-            let slot = inner.map.get(lba, &inner.slots);
             let pending = inner.ranges.covering(lba).is_some() || inner.lost.contains(&lba);
-            let dirty = slot.is_some_and(|s| inner.slot_is_dirty(s));
+            let dirty = inner
+                .map
+                .get(lba, &inner.slots)
+                .is_some_and(|s| inner.slot_is_dirty(s));
             if pending || dirty {
                 report.blocks_skipped += 1;
                 return Ok(());
             }
-            let cached_clean = slot.map(|s| {
-                // A clean copy still in the open record is not on the device
-                // yet: take it from memory.
-                let in_memory = inner.open_slot_index(s).map(|k| {
-                    let open = inner.open.as_ref().expect("open record");
-                    open.data[k * bs as usize..(k + 1) * bs as usize].to_vec()
-                });
-                (s, inner.slots.crc(s), in_memory)
-            });
-            (
-                inner.tags.as_ref().map_or(TAG_UNSET, |t| t.get(lba)),
-                cached_clean,
-            )
+            inner.tags.as_ref().map_or(TAG_UNSET, |t| t.get(lba))
         };
         match tag_matches(tag, lba, block) {
             None => {
@@ -384,49 +343,64 @@ impl Engine {
             Some(false) => {}
         }
         report_mismatch(&self.env, lba);
-        if opts.repair {
-            if let Some((slot, crc, in_memory)) = cached_clean {
-                let (copy, read) = match in_memory {
-                    Some(copy) => (copy, Ok(())),
-                    None => {
-                        let mut copy = vec![0u8; bs as usize];
-                        let read = self
-                            .env
-                            .cache
-                            .read_at(self.env.layout.slot_offset_bytes(slot as u64), &mut copy);
-                        (copy, read)
-                    }
-                };
-                // Check data after reading it: only a verified copy that also
-                // matches the tag may overwrite the origin.
-                if read.is_ok()
-                    && block_checksum(lba, &copy) == crc
-                    && tag_matches(tag, lba, &copy) == Some(true)
-                {
-                    let origin = self.env.origin.as_ref();
-                    let written = origin
-                        .write_at(lba * bs, &copy)
-                        .and_then(|()| origin.flush());
-                    match written {
-                        Ok(()) => {
-                            Counters::add(&self.env.counters.origin_repairs, 1);
-                            tracing::warn!(
-                                lba,
-                                offset_bytes = lba * bs,
-                                "origin block repaired from its clean cached copy"
-                            );
-                            report.repaired.push(lba);
-                            return Ok(());
-                        }
-                        Err(e) => {
-                            Counters::add(&self.env.counters.origin_write_errors, 1);
-                            tracing::error!(lba, "origin repair failed: {e}");
-                        }
-                    }
+        let copy = if opts.repair {
+            self.clean_cached_copy(lba)?
+        } else {
+            None
+        };
+        // Only a verified copy that also matches the tag may overwrite the
+        // origin.
+        if let Some(copy) = copy.filter(|c| tag_matches(tag, lba, c) == Some(true)) {
+            let origin = self.env.origin.as_ref();
+            match origin
+                .write_at(lba * bs, &copy)
+                .and_then(|()| origin.flush())
+            {
+                Ok(()) => {
+                    Counters::add(&self.env.counters.origin_repairs, 1);
+                    tracing::warn!(
+                        lba,
+                        offset_bytes = lba * bs,
+                        "origin block repaired from its clean cached copy"
+                    );
+                    report.repaired.push(lba);
+                    return Ok(());
+                }
+                Err(e) => {
+                    Counters::add(&self.env.counters.origin_write_errors, 1);
+                    tracing::error!(lba, "origin repair failed: {e}");
                 }
             }
         }
         report.mismatches.push(lba);
         Ok(())
+    }
+
+    /// The clean cached copy of `lba`, checked against its checksum after
+    /// reading it; `None` if the block is not cached clean or the copy is
+    /// bad. Taken only when a scrub found the origin copy bad.
+    fn clean_cached_copy(&self, lba: u64) -> EngineResult<Option<Vec<u8>>> {
+        let bs = self.env.bs;
+        let (slot, crc) = {
+            let inner = self.lock()?;
+            let Some(slot) = inner.map.get(lba, &inner.slots) else {
+                return Ok(None);
+            };
+            if inner.slot_is_dirty(slot) {
+                return Ok(None);
+            }
+            // A copy still in the open record is not on the device yet.
+            if let Some(k) = inner.open_slot_index(slot) {
+                let open = inner.open.as_ref().expect("open record");
+                return Ok(Some(open.data[k * bs..(k + 1) * bs].to_vec()));
+            }
+            (slot, inner.slots.crc(slot))
+        };
+        let mut copy = vec![0u8; bs];
+        let read = self
+            .env
+            .cache
+            .read_at(self.env.layout.slot_offset_bytes(slot as u64), &mut copy);
+        Ok((read.is_ok() && block_checksum(lba, &copy) == crc).then_some(copy))
     }
 }

@@ -129,12 +129,8 @@ impl Engine {
         }
         // Misses: one origin read per contiguous run.
         for &(start, end) in &miss_runs {
-            let at = (first + start as u64) * bs as u64;
-            let slice = &mut out[start * bs..end * bs];
-            if let Err(e) = self.env.origin.read_at(at, slice) {
-                Counters::add(&c.origin_read_errors, 1);
-                return Err(EngineError::Origin(e));
-            }
+            self.env
+                .read_origin(first + start as u64, &mut out[start * bs..end * bs])?;
             Counters::add(&c.read_misses, (end - start) as u64);
             // Check data after reading it: every block against its tag.
             for i in start..end {
@@ -143,9 +139,7 @@ impl Engine {
                 };
                 let lba = first + i as u64;
                 let block = &mut out[i * bs..(i + 1) * bs];
-                if self.check_origin_block(lba, block, tag).is_err() {
-                    self.recheck_origin_block(lba, tag, block)?;
-                }
+                self.verify_origin_read(lba, tag, block)?;
             }
         }
         // Verify hits.
@@ -210,17 +204,8 @@ impl Engine {
             Plan::Done => Ok(()),
             Plan::Miss { tag } => {
                 drop(inner);
-                self.env
-                    .origin
-                    .read_at(lba * self.env.bs as u64, block)
-                    .map_err(|e| {
-                        Counters::add(&c.origin_read_errors, 1);
-                        EngineError::Origin(e)
-                    })?;
-                if self.check_origin_block(lba, block, tag).is_err() {
-                    self.recheck_origin_block(lba, tag, block)?;
-                }
-                Ok(())
+                self.env.read_origin(lba, block)?;
+                self.verify_origin_read(lba, tag, block)
             }
             Plan::Cache {
                 slot: now_slot,
@@ -261,19 +246,10 @@ impl Engine {
                     slot = now_slot,
                     "clean cache block bad; serving from origin and repairing"
                 );
-                self.env
-                    .origin
-                    .read_at(lba * self.env.bs as u64, block)
-                    .map_err(|e| {
-                        Counters::add(&c.origin_read_errors, 1);
-                        EngineError::Origin(e)
-                    })?;
+                self.env.read_origin(lba, block)?;
                 // The lock is held: the tag cannot move under this check.
                 let tag = inner.tags.as_ref().map(|t| t.get(lba));
-                if let Err(e) = self.check_origin_block(lba, block, tag) {
-                    self.report_origin_mismatch(lba);
-                    return Err(e);
-                }
+                crate::integrity::check_origin_data(&self.env, lba, block, tag)?;
                 inner.retire_slot(now_slot);
                 if inner.promote(&self.env, lba, block)? {
                     Counters::add(&c.repairs, 1);

@@ -488,24 +488,14 @@ impl Inner {
                         self.mark_corrupt(slot);
                         return Err(EngineError::DirtyBlockCorrupt { lba });
                     }
-                    env.origin
-                        .read_at(lba * bs as u64, &mut block)
-                        .map_err(|e| {
-                            Counters::add(&env.counters.origin_read_errors, 1);
-                            EngineError::Origin(e)
-                        })?;
+                    env.read_origin(lba, &mut block)?;
                     let tag = self.tags.as_ref().map(|t| t.get(lba));
                     crate::integrity::check_origin_data(env, lba, &block, tag)?;
                     Counters::add(&env.counters.repairs, 1);
                 }
             }
             Plan::Miss { tag } => {
-                env.origin
-                    .read_at(lba * bs as u64, &mut block)
-                    .map_err(|e| {
-                        Counters::add(&env.counters.origin_read_errors, 1);
-                        EngineError::Origin(e)
-                    })?;
+                env.read_origin(lba, &mut block)?;
                 // The engine lock is held, so the tag is current: a mismatch
                 // is real, and merging into bad data would bless it.
                 crate::integrity::check_origin_data(env, lba, &block, tag)?;

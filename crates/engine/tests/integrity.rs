@@ -209,45 +209,9 @@ fn tags_follow_writes_zeroes_and_discards_through_every_mode() {
         let mut wl = Workload::new(seed, VOLUME_BLOCKS);
         wl.allow_mode_switch = seed % 2 == 0;
         for i in 0..1500 {
-            match wl.next_op() {
-                Op::Write {
-                    offset,
-                    len,
-                    fua,
-                    seed: s,
-                } => {
-                    let data = pattern(s, len as usize);
-                    rig.engine().write(offset, &data, fua).unwrap();
-                    model.write(offset, &data);
-                }
-                Op::Read { offset, len } => {
-                    let mut buf = vec![0u8; len as usize];
-                    rig.engine()
-                        .read(offset, &mut buf)
-                        .unwrap_or_else(|e| panic!("seed {seed} op {i}: read: {e}"));
-                    assert!(buf == model.image[offset as usize..(offset + len) as usize]);
-                }
-                Op::Flush => rig.engine().flush().unwrap(),
-                Op::Discard { offset, len } => {
-                    rig.engine().discard(offset, len).unwrap();
-                    model.discard(offset, len);
-                }
-                Op::Zero { offset, len } => {
-                    rig.engine().write_zeroes(offset, len).unwrap();
-                    model.zero(offset, len);
-                }
-                Op::WritebackStep => {
-                    rig.engine().writeback_step().unwrap();
-                }
-                Op::Drain => {
-                    rig.engine().drain().unwrap();
-                }
-                Op::Checkpoint => rig.engine().checkpoint().unwrap(),
-                Op::ReopenClean => rig.reopen_clean(),
-                Op::SetMode(m) => {
-                    rig.engine().set_mode(m, |_| {}).unwrap();
-                }
-            }
+            let op = wl.next_op();
+            let ctx = || format!("seed {seed} op #{i} {op:?}");
+            apply_op(&mut rig, &mut model, &op, &ctx);
             if i % 300 == 299 {
                 let report = scrub(rig.engine(), false);
                 assert!(

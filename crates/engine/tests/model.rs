@@ -11,7 +11,6 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64) -> usize {
 }
 
 fn run_seed_modes(seed: u64, ops: usize, volume_blocks: u64, modes: bool) -> usize {
-    use cairn_engine::CacheMode;
     let mut rig = Rig::new(cache_bytes_small(), volume_blocks);
     let mut model = Model::new(volume_blocks);
     let mut wl = Workload::new(seed, volume_blocks);
@@ -19,86 +18,7 @@ fn run_seed_modes(seed: u64, ops: usize, volume_blocks: u64, modes: bool) -> usi
     for i in 0..ops {
         let op = wl.next_op();
         let ctx = || format!("seed {seed} op #{i} {op:?}; {}", repro("model", seed));
-        match &op {
-            Op::Write {
-                offset,
-                len,
-                fua,
-                seed: s,
-            } => {
-                let data = pattern(*s, *len as usize);
-                rig.engine()
-                    .write(*offset, &data, *fua)
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-                model.write(*offset, &data);
-            }
-            Op::Read { offset, len } => {
-                let mut buf = vec![0u8; *len as usize];
-                rig.engine()
-                    .read(*offset, &mut buf)
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-                let want = &model.image[*offset as usize..(*offset + *len) as usize];
-                if buf != want {
-                    let at = buf.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
-                    panic!("{}: divergence at byte {}", ctx(), *offset + at as u64);
-                }
-            }
-            Op::Flush => rig
-                .engine()
-                .flush()
-                .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
-            Op::Discard { offset, len } => {
-                rig.engine()
-                    .discard(*offset, *len)
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-                model.discard(*offset, *len);
-            }
-            Op::Zero { offset, len } => {
-                rig.engine()
-                    .write_zeroes(*offset, *len)
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-                model.zero(*offset, *len);
-            }
-            Op::WritebackStep => {
-                rig.engine()
-                    .writeback_step()
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-            }
-            Op::Drain => {
-                let p = rig
-                    .engine()
-                    .drain()
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-                assert_eq!(p.dirty_blocks, 0, "{}", ctx());
-                // Drained: the origin alone is the volume.
-                assert!(
-                    rig.origin.live_image() == model.image,
-                    "{}: origin differs after drain",
-                    ctx()
-                );
-            }
-            Op::Checkpoint => rig
-                .engine()
-                .checkpoint()
-                .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
-            Op::ReopenClean => rig.reopen_clean(),
-            Op::SetMode(m) => {
-                let p = rig
-                    .engine()
-                    .set_mode(*m, |_| {})
-                    .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
-                if *m != CacheMode::WriteBack {
-                    // Leaving write-back drains: the origin is the volume.
-                    assert_eq!(p.dirty_blocks, 0, "{}", ctx());
-                    assert!(
-                        rig.origin.live_image() == model.image,
-                        "{}: origin differs after switching to {}",
-                        ctx(),
-                        m.name()
-                    );
-                }
-            }
-        }
+        apply_op(&mut rig, &mut model, &op, &ctx);
     }
     let vol = read_volume(rig.engine()).expect("final read");
     assert!(

@@ -61,53 +61,20 @@ fn run_seed(seed: u64, ops: usize, volume_blocks: u64) -> u64 {
     for i in 0..ops {
         let op = wl.next_op();
         let ctx = format!("seed {seed} op #{i} {op:?}; {}", repro("read_batch", seed));
-        let e = rig.engine();
-        match &op {
-            Op::Write {
-                offset,
-                len,
-                fua,
-                seed: s,
-            } => {
-                let data = pattern(*s, *len as usize);
-                e.write(*offset, &data, *fua)
-                    .unwrap_or_else(|err| panic!("{ctx}: {err}"));
-                model.write(*offset, &data);
+        if let Op::Read { offset, len } = op {
+            // The workload's read plus up to 7 more: single blocks and
+            // short runs anywhere, often just written (open record) or
+            // read before (cached clean), sometimes never seen (miss).
+            let mut extents = vec![(offset, len)];
+            for _ in 0..rng.gen_range(0..8) {
+                let blocks = rng.gen_range(1..=4u64);
+                let lba = rng.gen_range(0..=volume_blocks - blocks);
+                extents.push((lba * BS, blocks * BS));
             }
-            Op::Read { offset, len } => {
-                // The workload's read plus up to 7 more: single blocks and
-                // short runs anywhere, often just written (open record) or
-                // read before (cached clean), sometimes never seen (miss).
-                let mut extents = vec![(*offset, *len)];
-                for _ in 0..rng.gen_range(0..8) {
-                    let blocks = rng.gen_range(1..=4u64);
-                    let lba = rng.gen_range(0..=volume_blocks - blocks);
-                    extents.push((lba * BS, blocks * BS));
-                }
-                batched += extents.len() as u64;
-                check_batch(&rig, &model, &extents, &ctx);
-            }
-            Op::Flush => e.flush().unwrap_or_else(|err| panic!("{ctx}: {err}")),
-            Op::Discard { offset, len } => {
-                e.discard(*offset, *len)
-                    .unwrap_or_else(|err| panic!("{ctx}: {err}"));
-                model.discard(*offset, *len);
-            }
-            Op::Zero { offset, len } => {
-                e.write_zeroes(*offset, *len)
-                    .unwrap_or_else(|err| panic!("{ctx}: {err}"));
-                model.zero(*offset, *len);
-            }
-            Op::WritebackStep => {
-                e.writeback_step()
-                    .unwrap_or_else(|err| panic!("{ctx}: {err}"));
-            }
-            Op::Drain => {
-                e.drain().unwrap_or_else(|err| panic!("{ctx}: {err}"));
-            }
-            Op::Checkpoint => e.checkpoint().unwrap_or_else(|err| panic!("{ctx}: {err}")),
-            Op::ReopenClean => rig.reopen_clean(),
-            Op::SetMode(_) => {}
+            batched += extents.len() as u64;
+            check_batch(&rig, &model, &extents, &ctx);
+        } else {
+            apply_op(&mut rig, &mut model, &op, &|| ctx.clone());
         }
     }
     // The whole volume, as one batch of single blocks.

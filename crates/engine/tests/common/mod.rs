@@ -281,6 +281,93 @@ impl Model {
     }
 }
 
+/// Apply one workload operation to the engine and the model, checking what
+/// can be checked right away: reads against the model, and after a drain or
+/// a switch away from write-back, the origin against the model.
+pub fn apply_op(rig: &mut Rig, model: &mut Model, op: &Op, ctx: &dyn Fn() -> String) {
+    use cairn_engine::CacheMode;
+    match op {
+        Op::Write {
+            offset,
+            len,
+            fua,
+            seed: s,
+        } => {
+            let data = pattern(*s, *len as usize);
+            rig.engine()
+                .write(*offset, &data, *fua)
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+            model.write(*offset, &data);
+        }
+        Op::Read { offset, len } => {
+            let mut buf = vec![0u8; *len as usize];
+            rig.engine()
+                .read(*offset, &mut buf)
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+            let want = &model.image[*offset as usize..(*offset + *len) as usize];
+            if buf != want {
+                let at = buf.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+                panic!("{}: divergence at byte {}", ctx(), *offset + at as u64);
+            }
+        }
+        Op::Flush => rig
+            .engine()
+            .flush()
+            .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
+        Op::Discard { offset, len } => {
+            rig.engine()
+                .discard(*offset, *len)
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+            model.discard(*offset, *len);
+        }
+        Op::Zero { offset, len } => {
+            rig.engine()
+                .write_zeroes(*offset, *len)
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+            model.zero(*offset, *len);
+        }
+        Op::WritebackStep => {
+            rig.engine()
+                .writeback_step()
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+        }
+        Op::Drain => {
+            let p = rig
+                .engine()
+                .drain()
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+            assert_eq!(p.dirty_blocks, 0, "{}", ctx());
+            // Drained: the origin alone is the volume.
+            assert!(
+                rig.origin.live_image() == model.image,
+                "{}: origin differs after drain",
+                ctx()
+            );
+        }
+        Op::Checkpoint => rig
+            .engine()
+            .checkpoint()
+            .unwrap_or_else(|e| panic!("{}: {e}", ctx())),
+        Op::ReopenClean => rig.reopen_clean(),
+        Op::SetMode(m) => {
+            let p = rig
+                .engine()
+                .set_mode(*m, |_| {})
+                .unwrap_or_else(|e| panic!("{}: {e}", ctx()));
+            if *m != CacheMode::WriteBack {
+                // Leaving write-back drains: the origin is the volume.
+                assert_eq!(p.dirty_blocks, 0, "{}", ctx());
+                assert!(
+                    rig.origin.live_image() == model.image,
+                    "{}: origin differs after switching to {}",
+                    ctx(),
+                    m.name()
+                );
+            }
+        }
+    }
+}
+
 pub fn read_volume(engine: &Engine) -> Result<Vec<u8>, cairn_engine::EngineError> {
     let mut buf = vec![0u8; engine.size_bytes() as usize];
     // In pieces, as a client would.

@@ -53,22 +53,7 @@ impl ConnWriter {
     /// Write one whole message. After any failure the connection is dead:
     /// both directions are shut so the reader wakes up and ends.
     pub(crate) fn send(&self, bytes: &[u8]) -> bool {
-        if self.broken.load(Ordering::SeqCst) {
-            return false;
-        }
-        let mut w = lock(&self.writer);
-        if self.broken.load(Ordering::SeqCst) {
-            return false;
-        }
-        match w.write_all(bytes) {
-            Ok(()) => true,
-            Err(e) => {
-                self.broken.store(true, Ordering::SeqCst);
-                tracing::debug!(conn = self.id, error = %e, "reply write failed; closing connection");
-                w.shutdown(Shutdown::Both);
-                false
-            }
-        }
+        self.write_with(|w| w.write_all(bytes))
     }
 
     /// Write several pieces as one message (one system call when the
@@ -77,6 +62,12 @@ impl ConnWriter {
         if pieces.len() == 1 {
             return self.send(pieces[0]);
         }
+        self.write_with(|w| write_all_vectored(w, pieces))
+    }
+
+    /// Run one write under the writer lock. A failed write marks the
+    /// connection broken and shuts the socket, so later replies fail fast.
+    fn write_with(&self, write: impl FnOnce(&mut Stream) -> io::Result<()>) -> bool {
         if self.broken.load(Ordering::SeqCst) {
             return false;
         }
@@ -84,7 +75,7 @@ impl ConnWriter {
         if self.broken.load(Ordering::SeqCst) {
             return false;
         }
-        match write_all_vectored(&mut w, pieces) {
+        match write(&mut w) {
             Ok(()) => true,
             Err(e) => {
                 self.broken.store(true, Ordering::SeqCst);
