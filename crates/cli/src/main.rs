@@ -121,6 +121,14 @@ enum Command {
         /// Promote a missed block on its Nth miss (1 = always; Open CAS "nhit").
         #[arg(long, default_value_t = 1)]
         promote_after: u32,
+        /// Read cache hits with O_DIRECT only. By default hits are read through
+        /// the host page cache, so the hottest blocks are served from RAM the
+        /// kernel reclaims under memory pressure (it is not counted in cairn's
+        /// RSS); writes always bypass it, and every hit is still checked
+        /// against its checksum. Use this when the host needs that RAM, or
+        /// when the NBD client caches the volume itself.
+        #[arg(long)]
+        no_page_cache_reads: bool,
         /// Start cleaning when dirty data exceeds this share of the cache (percent).
         #[arg(long, default_value_t = 50)]
         writeback_high_pct: u64,
@@ -296,6 +304,7 @@ fn open_engine_with(
     tracing::info!(
         cache_backend = cache.backend(),
         origin_backend = origin.backend(),
+        page_cache_reads = config.page_cache_reads,
         "devices opened"
     );
     let opts = OpenOptions {
@@ -695,6 +704,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             force,
             sequential_cutoff,
             promote_after,
+            no_page_cache_reads,
             writeback_high_pct,
             writeback_low_pct,
             writeback_max_age_secs,
@@ -716,6 +726,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let config = cairn_engine::EngineConfig {
                 sequential_cutoff_bytes: sequential_cutoff,
                 promote_after_misses: promote_after.max(1),
+                page_cache_reads: !no_page_cache_reads,
                 ..cairn_engine::EngineConfig::default()
             };
             let engine = open_engine_with(&cache, origin.as_deref(), force, config)?;

@@ -140,6 +140,18 @@ pub trait Device: Send + Sync {
         Ok(())
     }
 
+    /// [`Device::read_many`] for reads that may be served from the host's
+    /// page cache: hot cached blocks, read again and again, which the caller
+    /// verifies (checksums) after reading. A backend that bypasses the page
+    /// cache for everything else (O_DIRECT) reads these through a buffered
+    /// descriptor, so the kernel keeps the hottest of them in RAM; anything
+    /// that must see the medium itself (recovery, `cairn check`, a re-read
+    /// after a checksum mismatch) uses [`Device::read_many`] or
+    /// [`Device::read_at`]. The default is `read_many`.
+    fn read_many_cacheable(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
+        self.read_many(requests)
+    }
+
     /// Write several independent ranges. A backend may run them concurrently;
     /// nothing is durable until `flush`.
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {

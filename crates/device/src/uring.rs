@@ -246,6 +246,9 @@ struct Op {
     copy_back: *mut u8,
     /// Start only after every earlier I/O of the batch completed.
     drain: bool,
+    /// Run on the buffered descriptor (through the page cache) instead of
+    /// the direct one: reads from [`Device::read_many_cacheable`].
+    buffered: bool,
 }
 
 impl Op {
@@ -260,6 +263,7 @@ impl Op {
             bounce: None,
             copy_back: std::ptr::null_mut(),
             drain: false,
+            buffered: false,
         }
     }
 }
@@ -596,6 +600,23 @@ impl UringDevice {
         }
     }
 
+    /// Queue a read of any range through the buffered descriptor, straight
+    /// into the caller's memory (the page cache has no alignment rules).
+    fn push_buffered_read(ring: &mut Ring, offset: u64, buf: &mut [u8]) {
+        let mut at = 0;
+        for chunk in buf.chunks_mut(MAX_OP_BYTES) {
+            let mut op = Op::rw(
+                OpKind::Read,
+                offset + at as u64,
+                chunk.as_mut_ptr(),
+                chunk.len(),
+            );
+            op.buffered = true;
+            ring.ops.push(op);
+            at += chunk.len();
+        }
+    }
+
     /// Queue a write of an aligned range.
     fn push_write(&self, ring: &mut Ring, offset: u64, buf: &[u8]) {
         if self.mem_aligned(buf.as_ptr()) {
@@ -740,6 +761,7 @@ impl UringDevice {
         }
         let depth = uring.params().sq_entries() as usize;
         let fd = types::Fd(self.file.as_raw_fd());
+        let buffered_fd = types::Fd(self.sync_file().as_raw_fd());
         let has_fsync = ops.iter().any(|op| op.kind == OpKind::Fsync);
         let mut next = 0usize;
         let mut completed = 0usize;
@@ -752,7 +774,8 @@ impl UringDevice {
                 // Never more in flight than the SQ holds, so the completion
                 // queue (twice as large) cannot overflow.
                 while next < total && guard.in_flight < depth {
-                    let entry = build_entry(&ops[next], fd, iovecs).user_data(next as u64);
+                    let op_fd = if ops[next].buffered { buffered_fd } else { fd };
+                    let entry = build_entry(&ops[next], op_fd, iovecs).user_data(next as u64);
                     // SAFETY: every pointer in the entry (caller buffers,
                     // bounce buffers owned by `ops`, the zero buffer, the
                     // iovecs) stays valid until the entry's completion is
@@ -1072,9 +1095,16 @@ fn clear_o_direct(file: &File) -> io::Result<()> {
 fn reopen_buffered(file: &File, path: &Path) -> io::Result<File> {
     let mut options = OpenOptions::new();
     options.read(true).write(true).custom_flags(libc::O_CLOEXEC);
-    options
+    let buffered = options
         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
-        .or_else(|_| options.open(path))
+        .or_else(|_| options.open(path))?;
+    // Reads through this descriptor are cached blocks picked at random
+    // (and the odd unaligned piece): read-ahead would only fill the page
+    // cache with neighbours nobody asked for. Advice only, so a failure is
+    // not an error.
+    // SAFETY: posix_fadvise on a descriptor we own; no memory is passed.
+    let _ = unsafe { libc::posix_fadvise(buffered.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+    Ok(buffered)
 }
 
 impl Device for UringDevice {
@@ -1138,6 +1168,36 @@ impl Device for UringDevice {
         for (offset, buf) in requests.iter_mut() {
             if !buf.is_empty() && self.range_aligned(*offset, buf.len()) {
                 self.push_read(ring, *offset, buf);
+            }
+        }
+        self.run(ring)
+    }
+
+    /// Through the buffered descriptor when the device is direct, so hot
+    /// blocks are served from the page cache. Coherence: every write to
+    /// the file goes through O_DIRECT (or the same buffered descriptor), and
+    /// Linux invalidates cached pages over a range when a direct write to it
+    /// completes; the caller verifies checksums and re-reads a mismatch
+    /// with [`Device::read_at`], which is direct.
+    fn read_many_cacheable(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
+        if self.unaligned_file.is_none() {
+            // Buffered already: read_many goes through the page cache.
+            return self.read_many(requests);
+        }
+        for (offset, buf) in requests.iter() {
+            check_range(
+                &self.name,
+                "read",
+                *offset,
+                buf.len() as u64,
+                self.size_bytes,
+            )?;
+        }
+        let mut guard = self.acquire();
+        let ring = &mut *guard;
+        for (offset, buf) in requests.iter_mut() {
+            if !buf.is_empty() {
+                Self::push_buffered_read(ring, *offset, buf);
             }
         }
         self.run(ring)

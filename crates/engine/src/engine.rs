@@ -58,6 +58,12 @@ pub struct EngineConfig {
     /// Wait before the first retry of a failed cache write, doubled before
     /// each further one. Zero in the simulation tests.
     pub cache_write_backoff_us: u64,
+    /// Read cache hits through the host's page cache
+    /// ([`Device::read_many_cacheable`]), so the hottest blocks are served
+    /// from RAM the kernel can take back under memory pressure. Every read
+    /// is still verified against its checksum, and a mismatch is re-read
+    /// from the device itself before anything is called corrupt.
+    pub page_cache_reads: bool,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +75,7 @@ impl Default for EngineConfig {
             sequential_cutoff_bytes: 4 << 20,
             cache_write_attempts: 4,
             cache_write_backoff_us: 5_000,
+            page_cache_reads: true,
         }
     }
 }
@@ -117,6 +124,19 @@ impl Env {
             Counters::add(&self.counters.origin_read_errors, 1);
             EngineError::Origin(e)
         })
+    }
+
+    /// Read cache hits (slot contents the caller verifies afterwards), from
+    /// the page cache when the configuration allows.
+    pub(crate) fn read_cache_hits(
+        &self,
+        requests: &mut [(u64, &mut [u8])],
+    ) -> Result<(), cairn_device::DeviceError> {
+        if self.config.page_cache_reads {
+            self.cache.read_many_cacheable(requests)
+        } else {
+            self.cache.read_many(requests)
+        }
     }
 }
 

@@ -117,7 +117,7 @@ impl Engine {
                 }
             }
             if !reqs.is_empty() {
-                if let Err(e) = self.env.cache.read_many(&mut reqs) {
+                if let Err(e) = self.env.read_cache_hits(&mut reqs) {
                     Counters::add(&c.cache_read_errors, 1);
                     tracing::warn!("cache read failed, retrying block by block: {e}");
                     // Mark every hit for individual handling below.

@@ -107,7 +107,7 @@ impl Engine {
                 }
             }
             assert_eq!(next_hit, hits.len(), "every hit has its block");
-            if let Err(e) = self.env.cache.read_many(&mut reads) {
+            if let Err(e) = self.env.read_cache_hits(&mut reads) {
                 Counters::add(&self.env.counters.cache_read_errors, 1);
                 tracing::warn!("batched cache read failed, retrying block by block: {e}");
                 // Zeroed blocks fail their checksum and take the slow path.

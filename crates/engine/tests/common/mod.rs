@@ -37,6 +37,7 @@ pub fn config() -> EngineConfig {
         cache_write_attempts: 4,
         // Deterministic and fast: retries do not wait.
         cache_write_backoff_us: 0,
+        page_cache_reads: true,
     }
 }
 
