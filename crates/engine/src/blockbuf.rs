@@ -79,13 +79,6 @@ impl BlockBuf {
         }
     }
 
-    /// A copy of `bytes` in an aligned buffer of exactly that size.
-    pub(crate) fn copy_of(bytes: &[u8]) -> BlockBuf {
-        let mut buf = BlockBuf::with_capacity(bytes.len());
-        buf.extend_from_slice(bytes);
-        buf
-    }
-
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
@@ -209,7 +202,8 @@ mod tests {
         assert!(b[..4096].iter().all(|&x| x == 7));
         b[4096..].fill(1);
         assert!(b[4096..].iter().all(|&x| x == 1));
-        let c = BlockBuf::copy_of(&b[..100]);
+        let mut c = BlockBuf::with_capacity(100);
+        c.extend_from_slice(&b[..100]);
         assert_eq!(&c[..], &b[..100]);
         let empty = BlockBuf::with_capacity(0);
         assert!(empty.is_empty());

@@ -115,6 +115,10 @@ pub(crate) struct Env {
     pub record_io: RecordIo,
     /// Reused record buffers.
     pub record_bufs: Arc<BufPool>,
+    /// One-block buffers for record headers: without them every flush
+    /// mapped and unmapped a page (a TLB shootdown across the daemon's
+    /// threads per fsync'd write).
+    pub header_bufs: Arc<BufPool>,
 }
 
 impl Env {
@@ -439,6 +443,7 @@ impl Engine {
             record_bufs: Arc::new(BufPool::new(
                 record_data_blocks_max(bs) as usize * bs as usize,
             )),
+            header_bufs: Arc::new(BufPool::new(bs as usize)),
         };
         let mode = CacheMode::from_code(sb.mode).ok_or_else(|| EngineError::CheckpointDamaged {
             device: env.cache.name().to_string(),

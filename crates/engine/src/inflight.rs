@@ -54,14 +54,17 @@ pub(crate) struct SealedRecord {
     /// Set once the write completed (successfully or not); `outcome` says.
     done: AtomicBool,
     outcome: OnceLock<Result<(), String>>,
-    /// Where `data` goes back once the record is gone.
+    /// Where `data` and `header` go back once the record is gone.
     pool: Arc<BufPool>,
+    header_pool: Arc<BufPool>,
 }
 
 impl Drop for SealedRecord {
     fn drop(&mut self) {
         let data = std::mem::replace(&mut self.data, BlockBuf::with_capacity(0));
         self.pool.give(data);
+        let header = std::mem::replace(&mut self.header, BlockBuf::with_capacity(0));
+        self.header_pool.give(header);
     }
 }
 
@@ -101,6 +104,7 @@ impl SealedRecord {
             done: AtomicBool::new(false),
             outcome: OnceLock::new(),
             pool: env.record_bufs.clone(),
+            header_pool: env.header_bufs.clone(),
         }
     }
 

@@ -233,7 +233,11 @@ impl Inner {
         };
         let (hbuf, hcrc) = header.encode(env.bs as u32);
         // Aligned like the data, so the record goes down without a copy.
-        let hbuf = BlockBuf::copy_of(&hbuf);
+        let hbuf = {
+            let mut aligned = env.header_bufs.take(hbuf.len());
+            aligned.extend_from_slice(&hbuf);
+            aligned
+        };
         let at = env.layout.slot_offset_bytes(self.phys(open.start) as u64);
         let length = header.length_blocks();
         assert!(
@@ -284,6 +288,7 @@ impl Inner {
             self.durable_seq = self.next_seq - 1;
             self.unsynced_blocks = 0;
             env.record_bufs.give(open.data);
+            env.header_bufs.give(hbuf);
         } else {
             let record = SealedRecord::new(env, open.start, at, header, hbuf, open.data);
             self.queue_sealed(env, record)?;
