@@ -38,7 +38,9 @@ Usage: cairn-bench [--quick] [options]
   --rounds N            rounds per workload (default 3; quick 1)
   --runtime S           seconds per fio measurement (default 10; quick 3)
   --only LIST           workloads, comma separated: w1,w2,w3,w3s,w4,w5 (default all)
-  --systems LIST        cairn,nbdkit-file,nbdkit-cache,qemu-nbd,origin,raw (default all)
+  --systems LIST        cairn,cairn-nowb,cairn-direct,nbdkit-file,nbdkit-cache,qemu-nbd,origin,raw
+                        (default all; cairn-nowb runs W3 only and cairn-direct W4 only,
+                        as diagnostics)
   --dir DIR             scratch directory (default /var/tmp/cairn-bench; avoid tmpfs)
   --out DIR             where latest.{md,json,svg} go (default bench/results)
   --cairn PATH          the cairn binary (default: next to this binary)
@@ -567,7 +569,7 @@ fn run_all(
                                 m.m.get("daemon_read_bytes").copied().unwrap_or(f64::NAN),
                                 m.m.get("cache_write_amp").copied().unwrap_or(f64::NAN)
                             ),
-                            (W::RandRead, Sys::Cairn) => format!(
+                            (W::RandRead, Sys::Cairn | Sys::CairnDirect) => format!(
                                 " hit ratio {:.4}",
                                 m.m.get("hit_ratio").copied().unwrap_or(f64::NAN)
                             ),

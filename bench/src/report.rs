@@ -521,7 +521,13 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     let cairn_rows: Vec<(W, Sys)> = d
         .workloads
         .iter()
-        .flat_map(|w| [(*w, Sys::Cairn), (*w, Sys::CairnNoWb)])
+        .flat_map(|w| {
+            [
+                (*w, Sys::Cairn),
+                (*w, Sys::CairnNoWb),
+                (*w, Sys::CairnDirect),
+            ]
+        })
         .filter(|k| med.contains_key(k) && k.0 != W::Ext4)
         .collect();
     if !cairn_rows.is_empty() {
@@ -725,6 +731,7 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
             let color = match sys {
                 Sys::Cairn => "#e4572e",
                 Sys::CairnNoWb => "#f3a712",
+                Sys::CairnDirect => "#b8336a",
                 Sys::Raw => "#29335c",
                 Sys::Origin => "#a0a0a0",
                 _ => "#669bbc",

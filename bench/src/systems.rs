@@ -15,6 +15,9 @@ pub enum Sys {
     /// cairn with `--no-writeback`: the write path without concurrent
     /// write-back (a diagnostic for W3, not a peer).
     CairnNoWb,
+    /// cairn with `--no-page-cache-reads`: cache hits read with O_DIRECT
+    /// only (a diagnostic for W4, not a peer).
+    CairnDirect,
     NbdkitFile,
     NbdkitCache,
     QemuNbd,
@@ -22,9 +25,10 @@ pub enum Sys {
     Raw,
 }
 
-pub const ALL: [Sys; 7] = [
+pub const ALL: [Sys; 8] = [
     Sys::Cairn,
     Sys::CairnNoWb,
+    Sys::CairnDirect,
     Sys::NbdkitFile,
     Sys::NbdkitCache,
     Sys::QemuNbd,
@@ -37,6 +41,7 @@ impl Sys {
         match self {
             Sys::Cairn => "cairn",
             Sys::CairnNoWb => "cairn-nowb",
+            Sys::CairnDirect => "cairn-direct",
             Sys::NbdkitFile => "nbdkit-file",
             Sys::NbdkitCache => "nbdkit-cache",
             Sys::QemuNbd => "qemu-nbd",
@@ -50,13 +55,14 @@ impl Sys {
     }
 
     pub fn is_cairn(self) -> bool {
-        matches!(self, Sys::Cairn | Sys::CairnNoWb)
+        matches!(self, Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect)
     }
 
     pub fn describe(self) -> &'static str {
         match self {
             Sys::Cairn => "cairn serve: FAST formatted as the cache, origin = the slow NBD origin",
             Sys::CairnNoWb => "cairn serve --no-writeback (W3 only, diagnostic: the write path without concurrent write-back)",
+            Sys::CairnDirect => "cairn serve --no-page-cache-reads (W4 only, diagnostic: cache hits read with O_DIRECT, not through the host page cache)",
             Sys::NbdkitFile => "nbdkit file FAST (the fast file served raw: the practical ceiling)",
             Sys::NbdkitCache => {
                 "nbdkit --filter=cache nbd (slow origin), cache-on-read=true, cache-max-size=CACHE"
@@ -158,7 +164,7 @@ impl Env {
         let d = match sys {
             Sys::Raw => return Ok(None),
             Sys::Origin => Daemon::observed("origin", self.origin_pid, &self.origin_sock),
-            Sys::Cairn | Sys::CairnNoWb => {
+            Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect => {
                 // Overwrite the head of the log first: `format --force` over
                 // a cache that held a log can leave it unopenable ("log
                 // damaged: record 1 ... unreadable, but record 66 ... shows
@@ -166,10 +172,10 @@ impl Env {
                 // records accepts records of the previous format.
                 crate::workloads::fill_file(&self.fast, 64 << 20, true)?;
                 self.cairn_format(&self.fast)?;
-                let extra: &[&str] = if sys == Sys::CairnNoWb {
-                    &["--no-writeback"]
-                } else {
-                    &[]
+                let extra: &[&str] = match sys {
+                    Sys::CairnNoWb => &["--no-writeback"],
+                    Sys::CairnDirect => &["--no-page-cache-reads"],
+                    _ => &[],
                 };
                 self.cairn_serve(&self.fast, &sock, extra)?.0
             }

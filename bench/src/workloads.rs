@@ -69,10 +69,11 @@ impl W {
     pub fn applies(self, sys: Sys) -> bool {
         match self {
             W::Memory => sys == Sys::Cairn,
-            W::Seq => true,
+            W::Seq => sys != Sys::CairnDirect,
             // Overwrite stress: the peers that write in place, and cairn.
-            W::SeqSustained => !matches!(sys, Sys::Origin | Sys::NbdkitCache),
-            _ => sys != Sys::CairnNoWb,
+            W::SeqSustained => !matches!(sys, Sys::Origin | Sys::NbdkitCache | Sys::CairnDirect),
+            W::RandRead => sys != Sys::CairnNoWb,
+            _ => !matches!(sys, Sys::CairnNoWb | Sys::CairnDirect),
         }
     }
 }

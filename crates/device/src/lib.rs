@@ -172,6 +172,17 @@ pub trait Device: Send + Sync {
         self.flush()
     }
 
+    /// Write several independent runs, each given as buffers that go back
+    /// to back from its offset: [`Device::write_many`] without first
+    /// copying each run into one buffer. A backend may run them
+    /// concurrently; nothing is durable until `flush`.
+    fn write_many_vectored(&self, requests: &[(u64, &[&[u8]])]) -> DeviceResult<()> {
+        for (offset, bufs) in requests {
+            self.write_vectored_at(*offset, bufs)?;
+        }
+        Ok(())
+    }
+
     /// `write_many` followed by `flush`, batched like
     /// [`Device::write_vectored_and_flush`].
     fn write_many_and_flush(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {

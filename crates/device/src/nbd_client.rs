@@ -1630,6 +1630,24 @@ impl Device for NbdDevice {
         self.execute(&commands).map(drop)
     }
 
+    /// Every run pipelined on the connection, each sent from the caller's
+    /// buffers (one command per run, split at the export's payload limit).
+    fn write_many_vectored(&self, requests: &[(u64, &[&[u8]])]) -> DeviceResult<()> {
+        for (offset, bufs) in requests {
+            let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+            check_range(&self.name, "write", *offset, total, self.size_bytes)?;
+            self.check_aligned("write", *offset, total)?;
+        }
+        if !requests.is_empty() {
+            self.check_writable()?;
+        }
+        let mut commands = Vec::new();
+        for (offset, bufs) in requests {
+            self.write_commands(*offset, bufs, &mut commands);
+        }
+        self.execute(&commands).map(drop)
+    }
+
     fn flush(&self) -> DeviceResult<()> {
         // FLUSH covers every write already replied to, and every write call
         // returns only after its replies: nothing else to wait for.

@@ -312,6 +312,38 @@ fn vectored_and_batched_io() {
         device.write_many(&[]).unwrap();
         device.read_many(&mut []).unwrap();
         device.write_vectored_and_flush(0, &[]).unwrap();
+
+        // Several vectored runs in one call (write-back's origin writes):
+        // aligned runs of aligned and misaligned memory, and one run at an
+        // unaligned offset; then the same through the page cache reads.
+        let mut misaligned = Misaligned::new(4096, 3);
+        misaligned.get_mut().copy_from_slice(&pattern(70, 4096));
+        let run_a = [pattern(71, 4096), pattern(72, 8192)];
+        let run_c = [pattern(73, 10), pattern(74, 5)];
+        let a_refs: Vec<&[u8]> = run_a.iter().map(|p| p.as_slice()).collect();
+        let b_refs: Vec<&[u8]> = vec![misaligned.get(), &run_a[0]];
+        let c_refs: Vec<&[u8]> = run_c.iter().map(|p| p.as_slice()).collect();
+        let runs: Vec<(u64, &[&[u8]])> = vec![
+            (2 << 20, &a_refs),
+            ((2 << 20) + 65536, &b_refs),
+            ((2 << 20) + 300_001, &c_refs),
+        ];
+        device.write_many_vectored(&runs).unwrap();
+        device.flush().unwrap();
+        for (offset, bufs) in &runs {
+            let expected: Vec<u8> = bufs.concat();
+            assert_eq!(
+                read_vec(device.as_ref(), *offset, expected.len()),
+                expected,
+                "{flavor:?} run at {offset}"
+            );
+            let mut cached = vec![0u8; expected.len()];
+            device
+                .read_many_cacheable(&mut [(*offset, cached.as_mut_slice())])
+                .unwrap();
+            assert_eq!(cached, expected, "{flavor:?} cacheable read at {offset}");
+        }
+        device.write_many_vectored(&[]).unwrap();
     }
 }
 

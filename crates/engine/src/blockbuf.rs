@@ -83,6 +83,19 @@ impl BlockBuf {
         self.capacity
     }
 
+    /// Make the first `len` bytes the content, whatever they hold, to be
+    /// overwritten in place (a device read into the buffer). Sound without
+    /// `unsafe`: every byte of the mapping is initialised, zero-filled by
+    /// mmap or left from an earlier use of a pooled buffer.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        assert!(
+            len <= self.capacity,
+            "record buffer overflow: {len} > {}",
+            self.capacity
+        );
+        self.len = len;
+    }
+
     /// Append `bytes`; the capacity is fixed and must not be exceeded.
     pub(crate) fn extend_from_slice(&mut self, bytes: &[u8]) {
         assert!(
@@ -144,6 +157,15 @@ impl BufPool {
             }
         }
         BlockBuf::with_capacity(capacity)
+    }
+
+    /// An empty buffer of the pool's full size, reused when one is idle.
+    pub(crate) fn take_full(&self) -> BlockBuf {
+        self.take(self.capacity_bytes)
+    }
+
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.capacity_bytes
     }
 
     /// Give a buffer back; kept if full size and the pool has room.

@@ -3,9 +3,11 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use cairn_format::{block_checksum, RangeKind, RecordEntry, RecordHeader};
 
+use crate::blockbuf::{BlockBuf, BufPool};
 use crate::engine::*;
 use crate::error::{EngineError, EngineResult};
 use crate::index::state;
@@ -154,8 +156,70 @@ impl Engine {
     }
 }
 
+/// Largest write-back write to the origin: consecutive blocks are merged
+/// up to this.
+const RUN_BYTES_MAX: usize = 1 << 20;
+
 /// Records read back from the log: (logical offset, header, data blocks).
-pub(crate) type GroupRecords = Vec<(u64, RecordHeader, Vec<u8>)>;
+/// The data sits in pooled, page-aligned buffers: read straight from the
+/// device (no bounce copy, no zeroing first) and sent to the origin from
+/// there (no copy into runs); they go back to the pool with the group.
+pub(crate) type GroupRecords = Vec<(u64, RecordHeader, RecordData)>;
+
+/// One record's data blocks, returned to the record buffer pool on drop.
+pub(crate) struct RecordData {
+    buf: Option<BlockBuf>,
+    pool: Arc<BufPool>,
+}
+
+impl RecordData {
+    /// `len` bytes to be filled in place.
+    pub(crate) fn for_read(env: &Env, len: usize) -> RecordData {
+        let mut buf = if len <= env.record_bufs.capacity_bytes() {
+            env.record_bufs.take_full()
+        } else {
+            BlockBuf::with_capacity(len)
+        };
+        buf.set_len(len);
+        RecordData {
+            buf: Some(buf),
+            pool: env.record_bufs.clone(),
+        }
+    }
+
+    /// A copy of data held in memory (degraded mode's unwritten records).
+    pub(crate) fn copy_of(env: &Env, bytes: &[u8]) -> RecordData {
+        let mut data = RecordData::for_read(env, 0);
+        let buf = data.buf.as_mut().expect("set at creation");
+        if bytes.len() > buf.capacity() {
+            *buf = BlockBuf::with_capacity(bytes.len());
+        }
+        buf.extend_from_slice(bytes);
+        data
+    }
+}
+
+impl std::ops::Deref for RecordData {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.buf.as_deref().expect("set until drop")
+    }
+}
+
+impl std::ops::DerefMut for RecordData {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.buf.as_deref_mut().expect("set until drop")
+    }
+}
+
+impl Drop for RecordData {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.pool.give(buf);
+        }
+    }
+}
 
 /// What `apply_group` copied to the origin.
 pub(crate) struct Applied {
@@ -190,7 +254,7 @@ pub(crate) fn read_group(
             }
         })?;
         let data_count = header.data_count();
-        let mut data = vec![0u8; data_count * bs];
+        let mut data = RecordData::for_read(env, data_count * bs);
         if data_count > 0 {
             env.cache
                 .read_at(env.layout.slot_offset_bytes((at + 1) % n), &mut data)
@@ -268,23 +332,37 @@ pub(crate) fn apply_group(env: &Env, records: &GroupRecords) -> EngineResult<App
             }
         }
     }
-    let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+    // Runs of consecutive addresses, up to 1 MiB each, sent from the
+    // records' buffers: blocks that also follow each other in one record
+    // become one slice.
+    let mut runs: Vec<(u64, usize, Vec<&[u8]>)> = Vec::new(); // (lba, blocks, slices)
+    let mut last: Option<(usize, usize)> = None; // (record, block) of the previous block
     for (&lba, &(ri, k, _)) in &final_blocks {
-        let block = &records[ri].2[k * bs..(k + 1) * bs];
-        match runs.last_mut() {
-            Some((start_lba, buf))
-                if *start_lba + (buf.len() / bs) as u64 == lba && buf.len() < (1 << 20) =>
-            {
-                buf.extend_from_slice(block)
+        let data: &[u8] = &records[ri].2;
+        let extends = runs.last().is_some_and(|(start, blocks, _)| {
+            *start + *blocks as u64 == lba && (*blocks + 1) * bs <= RUN_BYTES_MAX
+        });
+        if !extends {
+            runs.push((lba, 1, vec![&data[k * bs..(k + 1) * bs]]));
+        } else {
+            let (_, blocks, slices) = runs.last_mut().expect("checked above");
+            *blocks += 1;
+            let same_record_next = last == Some((ri, k.wrapping_sub(1)));
+            match slices.last_mut() {
+                Some(slice) if same_record_next => {
+                    let from = k * bs - slice.len();
+                    *slice = &data[from..(k + 1) * bs];
+                }
+                _ => slices.push(&data[k * bs..(k + 1) * bs]),
             }
-            _ => runs.push((lba, block.to_vec())),
         }
+        last = Some((ri, k));
     }
-    let writes: Vec<(u64, &[u8])> = runs
+    let writes: Vec<(u64, &[&[u8]])> = runs
         .iter()
-        .map(|(lba, buf)| (lba * bs as u64, buf.as_slice()))
+        .map(|(lba, _, slices)| (lba * bs as u64, slices.as_slice()))
         .collect();
-    origin.write_many(&writes).map_err(origin_err)?;
+    origin.write_many_vectored(&writes).map_err(origin_err)?;
     origin.flush().map_err(origin_err)?;
     Ok(Applied {
         blocks_written: final_blocks.len() as u64,
@@ -306,7 +384,7 @@ impl Inner {
         env: &Env,
         start: u64,
         pos: u64,
-        records: &[(u64, RecordHeader, Vec<u8>)],
+        records: &[(u64, RecordHeader, RecordData)],
         applied: &Applied,
     ) {
         let n = self.n;

