@@ -34,7 +34,7 @@ pub struct ServeOptions {
 /// Where the admin socket of the daemon serving `cache` lives.
 pub fn admin_socket_path(cache: &Path) -> PathBuf {
     let canonical = std::fs::canonicalize(cache).unwrap_or_else(|_| cache.to_path_buf());
-    let key = crc32c::crc32c(canonical.to_string_lossy().as_bytes());
+    let key = cairn_format::crc32c(canonical.to_string_lossy().as_bytes());
     let dir = std::env::var_os("CAIRN_RUNTIME_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);

@@ -307,7 +307,7 @@ impl Engine {
             durable_sequence: 0,
             entry_count: 0,
             range_count: 0,
-            payload_crc: crc32c::crc32c(&[]),
+            payload_crc: cairn_format::crc32c(&[]),
         };
         let ckpt_buf = ckpt.encode();
         cache
@@ -662,7 +662,7 @@ impl Engine {
 /// The chain value the first record of a freshly formatted log links to.
 /// Derived from the uuid so records of an earlier format never match.
 pub(crate) fn chain_seed(uuid: &[u8; 16]) -> u32 {
-    crc32c::crc32c(uuid)
+    cairn_format::crc32c(uuid)
 }
 
 fn check_origin_size(origin: &dyn Device, bs: u32) -> EngineResult<()> {

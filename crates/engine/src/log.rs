@@ -444,7 +444,7 @@ impl Inner {
                 let flush_full = used == chunk_bytes;
                 let flush_last = last && src.is_empty() && used > 0;
                 if flush_full || flush_last {
-                    payload_crc = crc32c::crc32c_append(payload_crc, &chunk[..used]);
+                    payload_crc = cairn_format::crc32c_append(payload_crc, &chunk[..used]);
                     // Only the final chunk can be partial: pad it to a whole
                     // block; the crc covers the payload only.
                     let io_len = cairn_format::align_up(used as u64, env.bs as u64) as usize;

@@ -100,7 +100,7 @@ pub(crate) fn recover(env: &Env, sb: Superblock) -> EngineResult<Inner> {
             .read_at(ckpt_at + CHECKPOINT_HEADER_BYTES as u64, &mut payload)
             .map_err(EngineError::Cache)?;
     }
-    let crc = crc32c::crc32c(&payload);
+    let crc = cairn_format::crc32c(&payload);
     if crc != ckpt.payload_crc {
         return Err(damaged(
             env,

@@ -57,7 +57,7 @@ impl Shadow {
 }
 
 fn crc(b: &[u8]) -> u32 {
-    crc32c::crc32c(b)
+    cairn_format::crc32c(b)
 }
 
 static STATES: AtomicU64 = AtomicU64::new(0);

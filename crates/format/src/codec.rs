@@ -94,9 +94,9 @@ impl<'a> Reader<'a> {
 
 /// crc32c of `buf` with the 4 bytes at `crc_at` taken as zero.
 pub fn crc_with_hole(buf: &[u8], crc_at: usize) -> u32 {
-    let crc = crc32c::crc32c(&buf[..crc_at]);
-    let crc = crc32c::crc32c_append(crc, &[0u8; 4]);
-    crc32c::crc32c_append(crc, &buf[crc_at + 4..])
+    let crc = crate::crc32c(&buf[..crc_at]);
+    let crc = crate::crc32c_append(crc, &[0u8; 4]);
+    crate::crc32c_append(crc, &buf[crc_at + 4..])
 }
 
 pub fn check_magic(found: u64, expected: u64) -> Result<(), DecodeError> {

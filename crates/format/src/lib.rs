@@ -95,12 +95,33 @@ pub enum DecodeError {
     Short { need: usize, have: usize },
 }
 
+/// CRC-32C (Castagnoli, the iSCSI polynomial): the checksum of every
+/// on-disk structure and every cached block. Computed with `crc-fast`,
+/// which folds with carry-less multiplication (VPCLMULQDQ where the CPU has
+/// it): 40-54 GB/s on 4 KiB blocks on the benchmark machine against
+/// 14-15 GB/s for the SSE4.2 `crc32` instruction (the `crc32c` crate), and
+/// checksums were 15% of the daemon's CPU on 64 KiB writes.
+pub fn crc32c(bytes: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(bytes)
+}
+
+/// Continue a CRC-32C: `crc32c_append(crc32c(a), b) == crc32c(a ‖ b)`.
+pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
+    // The digest's state is the CRC before the final inversion.
+    let mut digest =
+        crc_fast::Digest::new_with_init_state(crc_fast::CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    digest.update(bytes);
+    digest.finalize() as u32
+}
+
 /// The checksum of one cached block: crc32c over the block's origin address
 /// (little endian) followed by its bytes. Covering the address means a block
 /// written to the wrong place, or read from the wrong place, fails the check.
 pub fn block_checksum(lba: u64, data: &[u8]) -> u32 {
-    let crc = crc32c::crc32c(&lba.to_le_bytes());
-    crc32c::crc32c_append(crc, data)
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    digest.update(&lba.to_le_bytes());
+    digest.update(data);
+    digest.finalize() as u32
 }
 
 /// True if `block_size_bytes` is a block size this format supports.
@@ -130,6 +151,38 @@ mod tests {
         let data = vec![7u8; 4096];
         assert_ne!(block_checksum(1, &data), block_checksum(2, &data));
         assert_eq!(block_checksum(1, &data), block_checksum(1, &data));
+    }
+
+    /// The on-disk format is unchanged by the switch of CRC crate: every
+    /// function agrees with the `crc32c` crate (what earlier builds used)
+    /// on the standard check value and on random inputs of every length
+    /// around the SIMD folding boundaries.
+    #[test]
+    fn crc32c_matches_the_reference_implementation() {
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+        assert_eq!(crc32c(&[]), ::crc32c::crc32c(&[]));
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let bytes: Vec<u8> = (0..70_000).map(|_| next() as u8).collect();
+        for len in (0..300).chain([1023, 1024, 4095, 4096, 4097, 8192, 65536, 65543]) {
+            let data = &bytes[..len];
+            assert_eq!(crc32c(data), ::crc32c::crc32c(data), "len {len}");
+            let split = (next() as usize) % (len + 1);
+            let head = ::crc32c::crc32c(&data[..split]);
+            assert_eq!(
+                crc32c_append(head, &data[split..]),
+                ::crc32c::crc32c_append(head, &data[split..]),
+                "len {len} split {split}"
+            );
+            let lba = next();
+            let reference = ::crc32c::crc32c_append(::crc32c::crc32c(&lba.to_le_bytes()), data);
+            assert_eq!(block_checksum(lba, data), reference, "len {len}");
+        }
     }
 
     #[test]
