@@ -152,6 +152,15 @@ pub trait Device: Send + Sync {
         self.read_many(requests)
     }
 
+    /// Drop whatever the host page cache holds of the range, so the next
+    /// [`Device::read_many_cacheable`] reads the medium. For a page found
+    /// stale: on a raw block device Linux invalidates cached pages only
+    /// before an asynchronous direct write, so a buffered read racing the
+    /// write can cache the old contents. Advice: a no-op by default.
+    fn drop_cached_pages(&self, offset: u64, len: u64) {
+        let _ = (offset, len);
+    }
+
     /// Write several independent ranges. A backend may run them concurrently;
     /// nothing is durable until `flush`.
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {

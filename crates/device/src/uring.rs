@@ -742,6 +742,20 @@ impl UringDevice {
     /// bounce buffers to the pool. Returns the first error.
     fn run(&self, ring: &mut Ring) -> DeviceResult<()> {
         let result = self.run_queued(ring);
+        if self.is_block_device && self.unaligned_file.is_some() {
+            // On a raw block device Linux invalidates cached pages before
+            // an asynchronous direct write but not after it, so a buffered
+            // read racing the write may have cached the old contents: do
+            // the second invalidation ourselves, as the kernel does for
+            // files (the engine's checksums catch what this still misses).
+            for op in ring
+                .ops
+                .iter()
+                .filter(|op| matches!(op.kind, OpKind::Write | OpKind::Writev))
+            {
+                self.drop_cached_pages(op.offset, op.len as u64);
+            }
+        }
         for op in ring.ops.drain(..) {
             if let Some(bounce) = op.bounce {
                 self.pool.give(bounce);
@@ -1283,6 +1297,21 @@ impl Device for UringDevice {
             }
         }
         self.run(ring)
+    }
+
+    fn drop_cached_pages(&self, offset: u64, len: u64) {
+        if let Some(buffered) = &self.unaligned_file {
+            // SAFETY: posix_fadvise on a descriptor we own; no memory is
+            // passed. Advice only: a failure changes nothing we rely on.
+            let _ = unsafe {
+                libc::posix_fadvise(
+                    buffered.as_raw_fd(),
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                )
+            };
+        }
     }
 
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {

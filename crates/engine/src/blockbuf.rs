@@ -23,6 +23,8 @@ use std::sync::{Mutex, PoisonError};
 const BLOCK_BUF_ALIGN_BYTES: usize = 4096;
 
 /// A byte buffer of fixed capacity, page aligned, filled from the front.
+/// Always backed by an anonymous mapping (or empty), so every byte of its
+/// capacity is initialised: `set_len` relies on it.
 pub(crate) struct BlockBuf {
     ptr: NonNull<u8>,
     len: usize,

@@ -267,6 +267,7 @@ impl Engine {
         origin: Arc<dyn Device>,
         opts: &FormatOptions,
     ) -> EngineResult<Superblock> {
+        cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
         if !opts.force {
             if let Ok(sb) = Self::read_superblock(cache.as_ref()) {
                 return Err(EngineError::AlreadyFormatted {
@@ -389,6 +390,7 @@ impl Engine {
         origin: Arc<dyn Device>,
         opts: &OpenOptions,
     ) -> EngineResult<Engine> {
+        cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
         let sb = Self::read_superblock(cache.as_ref())?;
         let bs = sb.block_size_bytes;
         if origin.identity() != sb.origin_identity && !opts.force_origin {

@@ -82,6 +82,8 @@ pub enum EngineError {
     /// this (if one did, it would get EIO).
     #[error("the cache device is switching to degraded mode")]
     DegradeRequired,
+    #[error("{0}. Refusing to touch the cache: report this CPU (see /proc/cpuinfo) as a bug")]
+    ChecksumImplementation(String),
     #[error("cache {device} is degraded (a cache write failed for good; every write goes straight to the origin), so {action} is not possible. Fix or replace the cache device, stop cairn and run `cairn format --force` on it")]
     CacheDegraded { device: String, action: String },
 }

@@ -225,9 +225,20 @@ impl Engine {
                 };
                 if read_ok && block_checksum(lba, block) == now_crc {
                     Counters::add(&c.read_hits, 1);
+                    if (now_slot, now_crc) == (slot, crc) {
+                        // The mapping did not move, yet the first read was
+                        // bad and the device's copy is good: a failed
+                        // batched read, or a stale page-cache page (see
+                        // `Device::drop_cached_pages`). Drop the page so
+                        // the next hit does not come here again.
+                        Counters::add(&c.hit_rereads_ok, 1);
+                        if self.env.config.page_cache_reads {
+                            let at = self.env.layout.slot_offset_bytes(slot as u64);
+                            self.env.cache.drop_cached_pages(at, self.env.bs as u64);
+                        }
+                    }
                     return Ok(());
                 }
-                let _ = (slot, crc);
                 if read_ok {
                     Counters::add(&c.checksum_mismatches, 1);
                 }

@@ -81,6 +81,7 @@ counters!(
     discards,
     write_zeroes,
     checksum_mismatches,
+    hit_rereads_ok,
     repairs,
     promotions,
     promotions_skipped,

@@ -105,6 +105,67 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(bytes)
 }
 
+/// CRC-32C one bit at a time: slow, obviously right, and independent of
+/// the CPU, for [`crc32c_self_test`].
+fn crc32c_bitwise(crc: u32, bytes: &[u8]) -> u32 {
+    let mut state = !crc;
+    for &byte in bytes {
+        state ^= u32::from(byte);
+        for _ in 0..8 {
+            let mask = (state & 1).wrapping_neg();
+            state = (state >> 1) ^ (0x82F6_3B78 & mask);
+        }
+    }
+    !state
+}
+
+/// Check the fast CRC-32C against the bitwise reference on this CPU.
+/// `crc-fast` picks its code path (AVX-512, PCLMULQDQ, SSE, portable) at
+/// run time, so a test on one machine does not vouch for another; a wrong
+/// CRC would make every block and record of the cache look corrupt. Runs
+/// once per process (about 100 KiB of bitwise CRC, a few milliseconds);
+/// later calls return the first answer. Call before a cache is formatted
+/// or opened.
+pub fn crc32c_self_test() -> Result<(), String> {
+    static RESULT: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    RESULT.get_or_init(crc32c_compare_with_reference).clone()
+}
+
+fn crc32c_compare_with_reference() -> Result<(), String> {
+    let bytes: Vec<u8> = (0..70_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for len in [0usize, 1, 7, 8, 9, 31, 64, 255, 4096, 4104, 8200, 65543] {
+        let data = &bytes[..len];
+        let reference = crc32c_bitwise(0, data);
+        let split = len / 3;
+        let lba = len as u64 * 0x0101_0101;
+        let mut with_lba = lba.to_le_bytes().to_vec();
+        with_lba.extend_from_slice(data);
+        let checks = [
+            ("crc32c", crc32c(data), reference),
+            (
+                "crc32c_append",
+                crc32c_append(crc32c(&data[..split]), &data[split..]),
+                reference,
+            ),
+            (
+                "block_checksum",
+                block_checksum(lba, data),
+                crc32c_bitwise(0, &with_lba),
+            ),
+        ];
+        for (what, fast, slow) in checks {
+            if fast != slow {
+                return Err(format!(
+                    "CRC-32C self-test failed on this CPU: {what} of {len} bytes gave {fast:#010x}, the reference {slow:#010x}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Continue a CRC-32C: `crc32c_append(crc32c(a), b) == crc32c(a ‖ b)`.
 pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
     // The digest's state is the CRC before the final inversion.
@@ -183,6 +244,12 @@ mod tests {
             let reference = ::crc32c::crc32c_append(::crc32c::crc32c(&lba.to_le_bytes()), data);
             assert_eq!(block_checksum(lba, data), reference, "len {len}");
         }
+    }
+
+    #[test]
+    fn self_test_passes_and_the_reference_is_right() {
+        assert_eq!(crc32c_bitwise(0, b"123456789"), 0xe306_9283);
+        crc32c_self_test().unwrap();
     }
 
     #[test]
