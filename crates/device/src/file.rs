@@ -1,6 +1,7 @@
 //! Regular files and block devices through pread/pwrite.
 
 use std::fs::{File, OpenOptions};
+use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -250,33 +251,11 @@ impl Device for FileDevice {
         check_range(&self.name, "write", offset, total, self.size_bytes)?;
         // pwritev for the common case; fall back to per-buffer writes after a
         // short write so the caller never sees a partial success.
-        let iovecs: Vec<libc::iovec> = bufs
-            .iter()
-            .take(libc::UIO_MAXIOV as usize)
-            .map(|b| libc::iovec {
-                iov_base: b.as_ptr() as *mut libc::c_void,
-                iov_len: b.len(),
-            })
-            .collect();
-        if iovecs.len() == bufs.len() {
-            // SAFETY: every iovec points into a live slice borrowed for the
-            // duration of the call; pwritev only reads through them.
-            let written = unsafe {
-                libc::pwritev(
-                    self.file.as_raw_fd(),
-                    iovecs.as_ptr(),
-                    iovecs.len() as libc::c_int,
-                    offset as libc::off_t,
-                )
-            };
-            if written >= 0 && written as u64 == total {
-                return Ok(());
-            }
-            if written < 0 {
-                let err = std::io::Error::last_os_error();
-                if err.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(self.io_error(offset, total, err));
-                }
+        if bufs.len() <= libc::UIO_MAXIOV as usize {
+            match pwritev_at(&self.file, offset, bufs) {
+                Ok(written) if written as u64 == total => return Ok(()),
+                Ok(_) => {}
+                Err(err) => return Err(self.io_error(offset, total, err)),
             }
         }
         let mut at = offset;
@@ -318,6 +297,41 @@ impl Device for FileDevice {
             at += n;
         }
         Ok(())
+    }
+}
+
+/// One pwritev(2) of `bufs` (at most UIO_MAXIOV of them) at `offset`:
+/// how many bytes it wrote, which may be fewer than asked. An interrupted
+/// call is retried, a bounded number of times.
+pub(crate) fn pwritev_at(file: &File, offset: u64, bufs: &[&[u8]]) -> io::Result<usize> {
+    let iovecs: Vec<libc::iovec> = bufs
+        .iter()
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
+    let mut interrupted = 0;
+    loop {
+        // SAFETY: every iovec points into a slice borrowed for the duration
+        // of the call; pwritev only reads through them.
+        let written = unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                iovecs.as_ptr(),
+                iovecs.len() as libc::c_int,
+                offset as libc::off_t,
+            )
+        };
+        if written >= 0 {
+            return Ok(written as usize);
+        }
+        let err = io::Error::last_os_error();
+        // Bounded: a signal storm must not spin here for ever.
+        if err.kind() != io::ErrorKind::Interrupted || interrupted == 16 {
+            return Err(err);
+        }
+        interrupted += 1;
     }
 }
 

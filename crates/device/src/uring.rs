@@ -71,7 +71,7 @@ use std::time::Duration;
 
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
-use crate::file::{discard_range, open_locked, zero_range_in_kernel, OpenedFile};
+use crate::file::{discard_range, open_locked, pwritev_at, zero_range_in_kernel, OpenedFile};
 use crate::{check_range, Device, DeviceError, DeviceResult, OpenMode};
 
 /// Alignment of bounce buffers: a page satisfies every O_DIRECT memory rule.
@@ -1021,40 +1021,14 @@ impl UringDevice {
         if let Err(e) = check_range(&self.name, "write", offset, total as u64, self.size_bytes) {
             return Some(Err(e));
         }
-        let iovecs: Vec<libc::iovec> = bufs
-            .iter()
-            .map(|b| libc::iovec {
-                iov_base: b.as_ptr() as *mut libc::c_void,
-                iov_len: b.len(),
-            })
-            .collect();
-        let mut interrupted = 0;
-        let written = loop {
-            // SAFETY: the iovecs describe the caller's buffers, borrowed
-            // for this call; the kernel only reads them.
-            let rc = unsafe {
-                libc::pwritev(
-                    self.file.as_raw_fd(),
-                    iovecs.as_ptr(),
-                    iovecs.len() as libc::c_int,
-                    offset as libc::off_t,
-                )
-            };
-            if rc >= 0 {
-                break rc;
-            }
-            let err = io::Error::last_os_error();
-            // Bounded: a signal storm must not spin here for ever.
-            if err.kind() == io::ErrorKind::Interrupted && interrupted < 16 {
-                interrupted += 1;
-                continue;
-            }
-            return Some(Err(self.io_error(offset, total as u64, err)));
+        let written = match pwritev_at(&self.file, offset, bufs) {
+            Ok(written) => written,
+            Err(err) => return Some(Err(self.io_error(offset, total as u64, err))),
         };
-        if (written as usize) < total {
+        if written < total {
             // Finish the rest through the buffered descriptor, like a short
             // ring transfer; the fdatasync below covers it.
-            let mut skip = written as usize;
+            let mut skip = written;
             let mut at = offset;
             for buf in bufs {
                 if skip >= buf.len() {
@@ -1070,6 +1044,19 @@ impl UringDevice {
             }
         }
         Some(self.file.sync_data().map_err(|e| self.io_error(0, 0, e)))
+    }
+
+    fn check_read_ranges(&self, requests: &[(u64, &mut [u8])]) -> DeviceResult<()> {
+        for (offset, buf) in requests {
+            check_range(
+                &self.name,
+                "read",
+                *offset,
+                buf.len() as u64,
+                self.size_bytes,
+            )?;
+        }
+        Ok(())
     }
 
     fn zero_buffer(&self) -> &AlignedBuf {
@@ -1245,15 +1232,7 @@ impl Device for UringDevice {
     }
 
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
-        for (offset, buf) in requests.iter() {
-            check_range(
-                &self.name,
-                "read",
-                *offset,
-                buf.len() as u64,
-                self.size_bytes,
-            )?;
-        }
+        self.check_read_ranges(requests)?;
         for (offset, buf) in requests.iter_mut() {
             if !buf.is_empty() && !self.range_aligned(*offset, buf.len()) {
                 self.sync_read(*offset, buf)?;
@@ -1280,15 +1259,7 @@ impl Device for UringDevice {
             // Buffered already: read_many goes through the page cache.
             return self.read_many(requests);
         }
-        for (offset, buf) in requests.iter() {
-            check_range(
-                &self.name,
-                "read",
-                *offset,
-                buf.len() as u64,
-                self.size_bytes,
-            )?;
-        }
+        self.check_read_ranges(requests)?;
         let mut guard = self.acquire();
         let ring = &mut *guard;
         for (offset, buf) in requests.iter_mut() {
