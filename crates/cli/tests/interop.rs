@@ -260,10 +260,15 @@ fn fio_verify_with_the_cache_on_a_block_device() {
     let ctx = Ctx::new(test);
     let backing = ctx.file("cache-backing.img", 16 * MIB);
     let origin = ctx.file("origin.img", 64 * MIB);
-    let out = run_ok(
+    let out = run(
         tool("losetup").args(["--find", "--show"]).arg(&backing),
         TOOL_TIMEOUT,
     );
+    if !out.status.success() {
+        // A container may deny loop devices even to root.
+        skip(test, &format!("losetup failed: {}", describe(&out)));
+        return;
+    }
     let loop_dev = stdout(&out).trim().to_string();
     struct Detach(String);
     impl Drop for Detach {
@@ -284,7 +289,7 @@ fn fio_verify_with_the_cache_on_a_block_device() {
             "--iodepth=8",
             "--offset=0",
             "--size=48M",
-            "--loops=4",
+            "--loops=2",
         ],
     );
     eprintln!(

@@ -254,7 +254,10 @@ impl Device for FileDevice {
         if bufs.len() <= libc::UIO_MAXIOV as usize {
             match pwritev_at(&self.file, offset, bufs) {
                 Ok(written) if written as u64 == total => return Ok(()),
+                // Short, or signals kept interrupting it: the per-buffer
+                // writes below finish the job.
                 Ok(_) => {}
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
                 Err(err) => return Err(self.io_error(offset, total, err)),
             }
         }

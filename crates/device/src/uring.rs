@@ -65,7 +65,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError, TryLockError};
 use std::time::Duration;
 
@@ -433,6 +433,9 @@ pub struct UringDevice {
     rings: RingPool,
     pool: BufferPool,
     zeroes: OnceLock<AlignedBuf>,
+    /// Set by the first `read_many_cacheable`: until then no page of the
+    /// device is cached by us, so writes need not drop any.
+    cacheable_reads_seen: AtomicBool,
 }
 
 pub(crate) type OpenFileFn<'a> =
@@ -495,6 +498,7 @@ impl UringDevice {
                     rings,
                     pool: BufferPool::new(),
                     zeroes: OnceLock::new(),
+                    cacheable_reads_seen: AtomicBool::new(false),
                 })
             }
             Err(reason) => {
@@ -525,6 +529,7 @@ impl UringDevice {
             rings,
             pool: BufferPool::new(),
             zeroes: OnceLock::new(),
+            cacheable_reads_seen: AtomicBool::new(false),
         }
     }
 
@@ -742,18 +747,35 @@ impl UringDevice {
     /// bounce buffers to the pool. Returns the first error.
     fn run(&self, ring: &mut Ring) -> DeviceResult<()> {
         let result = self.run_queued(ring);
-        if self.is_block_device && self.unaligned_file.is_some() {
+        if self.is_block_device && self.cacheable_reads_seen.load(Ordering::Relaxed) {
             // On a raw block device Linux invalidates cached pages before
             // an asynchronous direct write but not after it, so a buffered
             // read racing the write may have cached the old contents: do
             // the second invalidation ourselves, as the kernel does for
             // files (the engine's checksums catch what this still misses).
-            for op in ring
+            // One call per run of adjacent writes (a record split into
+            // several ops is one run); only once page-cache reads are in
+            // use at all.
+            let mut ranges: Vec<(u64, u64)> = ring
                 .ops
                 .iter()
                 .filter(|op| matches!(op.kind, OpKind::Write | OpKind::Writev))
-            {
-                self.drop_cached_pages(op.offset, op.len as u64);
+                .map(|op| (op.offset, op.offset + op.len as u64))
+                .collect();
+            ranges.sort_unstable();
+            let mut merged: Option<(u64, u64)> = None;
+            for (start, end) in ranges {
+                merged = match merged {
+                    Some((s, e)) if start <= e => Some((s, e.max(end))),
+                    Some((s, e)) => {
+                        self.drop_cached_pages(s, e - s);
+                        Some((start, end))
+                    }
+                    None => Some((start, end)),
+                };
+            }
+            if let Some((s, e)) = merged {
+                self.drop_cached_pages(s, e - s);
             }
         }
         for op in ring.ops.drain(..) {
@@ -1023,6 +1045,8 @@ impl UringDevice {
         }
         let written = match pwritev_at(&self.file, offset, bufs) {
             Ok(written) => written,
+            // Signals kept interrupting it: let the ring do the write.
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => return None,
             Err(err) => return Some(Err(self.io_error(offset, total as u64, err))),
         };
         if written < total {
@@ -1259,6 +1283,7 @@ impl Device for UringDevice {
             // Buffered already: read_many goes through the page cache.
             return self.read_many(requests);
         }
+        self.cacheable_reads_seen.store(true, Ordering::Relaxed);
         self.check_read_ranges(requests)?;
         let mut guard = self.acquire();
         let ring = &mut *guard;
@@ -1271,18 +1296,28 @@ impl Device for UringDevice {
     }
 
     fn drop_cached_pages(&self, offset: u64, len: u64) {
-        if let Some(buffered) = &self.unaligned_file {
-            // SAFETY: posix_fadvise on a descriptor we own; no memory is
-            // passed. Advice only: a failure changes nothing we rely on.
-            let _ = unsafe {
-                libc::posix_fadvise(
-                    buffered.as_raw_fd(),
-                    offset as libc::off_t,
-                    len as libc::off_t,
-                    libc::POSIX_FADV_DONTNEED,
-                )
-            };
+        // A zero length would mean "to the end of the file" to fadvise.
+        if len == 0 {
+            return;
         }
+        let Some(buffered) = &self.unaligned_file else {
+            return;
+        };
+        // DONTNEED drops whole pages only: round out to the page size.
+        // SAFETY: sysconf has no preconditions.
+        let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as u64;
+        let start = offset / page * page;
+        let end = (offset + len).div_ceil(page) * page;
+        // SAFETY: posix_fadvise on a descriptor we own; no memory is
+        // passed. Advice only: a failure changes nothing we rely on.
+        let _ = unsafe {
+            libc::posix_fadvise(
+                buffered.as_raw_fd(),
+                start as libc::off_t,
+                (end - start) as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
     }
 
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {

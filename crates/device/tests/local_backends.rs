@@ -646,6 +646,9 @@ pub struct HammerReport {
     pub torn: u64,
     /// Reads older than a write that completed before the read started.
     pub stale: u64,
+    /// Distinct (block, generation) versions those stale reads returned:
+    /// roughly how many pages stayed cached across a write.
+    pub stale_versions: u64,
 }
 
 const HAMMER_BLOCKS: usize = 32;
@@ -681,6 +684,15 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
         || -> Arc<Vec<AtomicU64>> { Arc::new((0..BLOCKS).map(|_| AtomicU64::new(0)).collect()) };
     let (started, published) = (counters(), counters());
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    /// Stops the readers however this function ends (a failed assertion
+    /// must not leave them spinning on the device).
+    struct StopReaders(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for StopReaders {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    let stop_readers = StopReaders(Arc::clone(&done));
     let reads_checked = Arc::new(AtomicU64::new(0));
     let readers: Vec<_> = (0..READERS)
         .map(|r| {
@@ -691,6 +703,7 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
             std::thread::spawn(move || {
                 let mut rng = ChaCha8Rng::seed_from_u64(77 + r as u64);
                 let (mut reads, mut torn, mut stale) = (0u64, 0u64, 0u64);
+                let mut versions = std::collections::HashSet::new();
                 while !done.load(Ordering::Acquire) {
                     let picks: Vec<usize> = (0..rng.gen_range(1..8))
                         .map(|_| rng.gen_range(0..BLOCKS))
@@ -709,19 +722,25 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
                     for ((&i, &floor), buf) in picks.iter().zip(&floors).zip(&bufs) {
                         let newest = started[i].load(Ordering::Acquire);
                         match generation_of(buf, i) {
-                            Some(seen) if seen < floor => stale += 1,
+                            Some(seen) if seen < floor => {
+                                stale += 1;
+                                versions.insert((i, seen));
+                            }
                             Some(seen) => assert!(
                                 seen <= newest,
                                 "block {i}: read generation {seen}, newest started {newest}"
                             ),
                             None if newest > floor => torn += 1,
-                            None => stale += 1,
+                            None => {
+                                stale += 1;
+                                versions.insert((i, u64::MAX));
+                            }
                         }
                     }
                     reads += picks.len() as u64;
                     reads_checked.fetch_add(picks.len() as u64, Ordering::Relaxed);
                 }
-                (reads, torn, stale)
+                (reads, torn, stale, versions)
             })
         })
         .collect();
@@ -744,19 +763,23 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
         }
         published[i].store(generation, Ordering::Release);
     }
-    done.store(true, Ordering::Release);
+    drop(stop_readers);
     let mut report = HammerReport {
         writes,
         reads: 0,
         torn: 0,
         stale: 0,
+        stale_versions: 0,
     };
+    let mut versions = std::collections::HashSet::new();
     for handle in readers {
-        let (r, t, s) = handle.join().unwrap();
+        let (r, t, s, v) = handle.join().unwrap();
         report.reads += r;
         report.torn += t;
         report.stale += s;
+        versions.extend(v);
     }
+    report.stale_versions = versions.len() as u64;
     assert!(report.reads >= READS_WANTED, "{report:?}");
     // Dropping the cached pages makes a cacheable read see the medium.
     for index in 0..BLOCKS {
@@ -773,13 +796,18 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
 
 /// The same on a raw block device (a loop device over a file), where Linux
 /// invalidates cached pages before an asynchronous direct write but not
-/// after it. The backend drops the written range itself after each ring
-/// write; before it did, 3542 of 813749 reads (0.4%) were stale. The drop
-/// cannot evict a page a racing read still holds locked, so a rare stale
-/// read remains (4 in 393926 in one of five runs): the engine's checksums
-/// catch it and `drop_cached_pages` clears it (checked at the end of the
-/// hammer). Needs root and losetup; skips without them (fails under
-/// CI=true).
+/// after it. The backend drops the written ranges itself after each ring
+/// write, but a drop cannot evict a page a racing read still holds locked,
+/// so a stale page stays possible: with the drops, 0-4 stale reads in five
+/// runs of 55k-484k reads; without them, 0-3542 stale reads from 0-3
+/// stale versions per run of 3000 writes. The difference is too rare per
+/// write for a bound that is both reliable and strict, so this test prints
+/// the figures and checks only what must hold: no gross incoherence (at
+/// most 1% of writes leave a stale version) and, at the end of the hammer,
+/// that `drop_cached_pages` makes a cacheable read see the medium. The
+/// engine's checksums are the guard against what remains (see
+/// `fio_verify_with_the_cache_on_a_block_device`). Needs root and losetup;
+/// skips without them (fails under CI=true).
 #[test]
 fn cacheable_reads_on_a_block_device() {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true");
@@ -823,7 +851,7 @@ fn cacheable_reads_on_a_block_device() {
     let report = hammer_cacheable_reads(device);
     eprintln!("{loop_dev}: {report:?}");
     assert!(
-        report.stale * 1000 <= report.reads,
-        "more than 0.1% stale reads: the ring's writes are not dropping cached pages: {report:?}"
+        report.stale_versions * 100 <= report.writes,
+        "more than 1% of writes left a stale cached version: {report:?}"
     );
 }

@@ -232,6 +232,7 @@ impl Engine {
                         // `Device::drop_cached_pages`). Drop the page so
                         // the next hit does not come here again.
                         Counters::add(&c.hit_rereads_ok, 1);
+                        drop(inner);
                         if self.env.config.page_cache_reads {
                             let at = self.env.layout.slot_offset_bytes(slot as u64);
                             self.env.cache.drop_cached_pages(at, self.env.bs as u64);

@@ -132,10 +132,25 @@ pub fn crc32c_self_test() -> Result<(), String> {
 }
 
 fn crc32c_compare_with_reference() -> Result<(), String> {
-    let bytes: Vec<u8> = (0..70_000u32)
+    // Up to a full record payload (256 KiB) and one byte more.
+    let bytes: Vec<u8> = (0..(256 << 10) + 16u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
-    for len in [0usize, 1, 7, 8, 9, 31, 64, 255, 4096, 4104, 8200, 65543] {
+    for len in [
+        0usize,
+        1,
+        7,
+        8,
+        9,
+        31,
+        64,
+        255,
+        4096,
+        4104,
+        8200,
+        65543,
+        (256 << 10) + 1,
+    ] {
         let data = &bytes[..len];
         let reference = crc32c_bitwise(0, data);
         let split = len / 3;
