@@ -1560,13 +1560,7 @@ impl Device for NbdDevice {
     }
 
     fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
-        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-        check_range(&self.name, "write", offset, total, self.size_bytes)?;
-        self.check_aligned("write", offset, total)?;
-        self.check_writable()?;
-        let mut commands = Vec::new();
-        self.write_commands(offset, bufs, &mut commands);
-        self.execute(&commands).map(drop)
+        self.write_many_vectored(&[(offset, bufs)])
     }
 
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
@@ -1610,24 +1604,13 @@ impl Device for NbdDevice {
     }
 
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {
-        let mut commands = Vec::new();
-        for (offset, buf) in requests {
-            check_range(
-                &self.name,
-                "write",
-                *offset,
-                buf.len() as u64,
-                self.size_bytes,
-            )?;
-            self.check_aligned("write", *offset, buf.len() as u64)?;
-        }
-        if !requests.is_empty() {
-            self.check_writable()?;
-        }
-        for (offset, buf) in requests {
-            self.write_commands(*offset, &[buf], &mut commands);
-        }
-        self.execute(&commands).map(drop)
+        let runs: Vec<[&[u8]; 1]> = requests.iter().map(|(_, buf)| [*buf]).collect();
+        let requests: Vec<(u64, &[&[u8]])> = requests
+            .iter()
+            .zip(&runs)
+            .map(|((offset, _), run)| (*offset, run.as_slice()))
+            .collect();
+        self.write_many_vectored(&requests)
     }
 
     /// Every run pipelined on the connection, each sent from the caller's

@@ -999,21 +999,34 @@ impl UringDevice {
         self.run(ring)
     }
 
-    fn writev_batch(&self, offset: u64, bufs: &[&[u8]], flush: bool) -> DeviceResult<()> {
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        check_range(&self.name, "write", offset, total as u64, self.size_bytes)?;
-        if total > 0 && !self.range_aligned(offset, total) {
-            let mut at = offset;
-            for buf in bufs {
-                self.sync_write(at, buf)?;
-                at += buf.len() as u64;
+    /// Write runs of buffers (each run back to back from its offset), then
+    /// with `flush` an fdatasync, in one ring submission. Runs the direct
+    /// descriptor cannot take go first through the buffered one: they
+    /// complete before the ring's fdatasync is even submitted, so it covers
+    /// them.
+    fn writev_runs(&self, runs: &[(u64, &[&[u8]])], flush: bool) -> DeviceResult<()> {
+        let total_of = |bufs: &[&[u8]]| bufs.iter().map(|b| b.len()).sum::<usize>();
+        for (offset, bufs) in runs {
+            let total = total_of(bufs) as u64;
+            check_range(&self.name, "write", *offset, total, self.size_bytes)?;
+        }
+        for (offset, bufs) in runs {
+            let total = total_of(bufs);
+            if total > 0 && !self.range_aligned(*offset, total) {
+                let mut at = *offset;
+                for buf in bufs.iter() {
+                    self.sync_write(at, buf)?;
+                    at += buf.len() as u64;
+                }
             }
-            return if flush { self.flush() } else { Ok(()) };
         }
         let mut guard = self.acquire();
         let ring = &mut *guard;
-        if total > 0 {
-            self.push_writev(ring, offset, bufs);
+        for (offset, bufs) in runs {
+            let total = total_of(bufs);
+            if total > 0 && self.range_aligned(*offset, total) {
+                self.push_writev(ring, *offset, bufs);
+            }
         }
         if flush {
             Self::push_fsync(ring);
@@ -1245,14 +1258,14 @@ impl Device for UringDevice {
     }
 
     fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
-        self.writev_batch(offset, bufs, false)
+        self.writev_runs(&[(offset, bufs)], false)
     }
 
     fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
         if let Some(result) = self.sync_barrier_write(offset, bufs) {
             return result;
         }
-        self.writev_batch(offset, bufs, true)
+        self.writev_runs(&[(offset, bufs)], true)
     }
 
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
@@ -1327,35 +1340,7 @@ impl Device for UringDevice {
     /// Every aligned run in one ring submission; unaligned runs first,
     /// through the buffered descriptor.
     fn write_many_vectored(&self, requests: &[(u64, &[&[u8]])]) -> DeviceResult<()> {
-        let total_of = |bufs: &[&[u8]]| bufs.iter().map(|b| b.len()).sum::<usize>();
-        for (offset, bufs) in requests {
-            check_range(
-                &self.name,
-                "write",
-                *offset,
-                total_of(bufs) as u64,
-                self.size_bytes,
-            )?;
-        }
-        for (offset, bufs) in requests {
-            let total = total_of(bufs);
-            if total > 0 && !self.range_aligned(*offset, total) {
-                let mut at = *offset;
-                for buf in bufs.iter() {
-                    self.sync_write(at, buf)?;
-                    at += buf.len() as u64;
-                }
-            }
-        }
-        let mut guard = self.acquire();
-        let ring = &mut *guard;
-        for (offset, bufs) in requests {
-            let total = total_of(bufs);
-            if total > 0 && self.range_aligned(*offset, total) {
-                self.push_writev(ring, *offset, bufs);
-            }
-        }
-        self.run(ring)
+        self.writev_runs(requests, false)
     }
 
     fn write_many_and_flush(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {

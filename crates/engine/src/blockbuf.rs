@@ -17,7 +17,7 @@
 use std::alloc::{handle_alloc_error, Layout};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Alignment of every buffer: a page satisfies every O_DIRECT memory rule.
 const BLOCK_BUF_ALIGN_BYTES: usize = 4096;
@@ -161,13 +161,18 @@ impl BufPool {
         BlockBuf::with_capacity(capacity)
     }
 
-    /// An empty buffer of the pool's full size, reused when one is idle.
-    pub(crate) fn take_full(&self) -> BlockBuf {
-        self.take(self.capacity_bytes)
+    /// An empty buffer of `capacity` bytes that goes back to this pool
+    /// when dropped (if it is full size and the pool has room).
+    pub(crate) fn lend(self: &Arc<Self>, capacity: usize) -> PooledBuf {
+        PooledBuf {
+            buf: self.take(capacity),
+            pool: Arc::clone(self),
+        }
     }
 
-    pub(crate) fn capacity_bytes(&self) -> usize {
-        self.capacity_bytes
+    /// [`BufPool::lend`] of the pool's full size.
+    pub(crate) fn lend_full(self: &Arc<Self>) -> PooledBuf {
+        self.lend(self.capacity_bytes)
     }
 
     /// Give a buffer back; kept if full size and the pool has room.
@@ -179,6 +184,35 @@ impl BufPool {
         if idle.len() < POOL_IDLE_MAX {
             idle.push(buf);
         }
+    }
+}
+
+/// A [`BlockBuf`] lent by a [`BufPool`], given back when dropped: record
+/// data and headers, whether the record goes down with a barrier, waits in
+/// flight or is read back by write-back.
+pub(crate) struct PooledBuf {
+    buf: BlockBuf,
+    pool: Arc<BufPool>,
+}
+
+impl Deref for PooledBuf {
+    type Target = BlockBuf;
+
+    fn deref(&self) -> &BlockBuf {
+        &self.buf
+    }
+}
+
+impl DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut BlockBuf {
+        &mut self.buf
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        let buf = std::mem::replace(&mut self.buf, BlockBuf::with_capacity(0));
+        self.pool.give(buf);
     }
 }
 

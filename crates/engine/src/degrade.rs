@@ -43,7 +43,7 @@ use crate::index::{state, ForwardMap, SlotTable};
 use crate::ranges::RangeMap;
 use crate::recovery::place;
 use crate::stats::Counters;
-use crate::writeback::{apply_group, read_group, RecordData};
+use crate::writeback::{apply_group, read_group, record_data_copy};
 
 impl Engine {
     /// Is the engine in degraded mode (the cache device is no longer used
@@ -204,7 +204,7 @@ impl Engine {
             tail.push((
                 record.start,
                 record.header_fields.clone(),
-                RecordData::copy_of(env, &record.data),
+                record_data_copy(env, &record.data),
             ));
         }
         // 3. DEGRADED, durable in both superblock copies, BEFORE any
@@ -240,7 +240,7 @@ impl Engine {
                 flags: 0,
                 entries: open.entries,
             };
-            tail.push((open.start, header, RecordData::copy_of(env, &open.data)));
+            tail.push((open.start, header, record_data_copy(env, &open.data)));
         }
         if !tail.is_empty() {
             let applied = apply_group(env, &tail)?;

@@ -10,7 +10,7 @@ use cairn_format::{
     Superblock, ORIGIN_BLOCKS_MAX, SUPERBLOCK_OFFSETS,
 };
 
-use crate::blockbuf::{BlockBuf, BufPool};
+use crate::blockbuf::{BufPool, PooledBuf};
 use crate::error::{EngineError, EngineResult};
 use crate::index::{remove_mapping, state, ForwardMap, SlotTable};
 use crate::inflight::{Queued, RecordIo};
@@ -152,7 +152,7 @@ pub(crate) struct OpenRecord {
     /// Entry index of each data block, in data order.
     pub data_entry: Vec<u16>,
     /// Page aligned, so the record is written without a bounce copy.
-    pub data: BlockBuf,
+    pub data: PooledBuf,
     pub capacity_data: u64,
     pub has_dirty: bool,
 }

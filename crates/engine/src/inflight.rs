@@ -26,7 +26,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use crate::blockbuf::{BlockBuf, BufPool};
+use crate::blockbuf::PooledBuf;
 use cairn_format::RecordHeader;
 
 use crate::engine::*;
@@ -46,26 +46,14 @@ pub(crate) struct SealedRecord {
     pub data_count: u64,
     /// Byte offset on the cache device.
     pub at_bytes: u64,
-    pub header: BlockBuf,
+    pub header: PooledBuf,
     /// The header, decoded: degraded mode copies a record that may never
     /// have reached the cache from memory.
     pub header_fields: RecordHeader,
-    pub data: BlockBuf,
+    pub data: PooledBuf,
     /// Set once the write completed (successfully or not); `outcome` says.
     done: AtomicBool,
     outcome: OnceLock<Result<(), String>>,
-    /// Where `data` and `header` go back once the record is gone.
-    pool: Arc<BufPool>,
-    header_pool: Arc<BufPool>,
-}
-
-impl Drop for SealedRecord {
-    fn drop(&mut self) {
-        let data = std::mem::replace(&mut self.data, BlockBuf::with_capacity(0));
-        self.pool.give(data);
-        let header = std::mem::replace(&mut self.header, BlockBuf::with_capacity(0));
-        self.header_pool.give(header);
-    }
 }
 
 /// A queued record and whether a thread has taken it on to write it.
@@ -87,8 +75,8 @@ impl SealedRecord {
         start: u64,
         at_bytes: u64,
         header_fields: RecordHeader,
-        header: BlockBuf,
-        data: BlockBuf,
+        header: PooledBuf,
+        data: PooledBuf,
     ) -> SealedRecord {
         let sequence = header_fields.sequence;
         let bs = env.bs;
@@ -103,8 +91,6 @@ impl SealedRecord {
             data,
             done: AtomicBool::new(false),
             outcome: OnceLock::new(),
-            pool: env.record_bufs.clone(),
-            header_pool: env.header_bufs.clone(),
         }
     }
 

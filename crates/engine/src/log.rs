@@ -9,7 +9,6 @@ use cairn_format::{
 
 use cairn_device::DeviceError;
 
-use crate::blockbuf::BlockBuf;
 use crate::engine::*;
 use crate::error::EngineResult;
 use crate::index::state;
@@ -211,7 +210,7 @@ impl Inner {
                     start,
                     entries: Vec::new(),
                     data_entry: Vec::new(),
-                    data: BlockBuf::with_capacity(0),
+                    data: env.record_bufs.lend(0),
                     capacity_data: 0,
                     has_dirty: false,
                 }
@@ -234,7 +233,7 @@ impl Inner {
         let (hbuf, hcrc) = header.encode(env.bs as u32);
         // Aligned like the data, so the record goes down without a copy.
         let hbuf = {
-            let mut aligned = env.header_bufs.take(hbuf.len());
+            let mut aligned = env.header_bufs.lend(hbuf.len());
             aligned.extend_from_slice(&hbuf);
             aligned
         };
@@ -287,8 +286,6 @@ impl Inner {
             Counters::add(&env.counters.cache_barriers, 1);
             self.durable_seq = self.next_seq - 1;
             self.unsynced_blocks = 0;
-            env.record_bufs.give(open.data);
-            env.header_bufs.give(hbuf);
         } else {
             let record = SealedRecord::new(env, open.start, at, header, hbuf, open.data);
             self.queue_sealed(env, record)?;

@@ -336,7 +336,7 @@ impl Inner {
             start,
             entries: Vec::new(),
             data_entry: Vec::new(),
-            data: env.record_bufs.take(capacity_data as usize * env.bs),
+            data: env.record_bufs.lend(capacity_data as usize * env.bs),
             capacity_data,
             has_dirty: false,
         });

@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use cairn_format::{block_checksum, RangeKind, RecordEntry, RecordHeader};
 
-use crate::blockbuf::{BlockBuf, BufPool};
+use crate::blockbuf::PooledBuf;
 use crate::engine::*;
 use crate::error::{EngineError, EngineResult};
 use crate::index::state;
@@ -166,59 +165,23 @@ const RUN_BYTES_MAX: usize = 1 << 20;
 /// there (no copy into runs); they go back to the pool with the group.
 pub(crate) type GroupRecords = Vec<(u64, RecordHeader, RecordData)>;
 
-/// One record's data blocks, returned to the record buffer pool on drop.
-pub(crate) struct RecordData {
-    buf: Option<BlockBuf>,
-    pool: Arc<BufPool>,
+/// One record's data blocks, back in the record buffer pool on drop.
+pub(crate) type RecordData = PooledBuf;
+
+/// A pooled buffer of `len` bytes to be read into in place. Its bytes are
+/// whatever the buffer held: the caller overwrites all of them.
+fn record_data_for_read(env: &Env, len: usize) -> RecordData {
+    let mut data = env.record_bufs.lend_full();
+    data.set_len(len);
+    data
 }
 
-impl RecordData {
-    /// `len` bytes to be filled in place.
-    pub(crate) fn for_read(env: &Env, len: usize) -> RecordData {
-        let mut buf = if len <= env.record_bufs.capacity_bytes() {
-            env.record_bufs.take_full()
-        } else {
-            BlockBuf::with_capacity(len)
-        };
-        buf.set_len(len);
-        RecordData {
-            buf: Some(buf),
-            pool: env.record_bufs.clone(),
-        }
-    }
-
-    /// A copy of data held in memory (degraded mode's unwritten records).
-    pub(crate) fn copy_of(env: &Env, bytes: &[u8]) -> RecordData {
-        let mut data = RecordData::for_read(env, 0);
-        let buf = data.buf.as_mut().expect("set at creation");
-        if bytes.len() > buf.capacity() {
-            *buf = BlockBuf::with_capacity(bytes.len());
-        }
-        buf.extend_from_slice(bytes);
-        data
-    }
-}
-
-impl std::ops::Deref for RecordData {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        self.buf.as_deref().expect("set until drop")
-    }
-}
-
-impl std::ops::DerefMut for RecordData {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        self.buf.as_deref_mut().expect("set until drop")
-    }
-}
-
-impl Drop for RecordData {
-    fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            self.pool.give(buf);
-        }
-    }
+/// A pooled copy of record data held in memory (degraded mode's unwritten
+/// records).
+pub(crate) fn record_data_copy(env: &Env, bytes: &[u8]) -> RecordData {
+    let mut data = env.record_bufs.lend(bytes.len());
+    data.extend_from_slice(bytes);
+    data
 }
 
 /// What `apply_group` copied to the origin.
@@ -254,7 +217,7 @@ pub(crate) fn read_group(
             }
         })?;
         let data_count = header.data_count();
-        let mut data = RecordData::for_read(env, data_count * bs);
+        let mut data = record_data_for_read(env, data_count * bs);
         if data_count > 0 {
             env.cache
                 .read_at(env.layout.slot_offset_bytes((at + 1) % n), &mut data)

@@ -673,3 +673,37 @@ pub fn require_python_nbd() -> bool {
     eprintln!("SKIPPED: python3-libnbd is not importable");
     false
 }
+
+impl Client<UnixStream> {
+    /// Send `count` 4 KiB reads of blocks 0.. (cookies 1000..) from another
+    /// thread while this one reads the replies, as a real pipelining client
+    /// does. Returns the replies in arrival order, after checking every
+    /// cookie was answered exactly once.
+    pub fn pipelined_reads(&mut self, count: u64) -> Vec<Reply> {
+        let mut requests = Vec::new();
+        for i in 0..count {
+            requests.extend(request(
+                self.extended(),
+                0,
+                CMD_READ,
+                1000 + i,
+                i * 4096,
+                4096,
+            ));
+        }
+        let cookies: Vec<u64> = (0..count)
+            .map(|i| self.expect_reply(1000 + i, CMD_READ, i * 4096, 4096))
+            .collect();
+        let mut writer = self.stream.try_clone().expect("clone the client socket");
+        let sender = std::thread::spawn(move || writer.write_all(&requests));
+        let replies: Vec<Reply> = (0..count).map(|_| self.reply().expect("a reply")).collect();
+        sender
+            .join()
+            .expect("sender thread")
+            .expect("send requests");
+        let mut answered: Vec<u64> = replies.iter().map(|r| r.cookie).collect();
+        answered.sort();
+        assert_eq!(answered, cookies, "every cookie answered exactly once");
+        replies
+    }
+}
