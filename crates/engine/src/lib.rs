@@ -1,43 +1,59 @@
 //! The cairn engine: a log-structured, checksummed write-back cache between
 //! a fast cache device and a slow origin, with ordered write-back.
 //!
-//! Shape (see `docs/design.md`):
-//! - Writes are appended to an in-memory *open record*; a client FLUSH (or a
-//!   FUA write) seals it into the circular log with one vectored write and
-//!   costs one device barrier.
-//! - The index maps origin blocks to log slots (15 bytes per slot).
-//! - Write-back copies sealed records to the origin in log order, one epoch
-//!   group (the records between two flushes) at a time, flushing the origin
-//!   after each group, so the origin alone is always the volume as of some
-//!   past flush.
-//! - Recovery loads the newest checkpoint and replays the log after it.
+//! Shape (see `docs/design.md`, "Where things live"):
+//! - [`Engine`] (`engine.rs`) holds the parts behind one lock, switches to
+//!   degraded mode, and has the entry points.
+//! - Parts that own their state: the log (`log/`: positions, the open
+//!   record, sealing, flush, eviction), the sealed records in flight
+//!   (`sealed/`), the index (`index/`: slots, forward map, ranges, lost
+//!   blocks; plan, insert, retire), integrity tags (`tags.rs`), the read
+//!   policy (`policy/`), write-back (`writeback.rs`, `group/`), the
+//!   engine's health (`health.rs`).
+//! - Request paths over those parts: `read/`, `write/`, `degrade/`,
+//!   `integrity/`; and the steps that touch several parts at once:
+//!   `space.rs`, `checkpoint/`, `recovery/`, `format.rs`, `open.rs`.
 //!
 //! The engine has no threads and no clocks of its own: the daemon drives
 //! background write-back by calling [`Engine::writeback_step`], and tests
 //! drive everything deterministically.
 
 mod blockbuf;
+mod checkpoint;
 mod degrade;
 mod engine;
+mod env;
 mod error;
+mod format;
+mod group;
+mod health;
 mod index;
-mod inflight;
 mod integrity;
 mod log;
+mod open;
+mod options;
+mod origin_check;
+mod parts;
 mod policy;
-mod ranges;
 mod read;
-mod read_batch;
 mod recovery;
+mod retry;
+mod sealed;
+mod space;
+mod state;
+mod state_lock;
 mod stats;
+mod superblocks;
 mod tags;
 mod write;
 mod writeback;
 
-pub use engine::{Engine, EngineConfig, FormatOptions, OpenOptions, WritebackProgress};
+pub use engine::Engine;
 pub use error::{EngineError, EngineResult};
 pub use integrity::{RecalcProgress, ScrubOptions, ScrubReport};
+pub use options::{EngineConfig, FormatOptions, OpenOptions};
 pub use policy::CacheMode;
 pub use stats::StatsSnapshot;
+pub use writeback::WritebackProgress;
 
 pub use cairn_format::Superblock;

@@ -11,7 +11,9 @@
 //! crash are dirty again and exempt until the redo sets their tag again.
 
 use cairn_device::{Device, DeviceError};
-use cairn_format::{Layout, TagPage, TAGS_PER_PAGE, TAG_PAGE_BYTES, TAG_UNSET};
+use cairn_format::{
+    block_checksum, Layout, RangeKind, TagPage, TAGS_PER_PAGE, TAG_PAGE_BYTES, TAG_UNSET,
+};
 
 use crate::stats::Counters;
 
@@ -93,6 +95,55 @@ impl TagTable {
             }
             at = page_end;
         }
+    }
+
+    /// Write-back put these ranges, then these blocks (with their verified
+    /// checksums), on the origin and flushed it: their tags follow, in that
+    /// order.
+    pub fn record_origin_writes(
+        &mut self,
+        ranges: &[(RangeKind, u64, u64)],
+        blocks: &[(u64, u32)],
+    ) {
+        for &(kind, lba, count) in ranges {
+            let tag = match kind {
+                RangeKind::Zero => cairn_format::TAG_ZERO,
+                RangeKind::Discard => cairn_format::TAG_DISCARDED,
+            };
+            self.set_range(lba, count, tag);
+        }
+        for &(lba, crc) in blocks {
+            self.set(lba, cairn_format::fold_tag(crc));
+        }
+    }
+
+    /// After recovery: a clean copy inserted from an origin read holds what
+    /// the origin held then, and the origin has not changed since (a later
+    /// write would have replaced the copy in the index). Its tag may still
+    /// be the pre-crash one if the write-back that produced that origin
+    /// data had not persisted its tags: that write-back is redone later,
+    /// but until then the tag must already describe the origin. So the tag
+    /// is set from the copy's checksum. Nothing is trusted that was not
+    /// verified: the copy's crc came from a verified origin read. Returns
+    /// the tags changed.
+    pub fn heal_from_clean_copies(
+        &mut self,
+        copies: impl Iterator<Item = (u64, u32)>,
+        block_size_bytes: usize,
+    ) -> u64 {
+        let zeroes = vec![0u8; block_size_bytes];
+        let mut healed = 0u64;
+        for (lba, crc) in copies {
+            let expected = cairn_format::fold_tag(crc);
+            let tag = self.get(lba);
+            let agrees = tag == expected
+                || (tag == cairn_format::TAG_ZERO && block_checksum(lba, &zeroes) == crc);
+            if !agrees {
+                self.set(lba, expected);
+                healed += 1;
+            }
+        }
+        healed
     }
 
     fn mark_dirty(&mut self, page: u64) {

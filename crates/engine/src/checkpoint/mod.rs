@@ -1,0 +1,88 @@
+//! Checkpoints: the index streamed into the inactive checkpoint slot, then
+//! the superblock pointed at it. Recovery loads the newest one and replays
+//! the log after it.
+
+mod payload_writer;
+
+use cairn_device::DeviceError;
+use cairn_format::{
+    CheckpointHeader, Writer, CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, PENDING_RANGE_BYTES,
+};
+
+use crate::env::Env;
+use crate::error::EngineResult;
+use crate::retry::retrying_cache_write;
+use crate::state::State;
+use crate::stats::Counters;
+use payload_writer::PayloadWriter;
+
+/// Snapshot the index into the inactive checkpoint slot, then point the
+/// superblock at it (which also persists the write-back position).
+pub(crate) fn write(env: &Env, st: &mut State) -> EngineResult<()> {
+    // Everything the index maps must be in the log, behind a barrier.
+    st.log.seal_everything(env, &mut st.index)?;
+    // The slot is retried whole: its chunks are plain writes covered by
+    // the header's barrier, so if that barrier fails the chunks must be
+    // written again too, not just the header.
+    let header = retrying_cache_write(env, "writing a checkpoint", true, || write_slot(env, st))
+        .map_err(|e| env.health.cache_write_failed("writing a checkpoint", e))?;
+    st.superblock.active_checkpoint = 1 - st.superblock.active_checkpoint;
+    st.superblock.checkpoint_sequence = header.sequence;
+    st.superblock.writeback_offset = st.log.writeback_position();
+    st.write_superblock(env)?;
+    st.log.writeback_position_persisted();
+    st.log.checkpointed();
+    Counters::add(&env.counters.checkpoints, 1);
+    Ok(())
+}
+
+/// Stream the index into the inactive checkpoint slot and write its header
+/// with a barrier. The superblock is not touched.
+fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
+    let target = 1 - st.superblock.active_checkpoint;
+    let slot_at = env.layout.checkpoint_offset_bytes(target);
+    let ranges = st.index.pending_ranges();
+    let live = st.index.live_blocks();
+    let payload_bytes = CheckpointHeader::payload_bytes(live, ranges.len() as u32);
+    assert!(
+        CHECKPOINT_HEADER_BYTES as u64
+            + cairn_format::align_up(payload_bytes, env.block_size_bytes as u64)
+            <= env.layout.checkpoint_slot_bytes
+    );
+    let mut payload = PayloadWriter::new(env, slot_at + CHECKPOINT_HEADER_BYTES as u64);
+    let mut entry_count = 0u64;
+    let mut bytes = [0u8; CHECKPOINT_ENTRY_BYTES];
+    for entry in st.index.checkpoint_entries() {
+        entry.encode(&mut Writer::new(&mut bytes));
+        payload.put(&bytes)?;
+        entry_count += 1;
+    }
+    assert_eq!(entry_count, live, "every live slot is in the checkpoint");
+    let mut bytes = [0u8; PENDING_RANGE_BYTES];
+    for range in &ranges {
+        range.encode(&mut Writer::new(&mut bytes));
+        payload.put(&bytes)?;
+    }
+    let (payload_crc, written_bytes) = payload.finish()?;
+    Counters::add(&env.counters.cache_bytes_written, written_bytes);
+    let log = &st.log;
+    let header = CheckpointHeader {
+        sequence: st.superblock.checkpoint_sequence + 1,
+        generation: st.superblock.generation,
+        head_offset: log.head(),
+        next_record_sequence: log.next_sequence(),
+        prev_crc: log.prev_crc(),
+        tail_offset: log.tail(),
+        writeback_offset: log.writeback_position(),
+        durable_sequence: log.durable_sequence(),
+        entry_count,
+        range_count: ranges.len() as u32,
+        payload_crc,
+    };
+    // The header goes last, with the barrier that covers the payload.
+    let encoded = header.encode();
+    env.cache.write_vectored_and_flush(slot_at, &[&encoded])?;
+    Counters::add(&env.counters.cache_bytes_written, encoded.len() as u64);
+    Counters::add(&env.counters.cache_barriers, 1);
+    Ok(header)
+}

@@ -1,0 +1,149 @@
+//! Requests on a degraded cache: writes, zeroes and discards go straight
+//! to the origin and are flushed there before the reply, after the cached
+//! copies of the blocks they change are dropped.
+
+use cairn_format::RangeKind;
+
+use crate::error::{EngineError, EngineResult};
+use crate::parts::Parts;
+use crate::read::{self, Scope};
+use crate::stats::Counters;
+use crate::write::partial_edges;
+
+/// A degraded write: patch partial blocks at the edges (read from a
+/// verified cached copy or the origin), drop cached copies, write the
+/// origin and flush it. Durable on return.
+pub(crate) fn degraded_write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineResult<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    let _serial = p.degraded_writes.lock().unwrap_or_else(|e| e.into_inner());
+    let block_bytes = p.env.block_size_bytes as u64;
+    let end = offset + data.len() as u64;
+    let edges = patched_edges(p, offset, end, |lo, hi| {
+        &data[(lo - offset) as usize..(hi - offset) as usize]
+    })?;
+    let full_first = offset.div_ceil(block_bytes);
+    let full_end = end / block_bytes;
+    let mut writes: Vec<(u64, &[u8])> = edges
+        .iter()
+        .map(|(lba, b)| (lba * block_bytes, b.as_slice()))
+        .collect();
+    if full_first < full_end {
+        let from = (full_first * block_bytes - offset) as usize;
+        let to = (full_end * block_bytes - offset) as usize;
+        writes.push((full_first * block_bytes, &data[from..to]));
+    }
+    forget_cached(p, offset / block_bytes, end.div_ceil(block_bytes))?;
+    Counters::add(&p.env.counters.degraded_writes, 1);
+    p.env
+        .origin
+        .write_many_and_flush(&writes)
+        .map_err(|e| origin_write_error(p, e))
+}
+
+/// A degraded zero or discard: whole blocks become an origin zero or
+/// discard, partial edge blocks of a zero are patched and written whole
+/// (a discard leaves them alone), then the origin is flushed.
+pub(crate) fn degraded_zero_range(
+    p: Parts<'_>,
+    offset: u64,
+    length_bytes: u64,
+    kind: RangeKind,
+) -> EngineResult<()> {
+    let _serial = p.degraded_writes.lock().unwrap_or_else(|e| e.into_inner());
+    let block_bytes = p.env.block_size_bytes as u64;
+    let end = offset + length_bytes;
+    let zeroes = vec![0u8; block_bytes as usize];
+    let edges = if kind == RangeKind::Zero {
+        patched_edges(p, offset, end, |lo, hi| &zeroes[..(hi - lo) as usize])?
+    } else {
+        Vec::new()
+    };
+    let full_first = offset.div_ceil(block_bytes);
+    let full_end = end / block_bytes;
+    {
+        let mut st = p.state.running(p.env)?;
+        st.index.note_mutation();
+        for (lba, _) in &edges {
+            st.index.forget_range(*lba, *lba + 1);
+        }
+        if full_first < full_end {
+            st.index.forget_range(full_first, full_end);
+        }
+    }
+    Counters::add(&p.env.counters.degraded_writes, 1);
+    let origin = p.env.origin.as_ref();
+    let writes: Vec<(u64, &[u8])> = edges
+        .iter()
+        .map(|(lba, b)| (lba * block_bytes, b.as_slice()))
+        .collect();
+    origin
+        .write_many(&writes)
+        .map_err(|e| origin_write_error(p, e))?;
+    if full_first < full_end {
+        let (at, len) = (
+            full_first * block_bytes,
+            (full_end - full_first) * block_bytes,
+        );
+        match kind {
+            RangeKind::Zero => origin.write_zeroes(at, len),
+            RangeKind::Discard => origin.discard(at, len),
+        }
+        .map_err(|e| origin_write_error(p, e))?;
+    }
+    origin.flush().map_err(|e| origin_write_error(p, e))
+}
+
+/// Degraded: every acknowledged write is durable on the origin already;
+/// flush it anyway, so a FLUSH means what it says whatever happened.
+pub(crate) fn degraded_flush(p: Parts<'_>) -> EngineResult<()> {
+    // A stopped engine answers with its error, as every request does.
+    p.env.health.check_running()?;
+    p.env.origin.flush().map_err(|e| origin_write_error(p, e))
+}
+
+/// The blocks of `[offset, end)` that the request covers only in part:
+/// their current content with `patch(lo, hi)` copied over the covered
+/// bytes `[lo, hi)`. Read through the normal read path (a verified cached
+/// copy, or the origin) under the degraded write lock.
+fn patched_edges<'a>(
+    p: Parts<'_>,
+    offset: u64,
+    end: u64,
+    patch: impl Fn(u64, u64) -> &'a [u8],
+) -> EngineResult<Vec<(u64, Vec<u8>)>> {
+    let block_bytes = p.env.block_size_bytes as u64;
+    let mut edges = Vec::new();
+    for (lba, within, n) in partial_edges(offset, end, block_bytes) {
+        let mut block = vec![0u8; block_bytes as usize];
+        let scope = Scope::All {
+            promote: false,
+            bypassed: false,
+            prefetch: false,
+        };
+        read::read_one(p, lba * block_bytes, &mut block, scope)?;
+        let lo = lba * block_bytes + within as u64;
+        let src = patch(lo, lo + n as u64);
+        assert_eq!(src.len(), n);
+        block[within..within + n].copy_from_slice(src);
+        edges.push((lba, block));
+    }
+    Ok(edges)
+}
+
+/// Drop the cached copies of blocks `[first, end)` before the origin gets
+/// their new content: a read that starts after the reply must not find the
+/// old copy.
+fn forget_cached(p: Parts<'_>, first: u64, end: u64) -> EngineResult<()> {
+    let mut st = p.state.running(p.env)?;
+    st.index.note_mutation();
+    st.index.forget_range(first, end);
+    Ok(())
+}
+
+fn origin_write_error(p: Parts<'_>, e: cairn_device::DeviceError) -> EngineError {
+    Counters::add(&p.env.counters.origin_write_errors, 1);
+    tracing::error!("degraded write to the origin failed: {e}");
+    EngineError::Origin(e)
+}

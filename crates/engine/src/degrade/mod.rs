@@ -1,0 +1,279 @@
+//! Degraded mode: what the engine does when the cache device stops taking
+//! writes.
+//!
+//! A cache write that fails is first retried (`crate::retry`, and whole
+//! checkpoints). When it fails for good, the engine's health marks a
+//! degrade as pending and nothing more is written to the log. The next
+//! request (any thread) runs [`enter`]:
+//!
+//! 1. every complete epoch group not yet written back (data durable in the
+//!    log) is read from the cache, verified and copied to the origin, each
+//!    followed by an origin flush: ordinary ordered write-back;
+//! 2. the records sealed after the last epoch end are read back (verified);
+//! 3. the superblock is written with the DEGRADED flag, to both copies,
+//!    each with a barrier;
+//! 4. those records and then the open record (acknowledged writes that
+//!    were never flushed, or never reached the cache at all) go to the
+//!    origin as one group with one flush, and the open record's slots leave
+//!    the index.
+//!
+//! Only then does any request go straight to the origin. Nothing that is
+//! not durable in the log reaches the origin before the DEGRADED flag is
+//! durable, so a restart either replays a log that is at least as new as
+//! the origin (flag not durable) or never replays it again (flag durable):
+//! no record older than the origin's copy can be replayed over it. If a
+//! step fails the engine stops (every request fails) and nothing is written
+//! through. Once the flag is durable, open never replays or reads the cache
+//! again (see `crate::open`).
+//!
+//! Degraded writes, zeroes and discards (`degraded_io`) drop the cached
+//! copy of every block they change, then write the origin and flush it
+//! before the reply. Reads still use clean cached copies of blocks not
+//! written since (they are verified like every cache read, and the cache is
+//! never written again, so a slot can never change under its mapping);
+//! everything else is read from the origin. See `docs/design.md`.
+
+mod degraded_io;
+
+pub(crate) use degraded_io::{degraded_flush, degraded_write, degraded_zero_range};
+
+use cairn_format::{RecordHeader, FEATURE_DEGRADED};
+
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::group::{self, GroupRecord};
+use crate::log::record_start;
+use crate::parts::Parts;
+use crate::state::State;
+use crate::stats::Counters;
+use crate::superblocks;
+
+/// Enter degraded mode (see the module comment). Serialised with
+/// write-back; the engine lock is held for the whole drain, so requests
+/// wait for it. Idempotent: a second caller finds it done.
+pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
+    let env = p.env;
+    let _writeback = p.writeback.lock();
+    let mut st = p.state.unchecked();
+    env.health.check_running()?;
+    if env.health.is_degraded() {
+        return Ok(());
+    }
+    let reason = env
+        .health
+        .degrade_reason()?
+        .expect("degrade runs only after a cache write failed for good");
+    tracing::error!(
+        dirty_blocks = st.index.dirty_blocks(),
+        "cache device write failed ({reason}): writing every dirty block back to the origin before going degraded"
+    );
+    match drain_and_mark_degraded(env, &mut st) {
+        Ok(drained_blocks) => {
+            env.health.set_degraded();
+            Counters::add(&env.counters.degrade_drained_blocks, drained_blocks);
+            tracing::error!(
+                drained_blocks,
+                "cache {} is DEGRADED: every dirty block is on the origin and the DEGRADED flag is durable. From now on every write goes straight to the origin and is acknowledged once durable there; unchanged clean blocks are still read from the cache. The cache device must be fixed or replaced, then formatted again, to cache again",
+                env.cache.name()
+            );
+            Ok(())
+        }
+        Err(e) => {
+            let stopped = format!(
+                "{reason}; then entering degraded mode failed ({e}), so nothing was written through to the origin"
+            );
+            tracing::error!(
+                "cache device failed and degraded mode could not be entered: {e}. The engine is stopped: every request fails until restart. The cache and the origin are as the ordinary write-back left them; a restart recovers from the log"
+            );
+            env.health.stop(stopped.clone());
+            Err(EngineError::Failed(stopped))
+        }
+    }
+}
+
+/// Steps 1 to 4 of the module comment. Returns the blocks written back.
+fn drain_and_mark_degraded(env: &Env, st: &mut State) -> EngineResult<u64> {
+    // The open record, if any, starts at the head: every sealed record
+    // lies before it.
+    let end = st.log.head();
+    if let Some(start) = st.log.open_start() {
+        assert_eq!(start, end, "the open record starts at the head");
+    }
+    let mut drained_blocks = drain_flushed_groups(env, st)?;
+    let (unflushed, sealed_count, from, to) = read_unflushed(env, st, end)?;
+    mark_degraded(env, st)?;
+    drained_blocks += write_unflushed(env, st, unflushed, sealed_count, from, to)?;
+    // Nothing is dirty any more; what stays in the index are clean copies
+    // (and corrupt ones, which keep reading as EIO).
+    st.log.drained();
+    st.index.mark_all_written_back();
+    // Integrity tags live on the cache device, which is not written again:
+    // they could never be persisted, and a restart ignores the cache.
+    // Origin reads are not verified from here on.
+    if st.tags.take().is_some() {
+        tracing::error!(
+            "integrity tags are dropped with the cache: origin reads are not verified while degraded"
+        );
+    }
+    Ok(drained_blocks)
+}
+
+/// Step 1: complete epoch groups (up to the last durable epoch end), as
+/// write-back does: only data that is durable in the log reaches the
+/// origin, and the origin stays the volume as of a flush.
+fn drain_flushed_groups(env: &Env, st: &mut State) -> EngineResult<u64> {
+    let slot_count = st.log.slot_count();
+    let mut drained_blocks = 0;
+    for _ in 0..=slot_count {
+        if st.log.writeback_position() >= st.log.writeback_limit() {
+            break;
+        }
+        let start = st.log.writeback_position();
+        let (records, end) = group::read(env, start, st.log.writeback_limit(), slot_count)?;
+        let applied = group::apply(env, &records)?;
+        group::commit(env, st, start, end, &records, &applied);
+        drained_blocks += applied.blocks_written;
+    }
+    assert_eq!(
+        st.log.writeback_position(),
+        st.log.writeback_limit(),
+        "every complete epoch is on the origin"
+    );
+    Ok(drained_blocks)
+}
+
+/// The unflushed records of step 2/4, in log order.
+type Unflushed = Vec<GroupRecord>;
+
+/// Step 2: the rest was acknowledged but never flushed: records sealed
+/// after the last epoch end, then the open record (the current request's
+/// writes may be among them; it is re-run after the switch). Read it all
+/// now, in log order, before anything else changes: if the log cannot be
+/// read, stop here. The records still queued in memory (their write failed,
+/// never started, or completed behind one that had not: see
+/// `crate::sealed`) are the end of the log up to the open record; they are
+/// taken from memory, not read back. Returns the records, how many of them
+/// were read from the cache, and the log range `[from, to)` those cover.
+fn read_unflushed(
+    env: &Env,
+    st: &mut State,
+    end: u64,
+) -> EngineResult<(Unflushed, usize, u64, u64)> {
+    let slot_count = st.log.slot_count();
+    let (queued, open) = st.log.take_unflushed(env);
+    let cache_end = queued.first().map_or(end, |r| r.start);
+    let from = st.log.writeback_position();
+    let mut records = Vec::new();
+    let mut position = from;
+    for _ in 0..=slot_count {
+        if record_start(position, slot_count) >= cache_end {
+            break;
+        }
+        let (mut more, next) = group::read(env, position, cache_end, slot_count)?;
+        records.append(&mut more);
+        position = next;
+    }
+    assert!(
+        record_start(position, slot_count) >= cache_end,
+        "degrade read every sealed record"
+    );
+    let sealed_count = records.len();
+    for (i, record) in queued.iter().enumerate() {
+        let next_start = queued.get(i + 1).map_or(end, |r| r.start);
+        assert!(record.start < next_start, "queued records are in log order");
+        records.push(group::record_from_memory(
+            env,
+            record.start,
+            record.header_fields.clone(),
+            &record.data,
+        ));
+        // It may never have reached the cache device: its slots leave the
+        // index (the origin gets their data in step 4).
+        forget_record(st, record.start, record.data_count);
+    }
+    if let Some(open) = open {
+        let header = RecordHeader {
+            sequence: 0,
+            log_offset: open.start(),
+            generation: 0,
+            durable_sequence: 0,
+            prev_crc: 0,
+            format_tag: 0,
+            flags: 0,
+            entries: open.entries().to_vec(),
+        };
+        records.push(group::record_from_memory(
+            env,
+            open.start(),
+            header,
+            open.data(),
+        ));
+        // It never reached the cache device: its slots leave the index.
+        forget_record(st, open.start(), open.data_count());
+    }
+    Ok((records, sealed_count, from, position))
+}
+
+/// The slots and ranges of a record held only in memory leave the index.
+fn forget_record(st: &mut State, start: u64, data_count: u64) {
+    for k in 0..data_count {
+        let slot = st.log.phys(start + 1 + k);
+        if st.index.is_live(slot) {
+            st.index.retire(slot);
+        }
+    }
+    st.index.retire_ranges(start, start + 1);
+}
+
+/// Step 3: DEGRADED, durable in both superblock copies, BEFORE any
+/// unflushed data reaches the origin. Were it the other way round, a crash
+/// in between would replay the log over an origin newer than it: reads
+/// would serve the log's older copy of a block, and later (once evicted)
+/// the origin's newer one. From here on a restart never replays the log,
+/// whichever copy survives; it serves the origin, which holds at least
+/// every flushed write (step 1).
+fn mark_degraded(env: &Env, st: &mut State) -> EngineResult<()> {
+    st.superblock.features |= FEATURE_DEGRADED;
+    st.superblock.writeback_offset = st.log.writeback_position();
+    for _ in 0..2 {
+        superblocks::write_next(env, &mut st.superblock, true).map_err(EngineError::Cache)?;
+    }
+    st.log.writeback_position_persisted();
+    Ok(())
+}
+
+/// Step 4: the unflushed rest, as one group with one origin flush: the
+/// origin goes from the last flushed state straight to the acknowledged
+/// one (plus possibly part of the request in flight).
+fn write_unflushed(
+    env: &Env,
+    st: &mut State,
+    records: Unflushed,
+    sealed_count: usize,
+    from: u64,
+    to: u64,
+) -> EngineResult<u64> {
+    if records.is_empty() {
+        return Ok(0);
+    }
+    let applied = group::apply(env, &records)?;
+    // Data taken from memory (queued records, the open record) matches its
+    // checksums.
+    let memory_start = records.get(sealed_count).map_or(u64::MAX, |r| r.at);
+    assert!(
+        applied
+            .bad
+            .iter()
+            .all(|&(_, logical)| logical < memory_start),
+        "in-memory record data matches its checksums"
+    );
+    if sealed_count > 0 {
+        group::commit(env, st, from, to, &records[..sealed_count], &applied);
+    }
+    assert_eq!(
+        st.index.range_count(),
+        0,
+        "every zero/discard range is on the origin"
+    );
+    Ok(applied.blocks_written)
+}

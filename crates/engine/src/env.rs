@@ -1,0 +1,117 @@
+//! The context every part of the engine shares: the two devices, the
+//! cache's geometry, the configuration, the counters, the buffer pools and
+//! the engine's health. Fixed at open except for the counters and health.
+
+use std::sync::Arc;
+
+use cairn_device::{Device, DeviceError};
+use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
+
+use crate::blockbuf::BufPool;
+use crate::error::{EngineError, EngineResult};
+use crate::health::Health;
+use crate::options::EngineConfig;
+use crate::sealed::RecordIo;
+use crate::stats::Counters;
+
+pub(crate) struct Env {
+    pub(crate) cache: Arc<dyn Device>,
+    pub(crate) origin: Arc<dyn Device>,
+    pub(crate) layout: Layout,
+    pub(crate) counters: Counters,
+    pub(crate) block_size_bytes: usize,
+    pub(crate) volume_blocks: u64,
+    pub(crate) config: EngineConfig,
+    /// Most data blocks in one log record.
+    pub(crate) record_data_blocks_max: u64,
+    /// Most entries (data blocks and ranges) in one record header.
+    pub(crate) record_entries_max: usize,
+    /// `chain_seed(uuid)`: stamped on every record of this format.
+    pub(crate) format_tag: u32,
+    /// Origin integrity tags are kept (`State::tags` is `Some` until a
+    /// degrade drops them).
+    pub(crate) integrity: bool,
+    pub(crate) health: Health,
+    /// Where barriers wait for sealed records written outside the lock.
+    pub(crate) record_io: RecordIo,
+    /// Reused record buffers.
+    pub(crate) record_bufs: Arc<BufPool>,
+    /// One-block buffers for record headers: without them every flush
+    /// mapped and unmapped a page (a TLB shootdown across the daemon's
+    /// threads per fsync'd write).
+    pub(crate) header_bufs: Arc<BufPool>,
+}
+
+impl Env {
+    pub(crate) fn new(
+        cache: Arc<dyn Device>,
+        origin: Arc<dyn Device>,
+        layout: Layout,
+        superblock: &Superblock,
+        config: EngineConfig,
+        health: Health,
+    ) -> Env {
+        let block_size_bytes = superblock.block_size_bytes;
+        let record_bytes_max =
+            record_data_blocks_max(block_size_bytes) as usize * block_size_bytes as usize;
+        Env {
+            cache,
+            origin,
+            layout,
+            counters: Counters::default(),
+            block_size_bytes: block_size_bytes as usize,
+            volume_blocks: superblock.origin_size_bytes / block_size_bytes as u64,
+            config,
+            record_data_blocks_max: record_data_blocks_max(block_size_bytes) as u64,
+            record_entries_max: RecordHeader::entries_max(block_size_bytes),
+            format_tag: chain_seed(&superblock.uuid),
+            integrity: superblock.features & cairn_format::FEATURE_INTEGRITY != 0,
+            health,
+            record_io: RecordIo::default(),
+            record_bufs: Arc::new(BufPool::new(record_bytes_max)),
+            header_bufs: Arc::new(BufPool::new(block_size_bytes as usize)),
+        }
+    }
+
+    /// Byte offset of a log slot on the cache device.
+    pub(crate) fn slot_offset_bytes(&self, slot: u32) -> u64 {
+        self.layout.slot_offset_bytes(slot as u64)
+    }
+
+    /// Read whole origin blocks from block `lba`, counting a failure.
+    pub(crate) fn read_origin(&self, lba: u64, buf: &mut [u8]) -> EngineResult<()> {
+        self.origin
+            .read_at(lba * self.block_size_bytes as u64, buf)
+            .map_err(|e| {
+                Counters::add(&self.counters.origin_read_errors, 1);
+                EngineError::Origin(e)
+            })
+    }
+
+    /// Read one cache slot with O_DIRECT (the medium itself, never the page
+    /// cache), counting a failure.
+    pub(crate) fn read_slot(&self, slot: u32, block: &mut [u8]) -> Result<(), DeviceError> {
+        self.cache
+            .read_at(self.slot_offset_bytes(slot), block)
+            .inspect_err(|_| Counters::add(&self.counters.cache_read_errors, 1))
+    }
+
+    /// Read cache hits (slot contents the caller verifies afterwards), from
+    /// the page cache when the configuration allows.
+    pub(crate) fn read_cache_hits(
+        &self,
+        requests: &mut [(u64, &mut [u8])],
+    ) -> Result<(), DeviceError> {
+        if self.config.page_cache_reads {
+            self.cache.read_many_cacheable(requests)
+        } else {
+            self.cache.read_many(requests)
+        }
+    }
+}
+
+/// The chain value the first record of a freshly formatted log links to.
+/// Derived from the uuid so records of an earlier format never match.
+pub(crate) fn chain_seed(uuid: &[u8; 16]) -> u32 {
+    cairn_format::crc32c(uuid)
+}

@@ -1,0 +1,123 @@
+//! Formatting a cache device for an origin.
+
+use std::sync::Arc;
+
+use cairn_device::Device;
+use cairn_format::{CheckpointHeader, Layout, Superblock, ORIGIN_BLOCKS_MAX};
+
+use crate::env::chain_seed;
+use crate::error::{EngineError, EngineResult};
+use crate::options::FormatOptions;
+use crate::stats::Counters;
+use crate::superblocks;
+use crate::tags::TagTable;
+
+/// Format `cache` for `origin`. Refuses to overwrite an existing cairn
+/// cache unless `opts.force`.
+pub(crate) fn format(
+    cache: Arc<dyn Device>,
+    origin: Arc<dyn Device>,
+    opts: &FormatOptions,
+) -> EngineResult<Superblock> {
+    cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
+    if !opts.force {
+        if let Ok(existing) = superblocks::read_newest(cache.as_ref()) {
+            return Err(EngineError::AlreadyFormatted {
+                device: cache.name().to_string(),
+                origin: existing.origin_identity,
+            });
+        }
+    }
+    let block_bytes = opts.block_size_bytes;
+    check_origin_size(origin.as_ref(), block_bytes)?;
+    let origin_blocks = origin.size_bytes() / block_bytes as u64;
+    let layout = Layout::compute_with_tags(
+        cache.size_bytes(),
+        block_bytes,
+        opts.integrity.then_some(origin_blocks),
+    )
+    .map_err(|layout| EngineError::Layout {
+        device: cache.name().to_string(),
+        layout,
+    })?;
+    let uuid: [u8; 16] = rand::random();
+    if opts.integrity {
+        // Every tag starts unset; recalculation fills them in from the
+        // origin's present contents.
+        let mut tags = TagTable::new_unset(origin_blocks, layout.tag_pages, chain_seed(&uuid));
+        tags.write_all(cache.as_ref(), &layout, &Counters::default())
+            .map_err(EngineError::Cache)?;
+    }
+    write_empty_checkpoint(cache.as_ref(), &layout, &uuid)?;
+    let mut identity = origin.identity();
+    identity.truncate(cairn_format::ORIGIN_IDENTITY_MAX_BYTES);
+    let mut superblock = Superblock {
+        sequence: 1,
+        uuid,
+        block_size_bytes: block_bytes,
+        cache_size_bytes: cache.size_bytes(),
+        origin_size_bytes: origin.size_bytes(),
+        origin_identity: identity,
+        log_blocks: layout.log_blocks,
+        checkpoint_slot_bytes: layout.checkpoint_slot_bytes,
+        generation: 1,
+        active_checkpoint: 0,
+        checkpoint_sequence: 1,
+        writeback_offset: 0,
+        mode: 0,
+        features: if opts.integrity {
+            cairn_format::FEATURE_INTEGRITY
+        } else {
+            0
+        },
+        recalc_position_blocks: 0,
+    };
+    superblocks::write_both(cache.as_ref(), &mut superblock).map_err(EngineError::Cache)?;
+    Ok(superblock)
+}
+
+/// Checkpoint 1 in slot 0: an empty index, an empty log.
+fn write_empty_checkpoint(
+    cache: &dyn Device,
+    layout: &Layout,
+    uuid: &[u8; 16],
+) -> EngineResult<()> {
+    let checkpoint = CheckpointHeader {
+        sequence: 1,
+        generation: 1,
+        head_offset: 0,
+        next_record_sequence: 1,
+        prev_crc: chain_seed(uuid),
+        tail_offset: 0,
+        writeback_offset: 0,
+        durable_sequence: 0,
+        entry_count: 0,
+        range_count: 0,
+        payload_crc: cairn_format::crc32c(&[]),
+    };
+    cache
+        .write_at(layout.checkpoint_offset_bytes(0), &checkpoint.encode())
+        .map_err(EngineError::Cache)?;
+    cache.flush().map_err(EngineError::Cache)
+}
+
+fn check_origin_size(origin: &dyn Device, block_bytes: u32) -> EngineResult<()> {
+    let size = origin.size_bytes();
+    if size == 0 || !size.is_multiple_of(block_bytes as u64) {
+        return Err(EngineError::OriginSizeUnaligned {
+            origin: origin.name().to_string(),
+            size_bytes: size,
+            block_size_bytes: block_bytes,
+        });
+    }
+    let max_bytes = (ORIGIN_BLOCKS_MAX + 1).saturating_mul(block_bytes as u64);
+    if size / block_bytes as u64 > ORIGIN_BLOCKS_MAX + 1 {
+        return Err(EngineError::OriginTooLarge {
+            origin: origin.name().to_string(),
+            size_bytes: size,
+            max_bytes,
+            block_size_bytes: block_bytes,
+        });
+    }
+    Ok(())
+}

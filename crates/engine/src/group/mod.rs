@@ -1,0 +1,271 @@
+//! Epoch groups: the records from the write-back position up to and
+//! including the next record sealed by a flush. Write-back reads one from
+//! the log, copies its final state to the origin (verified, sorted and
+//! merged by address, then one origin flush) and commits it.
+
+mod applied;
+mod group_record;
+
+pub(crate) use applied::Applied;
+pub(crate) use group_record::GroupRecord;
+
+use std::collections::BTreeMap;
+
+use cairn_format::{block_checksum, RangeKind, RecordEntry};
+
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::log::read_record_header;
+use crate::state::State;
+use crate::stats::Counters;
+
+/// Largest write-back write to the origin: consecutive blocks are merged
+/// up to this.
+const RUN_BYTES_MAX: usize = 1 << 20;
+
+/// A pooled buffer of `len` bytes to be read into in place. Its bytes are
+/// whatever the buffer held: the caller overwrites all of them.
+fn data_for_read(env: &Env, len: usize) -> crate::blockbuf::PooledBuf {
+    let mut data = env.record_bufs.lend_full();
+    data.set_len(len);
+    data
+}
+
+/// A group record whose data is copied from memory (degraded mode's
+/// records that may never have reached the cache).
+pub(crate) fn record_from_memory(
+    env: &Env,
+    at: u64,
+    header: cairn_format::RecordHeader,
+    data: &[u8],
+) -> GroupRecord {
+    let mut copy = env.record_bufs.lend(data.len());
+    copy.extend_from_slice(data);
+    GroupRecord {
+        at,
+        header,
+        data: copy,
+    }
+}
+
+/// Read the records from `start` to the next epoch end, or until `limit`
+/// (exclusive) if no epoch end comes first. Returns them and where the next
+/// record starts.
+pub(crate) fn read(
+    env: &Env,
+    start: u64,
+    limit: u64,
+    slot_count: u64,
+) -> EngineResult<(Vec<GroupRecord>, u64)> {
+    let block_bytes = env.block_size_bytes;
+    let mut records = Vec::new();
+    let mut position = start;
+    for _ in 0..slot_count {
+        let (at, header) = read_record_header(env, position, slot_count)?.ok_or_else(|| {
+            EngineError::LogDamaged {
+                device: env.cache.name().to_string(),
+                detail: format!("no valid record at write-back position {position}"),
+            }
+        })?;
+        let data_count = header.data_count();
+        let mut data = data_for_read(env, data_count * block_bytes);
+        if data_count > 0 {
+            env.read_slot(((at + 1) % slot_count) as u32, &mut data)
+                .map_err(EngineError::Cache)?;
+        }
+        position = at + header.length_blocks();
+        let epoch_end = header.epoch_end();
+        records.push(GroupRecord { at, header, data });
+        if epoch_end || position >= limit {
+            break;
+        }
+    }
+    assert!(position <= limit, "write-back walked past its limit");
+    Ok((records, position))
+}
+
+/// Where each block of a group's final state comes from.
+struct Final {
+    /// lba → (record, data block, crc) of its last valid version.
+    blocks: BTreeMap<u64, (usize, usize, u32)>,
+    /// Zero/discard ranges, in log order.
+    ranges: Vec<(RangeKind, u64, u64)>,
+    bad: Vec<(u64, u64)>,
+}
+
+/// The group's final state: ranges in order, then the last valid version
+/// of each block. A block that fails its checksum is never copied.
+fn final_state(env: &Env, records: &[GroupRecord]) -> Final {
+    let block_bytes = env.block_size_bytes;
+    let mut fin = Final {
+        blocks: BTreeMap::new(),
+        ranges: Vec::new(),
+        bad: Vec::new(),
+    };
+    for (ri, record) in records.iter().enumerate() {
+        assert_eq!(record.data.len(), record.header.data_count() * block_bytes);
+        let mut k = 0usize;
+        for entry in &record.header.entries {
+            match *entry {
+                RecordEntry::Data { lba, crc, clean } => {
+                    let block = &record.data[k * block_bytes..(k + 1) * block_bytes];
+                    let logical = record.at + 1 + k as u64;
+                    k += 1;
+                    if clean {
+                        continue;
+                    }
+                    // Check data before writing it to the origin.
+                    if block_checksum(lba, block) != crc {
+                        fin.blocks.remove(&lba);
+                        fin.bad.push((lba, logical));
+                        continue;
+                    }
+                    fin.blocks.insert(lba, (ri, k - 1, crc));
+                }
+                RecordEntry::Range {
+                    kind,
+                    lba,
+                    block_count,
+                } => {
+                    let end = lba + block_count as u64;
+                    let inside: Vec<u64> = fin.blocks.range(lba..end).map(|(&l, _)| l).collect();
+                    for l in inside {
+                        fin.blocks.remove(&l);
+                    }
+                    fin.ranges.push((kind, lba, block_count as u64));
+                }
+            }
+        }
+    }
+    fin
+}
+
+/// Runs of consecutive addresses, up to 1 MiB each, as slices of the
+/// records' buffers: blocks that also follow each other in one record
+/// become one slice.
+fn runs<'a>(env: &Env, records: &'a [GroupRecord], fin: &Final) -> Vec<(u64, Vec<&'a [u8]>)> {
+    let block_bytes = env.block_size_bytes;
+    let mut runs: Vec<(u64, usize, Vec<&'a [u8]>)> = Vec::new(); // (lba, blocks, slices)
+    let mut last: Option<(usize, usize)> = None; // (record, block) of the previous block
+    for (&lba, &(ri, k, _)) in &fin.blocks {
+        let data: &'a [u8] = &records[ri].data;
+        let block = &data[k * block_bytes..(k + 1) * block_bytes];
+        let extends = runs.last().is_some_and(|(start, blocks, _)| {
+            *start + *blocks as u64 == lba && (*blocks + 1) * block_bytes <= RUN_BYTES_MAX
+        });
+        if !extends {
+            runs.push((lba, 1, vec![block]));
+        } else {
+            let (_, blocks, slices) = runs.last_mut().expect("checked above");
+            *blocks += 1;
+            let same_record_next = last == Some((ri, k.wrapping_sub(1)));
+            match slices.last_mut() {
+                Some(slice) if same_record_next => {
+                    let from = k * block_bytes - slice.len();
+                    *slice = &data[from..(k + 1) * block_bytes];
+                }
+                _ => slices.push(block),
+            }
+        }
+        last = Some((ri, k));
+    }
+    runs.into_iter()
+        .map(|(lba, _, slices)| (lba * block_bytes as u64, slices))
+        .collect()
+}
+
+/// Copy one group to the origin: its final state (ranges in order, then
+/// the last valid version of each block, sorted and merged by address),
+/// then one origin flush.
+pub(crate) fn apply(env: &Env, records: &[GroupRecord]) -> EngineResult<Applied> {
+    let block_bytes = env.block_size_bytes as u64;
+    let fin = final_state(env, records);
+    let origin = env.origin.as_ref();
+    let origin_err = |e| {
+        Counters::add(&env.counters.origin_write_errors, 1);
+        EngineError::Origin(e)
+    };
+    for &(kind, lba, count) in &fin.ranges {
+        let (at, len) = (lba * block_bytes, count * block_bytes);
+        match kind {
+            RangeKind::Zero => origin.write_zeroes(at, len),
+            RangeKind::Discard => origin.discard(at, len),
+        }
+        .map_err(origin_err)?;
+    }
+    let runs = runs(env, records, &fin);
+    let writes: Vec<(u64, &[&[u8]])> = runs
+        .iter()
+        .map(|(at, slices)| (*at, slices.as_slice()))
+        .collect();
+    origin.write_many_vectored(&writes).map_err(origin_err)?;
+    origin.flush().map_err(origin_err)?;
+    Ok(Applied {
+        blocks_written: fin.blocks.len() as u64,
+        ranges: fin.ranges,
+        blocks: fin
+            .blocks
+            .iter()
+            .map(|(&lba, &(_, _, crc))| (lba, crc))
+            .collect(),
+        bad: fin.bad,
+    })
+}
+
+/// The group `[start, end)` is on the origin: its dirty blocks become
+/// clean, blocks that failed their checksum are marked corrupt, its ranges
+/// are forgotten, tags follow, and the write-back position moves to `end`.
+pub(crate) fn commit(
+    env: &Env,
+    st: &mut State,
+    start: u64,
+    end: u64,
+    records: &[GroupRecord],
+    applied: &Applied,
+) {
+    assert_eq!(
+        st.log.writeback_position(),
+        start,
+        "groups are committed in log order"
+    );
+    assert!(end > start);
+    for record in records {
+        for k in 0..record.header.data_count() as u64 {
+            let logical = record.at + 1 + k;
+            let slot = st.log.phys(logical);
+            // Only if the slot still holds this record's block.
+            if st.index.is_live(slot) && st.log.logical_of(slot) == logical {
+                st.index.mark_written_back(slot);
+            }
+        }
+    }
+    for &(lba, logical) in &applied.bad {
+        let slot = st.log.phys(logical);
+        Counters::add(&env.counters.writeback_skipped_corrupt, 1);
+        if st.index.is_live(slot) && st.index.lba(slot) == lba && st.log.logical_of(slot) == logical
+        {
+            tracing::error!(
+                lba,
+                "dirty block failed its checksum during write-back; not copied to the origin"
+            );
+            Counters::add(&env.counters.checksum_mismatches, 1);
+            // It stays corrupt (EIO) until evicted; then it is "lost".
+            st.index.mark_corrupt(slot);
+        }
+    }
+    // The group is on the origin and flushed: its tags may follow, in the
+    // order the origin saw it (ranges, then data). The checksums were
+    // verified, so nothing is recomputed.
+    if let Some(tags) = st.tags.as_mut() {
+        tags.record_origin_writes(&applied.ranges, &applied.blocks);
+    }
+    st.index.retire_ranges(start, end);
+    st.log.written_back_to(end);
+    let block_bytes = env.block_size_bytes as u64;
+    Counters::add(&env.counters.writeback_blocks, applied.blocks_written);
+    Counters::add(
+        &env.counters.writeback_bytes,
+        applied.blocks_written * block_bytes,
+    );
+    Counters::add(&env.counters.writeback_groups, 1);
+}

@@ -1,0 +1,138 @@
+//! Whether the engine may write the cache device: running, a degrade
+//! pending (a cache write failed for good), degraded, or stopped.
+//!
+//! Kept apart from the index so that any part that writes the cache (the
+//! log sealing records, in or out of the engine lock, checkpoints,
+//! superblocks, tag pages) can report a failure it hit, and every request
+//! can check the state with a few atomic loads. The reasons live behind a
+//! small lock taken only when something went wrong; lock order: the engine
+//! lock may be held while it is taken, never the other way round.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::error::{EngineError, EngineResult};
+
+#[derive(Default)]
+struct Reasons {
+    failed: Option<String>,
+    degrade_pending: Option<String>,
+}
+
+#[derive(Default)]
+pub(crate) struct Health {
+    /// The engine is stopped: every request fails until restart.
+    failed: AtomicBool,
+    /// A cache write failed for good (after its retries). Nothing more may
+    /// be written to the cache; `Engine::degrade` must run before any
+    /// request proceeds.
+    degrade_pending: AtomicBool,
+    /// Degraded mode: every dirty block was written back, the DEGRADED flag
+    /// is durable in the superblock, and writes go straight to the origin.
+    /// The cache device is never written again.
+    degraded: AtomicBool,
+    reasons: Mutex<Reasons>,
+}
+
+impl Health {
+    /// The health of a cache opened with the DEGRADED flag.
+    pub(crate) fn degraded() -> Health {
+        let health = Health::default();
+        health.degraded.store(true, Ordering::SeqCst);
+        health
+    }
+
+    fn reasons(&self) -> MutexGuard<'_, Reasons> {
+        self.reasons.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    fn failed_error(&self) -> EngineError {
+        let reason = self.reasons().failed.clone();
+        EngineError::Failed(reason.unwrap_or_else(|| "the engine stopped".into()))
+    }
+
+    /// May the normal, cache-writing paths run? `Failed` once stopped,
+    /// `DegradeRequired` once a cache write failed for good or the engine
+    /// went degraded (the request is then re-run on the degraded path).
+    pub(crate) fn check_normal(&self) -> EngineResult<()> {
+        self.check_running()?;
+        if self.degrade_pending.load(Ordering::SeqCst) || self.is_degraded() {
+            return Err(EngineError::DegradeRequired);
+        }
+        Ok(())
+    }
+
+    /// May a path valid in every state but stopped run (reads, checks,
+    /// degraded writes)?
+    pub(crate) fn check_running(&self) -> EngineResult<()> {
+        if self.is_failed() {
+            return Err(self.failed_error());
+        }
+        Ok(())
+    }
+
+    /// May the cache device still be written (promotions, repairs)?
+    pub(crate) fn cache_writable(&self) -> bool {
+        !self.is_failed() && !self.degrade_pending.load(Ordering::SeqCst) && !self.is_degraded()
+    }
+
+    /// A cache write failed for good (its retries, if any, are spent; the
+    /// errors were counted). No further cache write may happen: the next
+    /// request switches the engine to degraded mode.
+    pub(crate) fn cache_write_failed(
+        &self,
+        what: &str,
+        e: cairn_device::DeviceError,
+    ) -> EngineError {
+        let reason = format!("{what}: {e}");
+        // Degraded mode never writes the cache device.
+        assert!(
+            !self.is_degraded(),
+            "cache write in degraded mode: {reason}"
+        );
+        let mut reasons = self.reasons();
+        if reasons.degrade_pending.is_none() {
+            tracing::error!(
+                "cache device write failed for good ({reason}); switching to degraded mode"
+            );
+            reasons.degrade_pending = Some(reason);
+            self.degrade_pending.store(true, Ordering::SeqCst);
+        }
+        EngineError::Cache(e)
+    }
+
+    /// Why a degrade is pending; `Err` if the engine is stopped.
+    pub(crate) fn degrade_reason(&self) -> EngineResult<Option<String>> {
+        self.check_running()?;
+        Ok(self.reasons().degrade_pending.clone())
+    }
+
+    /// Is the degraded path due: a degrade pending, or done? `Err` if the
+    /// engine is stopped.
+    pub(crate) fn wants_degraded_path(&self) -> EngineResult<bool> {
+        self.check_running()?;
+        Ok(self.degrade_pending.load(Ordering::SeqCst) || self.is_degraded())
+    }
+
+    /// The switch to degraded mode completed.
+    pub(crate) fn set_degraded(&self) {
+        let mut reasons = self.reasons();
+        reasons.degrade_pending = None;
+        self.degrade_pending.store(false, Ordering::SeqCst);
+        self.degraded.store(true, Ordering::SeqCst);
+    }
+
+    /// Stop the engine: every request fails from now on.
+    pub(crate) fn stop(&self, reason: String) {
+        self.reasons().failed = Some(reason);
+        self.failed.store(true, Ordering::SeqCst);
+    }
+}

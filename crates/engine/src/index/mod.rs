@@ -1,0 +1,505 @@
+//! The index: which cache slot holds the newest copy of which origin
+//! block, the zero/discard ranges not yet written back, the blocks whose
+//! dirty data was lost to corruption, and the block gauges.
+//!
+//! Memory is the budget that matters here (dm-writecache spends ~20 MiB of
+//! RAM per GiB of cache): 10 bytes per slot in the slot table, 5 in the
+//! forward map, 15 bytes per cached block in all.
+
+mod forward_map;
+mod plan;
+mod ranges;
+mod slot_table;
+
+use std::collections::BTreeSet;
+
+use cairn_format::{block_checksum, CheckpointEntry, PendingRange, RangeKind};
+
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::log::Log;
+use crate::stats::Counters;
+use crate::tags::TagTable;
+
+use forward_map::ForwardMap;
+pub(crate) use plan::Plan;
+use ranges::RangeMap;
+pub(crate) use slot_table::state;
+use slot_table::SlotTable;
+
+/// Ranges up to this many blocks are dropped block by block through the
+/// forward map; larger ones by one pass over the slot table.
+const RANGE_LOOKUP_BLOCKS_MAX: u64 = 65536;
+
+pub(crate) struct Index {
+    slots: SlotTable,
+    map: ForwardMap,
+    ranges: RangeMap,
+    /// Blocks whose dirty data failed its checksum and left the log: they
+    /// read as EIO until rewritten (never as stale origin data).
+    lost: BTreeSet<u64>,
+    dirty_blocks: u64,
+    clean_blocks: u64,
+    corrupt_blocks: u64,
+    /// Bumped by every write, zero and discard; a read fill is inserted
+    /// only if nothing changed since the origin read began.
+    mutations: u64,
+}
+
+impl Index {
+    pub(crate) fn new(slot_count: u64) -> Index {
+        Index {
+            slots: SlotTable::new(slot_count as usize),
+            map: ForwardMap::new(slot_count as usize),
+            ranges: RangeMap::default(),
+            lost: BTreeSet::new(),
+            dirty_blocks: 0,
+            clean_blocks: 0,
+            corrupt_blocks: 0,
+            mutations: 0,
+        }
+    }
+
+    pub(crate) fn slot_count(&self) -> u64 {
+        self.slots.len() as u64
+    }
+
+    // ------------------------------------------------------------ lookups
+
+    /// The slot holding the newest copy of `lba`.
+    pub(crate) fn lookup(&self, lba: u64) -> Option<u32> {
+        self.map.get(lba, &self.slots)
+    }
+
+    pub(crate) fn is_cached(&self, lba: u64) -> bool {
+        self.lookup(lba).is_some()
+    }
+
+    pub(crate) fn lba(&self, slot: u32) -> u64 {
+        self.slots.lba(slot)
+    }
+
+    pub(crate) fn crc(&self, slot: u32) -> u32 {
+        self.slots.crc(slot)
+    }
+
+    pub(crate) fn is_live(&self, slot: u32) -> bool {
+        self.slots.is_live(slot)
+    }
+
+    fn has(&self, slot: u32, bit: u8) -> bool {
+        self.slots.state(slot) & bit != 0
+    }
+
+    pub(crate) fn is_dirty(&self, slot: u32) -> bool {
+        self.is_live(slot) && self.has(slot, state::DIRTY)
+    }
+
+    pub(crate) fn is_corrupt(&self, slot: u32) -> bool {
+        self.has(slot, state::CORRUPT)
+    }
+
+    pub(crate) fn is_referenced(&self, slot: u32) -> bool {
+        self.has(slot, state::REFERENCED)
+    }
+
+    pub(crate) fn is_clean_insert(&self, slot: u32) -> bool {
+        self.has(slot, state::CLEAN_INSERT)
+    }
+
+    /// Does `slot` still hold `lba` with checksum `crc` (the mapping did
+    /// not move since it was looked up)?
+    pub(crate) fn still_maps(&self, slot: u32, lba: u64, crc: u32) -> bool {
+        self.is_live(slot) && self.lba(slot) == lba && self.crc(slot) == crc
+    }
+
+    pub(crate) fn dirty_blocks(&self) -> u64 {
+        self.dirty_blocks
+    }
+
+    pub(crate) fn clean_blocks(&self) -> u64 {
+        self.clean_blocks
+    }
+
+    pub(crate) fn corrupt_blocks(&self) -> u64 {
+        self.corrupt_blocks
+    }
+
+    pub(crate) fn live_blocks(&self) -> u64 {
+        self.dirty_blocks + self.clean_blocks
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.slots.memory_bytes() + self.map.memory_bytes()
+    }
+
+    /// How to serve a read of `lba` (see [`Plan`]), filling `block` when
+    /// the answer is already known (in memory, zeroed). A planned hit marks
+    /// the slot referenced (second-chance eviction).
+    pub(crate) fn plan(
+        &mut self,
+        env: &Env,
+        log: &Log,
+        tags: Option<&TagTable>,
+        lba: u64,
+        block: &mut [u8],
+    ) -> EngineResult<Plan> {
+        if let Some(slot) = self.lookup(lba) {
+            self.mark_referenced(slot);
+            if let Some(data) = log.block_in_memory(slot, env.block_size_bytes) {
+                block.copy_from_slice(data);
+                // Check data after copying it, as after every read.
+                assert_eq!(
+                    block_checksum(lba, block),
+                    self.crc(slot),
+                    "in-memory record data"
+                );
+                Counters::add(&env.counters.read_hits, 1);
+                return Ok(Plan::Done);
+            }
+            if self.is_corrupt(slot) {
+                return Err(EngineError::DirtyBlockCorrupt { lba });
+            }
+            return Ok(Plan::Cache {
+                slot,
+                crc: self.crc(slot),
+            });
+        }
+        if self.is_lost(lba) {
+            return Err(EngineError::DirtyBlockCorrupt { lba });
+        }
+        if self.range_covering(lba).is_some() {
+            block.fill(0);
+            Counters::add(&env.counters.read_zero_hits, 1);
+            return Ok(Plan::Done);
+        }
+        let tag = tags.map(|t| t.get(lba));
+        if tag == Some(cairn_format::TAG_DISCARDED) {
+            // Discarded with integrity on: zeroes, whatever the origin holds.
+            block.fill(0);
+            Counters::add(&env.counters.read_zero_hits, 1);
+            return Ok(Plan::Done);
+        }
+        Ok(Plan::Miss { tag })
+    }
+
+    // ------------------------------------------------------------ changes
+
+    /// Map `lba` to the free `slot`, replacing (retiring) any older copy.
+    /// A clean insert is a copy of what the origin holds (a read fill or a
+    /// repair); anything else is dirty. Rewriting a lost block makes it
+    /// readable again.
+    pub(crate) fn insert(&mut self, slot: u32, lba: u64, crc: u32, clean: bool) {
+        assert!(!self.is_live(slot), "insert into live slot {slot}");
+        self.lost.remove(&lba);
+        if let Some(old) = self.lookup(lba) {
+            assert!(!clean, "clean copies only go to unmapped blocks");
+            self.retire(old);
+        }
+        let st = if clean {
+            state::LIVE | state::CLEAN_INSERT
+        } else {
+            state::LIVE | state::DIRTY
+        };
+        self.slots.set(slot, lba, crc, st);
+        let replaced = self.map.insert(lba, slot, &self.slots);
+        assert!(replaced.is_none(), "old mapping was retired first");
+        if clean {
+            self.clean_blocks += 1;
+        } else {
+            self.dirty_blocks += 1;
+        }
+    }
+
+    /// The block in `slot` was overwritten in place (it sits in the open
+    /// record, not yet on the device): new checksum, dirty.
+    pub(crate) fn rewrite_in_place(&mut self, slot: u32, lba: u64, crc: u32) {
+        assert!(self.is_live(slot) && self.lba(slot) == lba);
+        self.lost.remove(&lba);
+        let was_clean = !self.is_dirty(slot);
+        assert!(
+            !self.is_corrupt(slot),
+            "a block in memory cannot be corrupt"
+        );
+        self.slots.set(slot, lba, crc, state::LIVE | state::DIRTY);
+        if was_clean {
+            self.clean_blocks -= 1;
+            self.dirty_blocks += 1;
+        }
+    }
+
+    /// Drop a slot from the index (superseded, evicted or repaired).
+    pub(crate) fn retire(&mut self, slot: u32) {
+        if !self.is_live(slot) {
+            return;
+        }
+        if self.is_corrupt(slot) {
+            self.corrupt_blocks -= 1;
+        }
+        if self.is_dirty(slot) {
+            self.dirty_blocks -= 1;
+        } else {
+            self.clean_blocks -= 1;
+        }
+        let lba = self.slots.lba(slot);
+        let removed = self.map.remove(&self.slots, lba, slot);
+        assert!(removed, "a live slot is mapped");
+        self.slots.set_state(slot, 0);
+    }
+
+    /// The tail passed `slot`: forget what it held.
+    pub(crate) fn clear(&mut self, slot: u32) {
+        assert!(!self.is_live(slot), "clear a retired slot only");
+        self.slots.clear(slot);
+    }
+
+    pub(crate) fn mark_corrupt(&mut self, slot: u32) {
+        if !self.is_corrupt(slot) {
+            let st = self.slots.state(slot);
+            self.slots.set_state(slot, st | state::CORRUPT);
+            self.corrupt_blocks += 1;
+        }
+    }
+
+    pub(crate) fn mark_referenced(&mut self, slot: u32) {
+        let st = self.slots.state(slot);
+        self.slots.set_state(slot, st | state::REFERENCED);
+    }
+
+    /// Write-back copied the block in `slot` to the origin (or skipped it
+    /// because it failed its checksum): it is no longer newer than the
+    /// origin's copy.
+    pub(crate) fn mark_written_back(&mut self, slot: u32) {
+        if self.is_dirty(slot) {
+            let st = self.slots.state(slot);
+            self.slots.set_state(slot, st & !state::DIRTY);
+            self.dirty_blocks -= 1;
+            self.clean_blocks += 1;
+        }
+    }
+
+    /// Degraded mode wrote every dirty block back at once.
+    pub(crate) fn mark_all_written_back(&mut self) {
+        for slot in 0..self.slots.len() as u32 {
+            self.mark_written_back(slot);
+        }
+        assert_eq!(self.dirty_blocks, 0);
+    }
+
+    /// Drop every cached copy and lost mark of blocks `[first, end)`: the
+    /// range is being zeroed, discarded or written around the cache.
+    pub(crate) fn forget_range(&mut self, first: u64, end: u64) {
+        assert!(first < end);
+        if end - first <= RANGE_LOOKUP_BLOCKS_MAX {
+            for lba in first..end {
+                if let Some(slot) = self.lookup(lba) {
+                    self.retire(slot);
+                }
+            }
+        } else {
+            for slot in 0..self.slots.len() as u32 {
+                let lba = self.slots.lba(slot);
+                if self.is_live(slot) && lba >= first && lba < end {
+                    self.retire(slot);
+                }
+            }
+        }
+        let gone: Vec<u64> = self.lost.range(first..end).copied().collect();
+        for lba in gone {
+            self.lost.remove(&lba);
+        }
+    }
+
+    /// Blocks whose dirty data failed its checksum and is leaving the log
+    /// read as EIO from now on, never as the origin's stale copy.
+    pub(crate) fn mark_lost(&mut self, lba: u64) {
+        self.lost.insert(lba);
+    }
+
+    pub(crate) fn is_lost(&self, lba: u64) -> bool {
+        self.lost.contains(&lba)
+    }
+
+    pub(crate) fn lost_blocks(&self) -> u64 {
+        self.lost.len() as u64
+    }
+
+    pub(crate) fn note_mutation(&mut self) {
+        self.mutations += 1;
+    }
+
+    pub(crate) fn mutations(&self) -> u64 {
+        self.mutations
+    }
+
+    // ------------------------------------------------------------- ranges
+
+    /// A zero or discard range logged by the record at `record_offset`.
+    pub(crate) fn insert_range(
+        &mut self,
+        first: u64,
+        end: u64,
+        record_offset: u64,
+        kind: RangeKind,
+    ) {
+        self.ranges.insert(first, end, record_offset, kind);
+    }
+
+    pub(crate) fn range_covering(&self, lba: u64) -> Option<RangeKind> {
+        self.ranges.covering(lba)
+    }
+
+    /// The records in `[from, to)` were written back: forget their ranges.
+    pub(crate) fn retire_ranges(&mut self, from: u64, to: u64) {
+        self.ranges.retire_records(from, to);
+    }
+
+    pub(crate) fn range_count(&self) -> usize {
+        self.ranges.len()
+    }
+
+    pub(crate) fn pending_ranges(&self) -> Vec<PendingRange> {
+        self.ranges.to_pending()
+    }
+
+    // --------------------------------------------------- checkpoint, replay
+
+    /// Every live slot as a checkpoint entry, in slot order.
+    pub(crate) fn checkpoint_entries(&self) -> impl Iterator<Item = CheckpointEntry> + '_ {
+        (0..self.slots.len() as u32)
+            .filter(|&slot| self.is_live(slot))
+            .map(|slot| CheckpointEntry {
+                slot,
+                lba: self.slots.lba(slot),
+                crc: self.slots.crc(slot),
+                state: self.slots.state(slot) & state::PERSISTED,
+            })
+    }
+
+    /// Clean copies (read fills and repairs) that are not corrupt, as
+    /// (lba, crc): recovery brings integrity tags up to date from them.
+    pub(crate) fn clean_copies(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        (0..self.slots.len() as u32)
+            .filter(|&slot| {
+                self.is_live(slot) && self.is_clean_insert(slot) && !self.is_corrupt(slot)
+            })
+            .map(|slot| (self.slots.lba(slot), self.slots.crc(slot)))
+    }
+
+    /// Load one checkpoint entry (recovery). Errors describe a damaged
+    /// checkpoint.
+    pub(crate) fn load_entry(
+        &mut self,
+        e: &CheckpointEntry,
+        volume_blocks: u64,
+    ) -> Result<(), String> {
+        if e.slot as u64 >= self.slot_count() || e.lba >= volume_blocks || self.is_live(e.slot) {
+            return Err(format!("bad entry {e:?}"));
+        }
+        let st = (e.state & state::PERSISTED) | state::LIVE;
+        self.slots.set(e.slot, e.lba, e.crc, st);
+        if self.map.insert(e.lba, e.slot, &self.slots).is_some() {
+            return Err(format!("block {} mapped twice", e.lba));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn load_range(&mut self, range: &PendingRange) {
+        self.ranges.insert_pending(range);
+    }
+
+    /// Replay reuses `slot`: whatever it held is older.
+    pub(crate) fn replay_forget_slot(&mut self, slot: u32) {
+        if self.is_live(slot) {
+            let lba = self.slots.lba(slot);
+            self.map.remove(&self.slots, lba, slot);
+        }
+        self.slots.clear(slot);
+    }
+
+    /// Replay maps `lba` to `slot` (gauges are counted once replay ends).
+    pub(crate) fn replay_map(&mut self, slot: u32, lba: u64, crc: u32, clean: bool, corrupt: bool) {
+        if let Some(old) = self.lookup(lba) {
+            self.replay_forget_slot(old);
+        }
+        self.lost.remove(&lba);
+        let mut st = state::LIVE;
+        if clean {
+            st |= state::CLEAN_INSERT;
+        }
+        if corrupt {
+            st |= state::CORRUPT;
+        }
+        self.slots.set(slot, lba, crc, st);
+        self.map.insert(lba, slot, &self.slots);
+    }
+
+    /// Replay found an acknowledged clean copy of `lba` damaged: drop the
+    /// mapping (the origin has the data).
+    pub(crate) fn replay_unmap(&mut self, lba: u64) {
+        if let Some(old) = self.lookup(lba) {
+            self.replay_forget_slot(old);
+        }
+    }
+
+    /// Replay of a zero or discard range from the record at `record_offset`.
+    pub(crate) fn replay_range(
+        &mut self,
+        kind: RangeKind,
+        first: u64,
+        end: u64,
+        record_offset: u64,
+    ) {
+        if end - first <= RANGE_LOOKUP_BLOCKS_MAX {
+            for lba in first..end {
+                self.replay_unmap(lba);
+            }
+        } else {
+            for slot in 0..self.slots.len() as u32 {
+                let lba = self.slots.lba(slot);
+                if self.is_live(slot) && lba >= first && lba < end {
+                    self.replay_forget_slot(slot);
+                }
+            }
+        }
+        let gone: Vec<u64> = self.lost.range(first..end).copied().collect();
+        for lba in gone {
+            self.lost.remove(&lba);
+        }
+        self.ranges.insert(first, end, record_offset, kind);
+    }
+
+    /// After replay: mark dirty every live block that `is_dirty` says is
+    /// newer than the origin and count the gauges. Every live slot must lie
+    /// in the log (`in_log`), else the log is damaged.
+    pub(crate) fn finish_replay(
+        &mut self,
+        in_log: impl Fn(u32) -> bool,
+        is_dirty: impl Fn(u32) -> bool,
+    ) -> Result<(), String> {
+        let (mut dirty, mut clean, mut corrupt) = (0, 0, 0);
+        for slot in 0..self.slots.len() as u32 {
+            if !self.is_live(slot) {
+                continue;
+            }
+            if !in_log(slot) {
+                return Err(format!("live slot {slot} lies outside the log"));
+            }
+            let mut st = self.slots.state(slot) & !state::DIRTY;
+            if st & state::CORRUPT != 0 {
+                corrupt += 1;
+            }
+            if st & state::CLEAN_INSERT == 0 && is_dirty(slot) {
+                st |= state::DIRTY;
+                dirty += 1;
+            } else {
+                clean += 1;
+            }
+            self.slots.set_state(slot, st);
+        }
+        self.dirty_blocks = dirty;
+        self.clean_blocks = clean;
+        self.corrupt_blocks = corrupt;
+        Ok(())
+    }
+}

@@ -1,0 +1,172 @@
+//! Scrubbing the origin against its integrity tags, with repair from
+//! clean cached copies.
+
+use std::time::{Duration, Instant};
+
+use cairn_format::{block_checksum, tag_matches, TAG_UNSET};
+
+use super::INTEGRITY_STEP_BYTES;
+use crate::error::EngineResult;
+use crate::origin_check::report_mismatch;
+use crate::parts::Parts;
+use crate::stats::Counters;
+
+#[derive(Debug, Clone, Default)]
+pub struct ScrubOptions {
+    /// Rewrite a mismatching origin block from a clean cached copy.
+    pub repair: bool,
+    /// Origin bytes read per second at most; `None` = as fast as it goes.
+    pub rate_bytes_per_s: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScrubReport {
+    pub blocks_checked: u64,
+    pub blocks_verified: u64,
+    /// Blocks with no tag yet (above the recalculation position).
+    pub blocks_unverified: u64,
+    /// Dirty, pending or lost blocks: the cache holds their truth and the
+    /// origin copy is about to be replaced, so it is not judged.
+    pub blocks_skipped: u64,
+    /// Origin addresses (in blocks) that failed and could not be repaired.
+    pub mismatches: Vec<u64>,
+    /// Origin addresses rewritten from a verified clean cached copy.
+    pub repaired: Vec<u64>,
+}
+
+/// Verify every origin block against its tag, with an optional rate limit.
+/// Mismatching blocks with a clean, verified cached copy are rewritten from
+/// it when `opts.repair`. Safe while serving.
+pub(crate) fn scrub_origin(
+    p: Parts<'_>,
+    opts: &ScrubOptions,
+    progress: &mut impl FnMut(u64, u64),
+) -> EngineResult<ScrubReport> {
+    let env = p.env;
+    let mut report = ScrubReport::default();
+    if !env.integrity {
+        return Ok(report);
+    }
+    let block_bytes = env.block_size_bytes as u64;
+    let total = env.volume_blocks;
+    let step = (INTEGRITY_STEP_BYTES / block_bytes).max(1);
+    let started = Instant::now();
+    let mut buf = vec![0u8; (step * block_bytes) as usize];
+    let mut position = 0u64;
+    // Bounded: each round covers `step` blocks.
+    while position < total {
+        let count = step.min(total - position);
+        let chunk = &mut buf[..(count * block_bytes) as usize];
+        {
+            let _serial = p.writeback.lock();
+            env.read_origin(position, chunk)?;
+            for (k, block) in chunk.chunks(block_bytes as usize).enumerate() {
+                scrub_block(p, position + k as u64, block, opts, &mut report)?;
+            }
+        }
+        Counters::add(&env.counters.scrub_blocks, count);
+        position += count;
+        progress(position, total);
+        if let Some(rate) = opts.rate_bytes_per_s.filter(|&r| r > 0) {
+            // Sleep until the bytes read so far fit the rate.
+            let due = Duration::from_secs_f64((position * block_bytes) as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Judge one origin block during a scrub; the write-back lock is held.
+fn scrub_block(
+    p: Parts<'_>,
+    lba: u64,
+    block: &[u8],
+    opts: &ScrubOptions,
+    report: &mut ScrubReport,
+) -> EngineResult<()> {
+    let env = p.env;
+    report.blocks_checked += 1;
+    let tag = {
+        let st = p.state.normal(env)?;
+        let pending = st.index.range_covering(lba).is_some() || st.index.is_lost(lba);
+        let dirty = st.index.lookup(lba).is_some_and(|s| st.index.is_dirty(s));
+        if pending || dirty {
+            report.blocks_skipped += 1;
+            return Ok(());
+        }
+        st.tags.as_ref().map_or(TAG_UNSET, |t| t.get(lba))
+    };
+    match tag_matches(tag, lba, block) {
+        None => {
+            if tag == TAG_UNSET {
+                report.blocks_unverified += 1;
+            }
+            return Ok(());
+        }
+        Some(true) => {
+            report.blocks_verified += 1;
+            return Ok(());
+        }
+        Some(false) => {}
+    }
+    report_mismatch(env, lba);
+    let copy = if opts.repair {
+        clean_cached_copy(p, lba)?
+    } else {
+        None
+    };
+    // Only a verified copy that also matches the tag may overwrite the
+    // origin.
+    if let Some(copy) = copy.filter(|c| tag_matches(tag, lba, c) == Some(true)) {
+        let block_bytes = env.block_size_bytes as u64;
+        let origin = env.origin.as_ref();
+        match origin
+            .write_at(lba * block_bytes, &copy)
+            .and_then(|()| origin.flush())
+        {
+            Ok(()) => {
+                Counters::add(&env.counters.origin_repairs, 1);
+                tracing::warn!(
+                    lba,
+                    offset_bytes = lba * block_bytes,
+                    "origin block repaired from its clean cached copy"
+                );
+                report.repaired.push(lba);
+                return Ok(());
+            }
+            Err(e) => {
+                Counters::add(&env.counters.origin_write_errors, 1);
+                tracing::error!(lba, "origin repair failed: {e}");
+            }
+        }
+    }
+    report.mismatches.push(lba);
+    Ok(())
+}
+
+/// The clean cached copy of `lba`, checked against its checksum after
+/// reading it; `None` if the block is not cached clean or the copy is bad.
+/// Taken only when a scrub found the origin copy bad.
+fn clean_cached_copy(p: Parts<'_>, lba: u64) -> EngineResult<Option<Vec<u8>>> {
+    let env = p.env;
+    let block_bytes = env.block_size_bytes;
+    let (slot, crc) = {
+        let st = p.state.normal(env)?;
+        let Some(slot) = st.index.lookup(lba) else {
+            return Ok(None);
+        };
+        if st.index.is_dirty(slot) {
+            return Ok(None);
+        }
+        // A copy still in memory is not on the device yet.
+        if let Some(data) = st.log.block_in_memory(slot, block_bytes) {
+            return Ok(Some(data.to_vec()));
+        }
+        (slot, st.index.crc(slot))
+    };
+    let mut copy = vec![0u8; block_bytes];
+    let read = env.read_slot(slot, &mut copy);
+    Ok((read.is_ok() && block_checksum(lba, &copy) == crc).then_some(copy))
+}

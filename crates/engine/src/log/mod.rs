@@ -1,0 +1,535 @@
+//! The log: a circular sequence of records on the cache device.
+//!
+//! Logical offsets grow forever; the physical slot of an offset is
+//! `offset % slot_count`. In order:
+//! `tail <= writeback_persisted <= writeback_position <= writeback_limit <= head`:
+//! - the tail is the oldest slot still in use (eviction moves it);
+//! - write-back has copied everything before `writeback_position` to the
+//!   origin, and the superblock says so up to `writeback_persisted` (the
+//!   tail never passes that, so dirty data is never overwritten);
+//! - `writeback_limit` is the end of the last durable epoch-end record:
+//!   write-back may go this far;
+//! - the next record starts at `head`.
+//!
+//! Writes go into the *open record* in memory; a flush or a FUA write
+//! seals it with a barrier, a full record is sealed without one and
+//! written outside the engine lock (see `crate::sealed`).
+
+mod open_record;
+mod record_reader;
+
+pub(crate) use open_record::OpenRecord;
+pub(crate) use record_reader::read_record_header;
+
+use std::sync::Arc;
+
+use cairn_format::{block_checksum, RangeKind, RecordHeader, RECORD_FLAG_EPOCH_END};
+
+use crate::env::Env;
+use crate::error::EngineResult;
+use crate::index::Index;
+use crate::retry::retrying_cache_write;
+use crate::sealed::{SealedQueue, SealedRecord};
+use crate::stats::Counters;
+
+/// At most this many recently hit clean blocks move forward per eviction
+/// round (each costs a cache read and a write).
+pub(crate) const SECOND_CHANCE_MAX_BLOCKS: usize = 64;
+
+/// Blocks always kept free for an empty epoch-end record (plus a lap skip).
+pub(crate) const EPOCH_END_RESERVE_BLOCKS: u64 = 3;
+
+/// Where a record that should start at `position` actually starts: records
+/// never wrap, and one needs its header and at least one more slot before
+/// the end of the lap, else it starts the next lap.
+pub(crate) fn record_start(position: u64, slot_count: u64) -> u64 {
+    if position % slot_count + 2 > slot_count {
+        position.div_ceil(slot_count) * slot_count
+    } else {
+        position
+    }
+}
+
+/// Where the log stands, as recovery found it (or a fresh format).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LogPositions {
+    pub(crate) tail: u64,
+    pub(crate) writeback_position: u64,
+    pub(crate) writeback_limit: u64,
+    pub(crate) head: u64,
+    pub(crate) checkpoint_head: u64,
+    pub(crate) next_sequence: u64,
+    pub(crate) prev_crc: u32,
+    pub(crate) durable_sequence: u64,
+}
+
+pub(crate) struct Log {
+    slot_count: u64,
+    /// Stamped on every record: bumped at each open.
+    generation: u64,
+    tail: u64,
+    writeback_position: u64,
+    writeback_persisted: u64,
+    writeback_limit: u64,
+    head: u64,
+    /// Head at the newest checkpoint; replay starts there, so the log must
+    /// never lap it.
+    checkpoint_head: u64,
+    next_sequence: u64,
+    prev_crc: u32,
+    /// The newest record known durable (covered by a completed barrier).
+    durable_sequence: u64,
+    /// Blocks sealed since the last barrier.
+    unsynced_blocks: u64,
+    /// Records were sealed since the last epoch end.
+    epoch_open: bool,
+    open: Option<OpenRecord>,
+    sealed: SealedQueue,
+}
+
+impl Log {
+    pub(crate) fn new(slot_count: u64, generation: u64, at: LogPositions) -> Log {
+        assert!(at.tail <= at.writeback_position);
+        assert!(at.writeback_position <= at.writeback_limit);
+        assert!(at.writeback_limit <= at.head);
+        Log {
+            slot_count,
+            generation,
+            tail: at.tail,
+            writeback_position: at.writeback_position,
+            writeback_persisted: at.writeback_position,
+            writeback_limit: at.writeback_limit,
+            head: at.head,
+            checkpoint_head: at.checkpoint_head,
+            next_sequence: at.next_sequence,
+            prev_crc: at.prev_crc,
+            durable_sequence: at.durable_sequence,
+            unsynced_blocks: 0,
+            epoch_open: at.head > at.writeback_limit,
+            open: None,
+            sealed: SealedQueue::default(),
+        }
+    }
+
+    // ------------------------------------------------------------ geometry
+
+    pub(crate) fn slot_count(&self) -> u64 {
+        self.slot_count
+    }
+
+    pub(crate) fn phys(&self, logical: u64) -> u32 {
+        (logical % self.slot_count) as u32
+    }
+
+    /// Logical offset of a slot holding data between tail and head.
+    pub(crate) fn logical_of(&self, slot: u32) -> u64 {
+        let tail_phys = self.tail % self.slot_count;
+        self.tail + (slot as u64 + self.slot_count - tail_phys) % self.slot_count
+    }
+
+    /// First logical offset that may not be written: the tail one lap on,
+    /// or the newest checkpoint's head one lap on, whichever is sooner.
+    pub(crate) fn limit(&self) -> u64 {
+        self.tail.min(self.checkpoint_head) + self.slot_count
+    }
+
+    /// Where the next data block would go.
+    pub(crate) fn append_position(&self) -> u64 {
+        match &self.open {
+            Some(open) => open.next_data_position(),
+            None => self.head,
+        }
+    }
+
+    pub(crate) fn tail(&self) -> u64 {
+        self.tail
+    }
+
+    pub(crate) fn head(&self) -> u64 {
+        self.head
+    }
+
+    pub(crate) fn writeback_position(&self) -> u64 {
+        self.writeback_position
+    }
+
+    pub(crate) fn writeback_persisted(&self) -> u64 {
+        self.writeback_persisted
+    }
+
+    pub(crate) fn writeback_limit(&self) -> u64 {
+        self.writeback_limit
+    }
+
+    pub(crate) fn checkpoint_head(&self) -> u64 {
+        self.checkpoint_head
+    }
+
+    pub(crate) fn next_sequence(&self) -> u64 {
+        self.next_sequence
+    }
+
+    pub(crate) fn prev_crc(&self) -> u32 {
+        self.prev_crc
+    }
+
+    pub(crate) fn durable_sequence(&self) -> u64 {
+        self.durable_sequence
+    }
+
+    pub(crate) fn unsynced_blocks(&self) -> u64 {
+        self.unsynced_blocks
+    }
+
+    pub(crate) fn open_start(&self) -> Option<u64> {
+        self.open.as_ref().map(OpenRecord::start)
+    }
+
+    /// Is anything acknowledged not yet covered by a barrier? (An open
+    /// record of clean fills may wait: losing it loses nothing.)
+    pub(crate) fn has_unflushed(&self) -> bool {
+        self.open.as_ref().is_some_and(OpenRecord::has_dirty)
+            || self.epoch_open
+            || self.unsynced_blocks > 0
+    }
+
+    // ---------------------------------------------------------- in memory
+
+    /// Index of `slot`'s block in the open record, if it sits there.
+    pub(crate) fn open_slot_index(&self, slot: u32) -> Option<usize> {
+        self.open.as_ref()?.data_index(self.logical_of(slot))
+    }
+
+    /// A data block still in memory: in the open record, or in a sealed
+    /// record whose write may not be complete.
+    pub(crate) fn block_in_memory(&self, slot: u32, block_bytes: usize) -> Option<&[u8]> {
+        if let Some(open) = &self.open {
+            if let Some(k) = open.data_index(self.logical_of(slot)) {
+                return Some(open.block(k, block_bytes));
+            }
+        }
+        if self.sealed.is_empty() {
+            return None;
+        }
+        self.sealed.block(self.logical_of(slot), block_bytes)
+    }
+
+    // ------------------------------------------------------------ appends
+
+    /// Bring the open record into existence with room for one more data
+    /// block (or entry), sealing the current one when it is full.
+    fn open_record(&mut self, env: &Env, index: &mut Index, need_data: bool) -> EngineResult<()> {
+        if let Some(open) = &self.open {
+            if !open.is_full(env.record_entries_max, need_data) {
+                return Ok(());
+            }
+            self.seal(env, index, false, false)?;
+        }
+        let start = record_start(self.head, self.slot_count);
+        assert!(start < self.limit(), "open_record without reserved space");
+        let capacity = env
+            .record_data_blocks_max
+            .min(self.slot_count - self.phys(start) as u64 - 1);
+        assert!(capacity >= 1);
+        // Skipped slots at the end of a lap and the header slot hold nothing.
+        for logical in self.head..=start {
+            let slot = self.phys(logical);
+            assert!(!index.is_live(slot), "free slot {slot} is live");
+        }
+        self.head = start;
+        let data = env
+            .record_bufs
+            .lend(capacity as usize * env.block_size_bytes);
+        self.open = Some(OpenRecord::new(start, capacity, data));
+        Ok(())
+    }
+
+    /// Add a full block to the open record (or overwrite it in place if the
+    /// open record already holds this address). A clean block is a copy of
+    /// what the origin holds (a read fill, a repair, a second chance).
+    pub(crate) fn append_data(
+        &mut self,
+        env: &Env,
+        index: &mut Index,
+        lba: u64,
+        block: &[u8],
+        clean: bool,
+    ) -> EngineResult<()> {
+        assert_eq!(block.len(), env.block_size_bytes);
+        assert!(lba < env.volume_blocks);
+        let crc = block_checksum(lba, block);
+        let existing = index.lookup(lba);
+        if !clean && existing.is_some() {
+            Counters::add(&env.counters.write_hits, 1);
+        }
+        if let Some(slot) = existing {
+            if let Some(k) = self.open_slot_index(slot) {
+                assert!(!clean, "clean fills only go to unmapped blocks");
+                let open = self.open.as_mut().expect("the slot is in the open record");
+                open.overwrite(k, lba, crc, block);
+                index.rewrite_in_place(slot, lba, crc);
+                return Ok(());
+            }
+        }
+        self.open_record(env, index, true)?;
+        let logical = self.append_position();
+        assert!(logical < self.limit(), "append without reserved space");
+        index.insert(self.phys(logical), lba, crc, clean);
+        let open = self.open.as_mut().expect("opened above");
+        open.push_data(lba, crc, clean, block);
+        Ok(())
+    }
+
+    /// Log a zero or discard range of `count` blocks from `lba`, dropping
+    /// the cached copies inside it.
+    pub(crate) fn append_range(
+        &mut self,
+        env: &Env,
+        index: &mut Index,
+        kind: RangeKind,
+        lba: u64,
+        count: u64,
+    ) -> EngineResult<()> {
+        assert!(count > 0 && count <= u32::MAX as u64);
+        let end = lba + count;
+        // A dropped block in the open record keeps its data entry there:
+        // the range entry after it wins at replay and write-back.
+        index.forget_range(lba, end);
+        self.open_record(env, index, false)?;
+        let open = self.open.as_mut().expect("opened above");
+        open.push_range(kind, lba, count as u32);
+        index.insert_range(lba, end, open.start(), kind);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------- sealing
+
+    /// Seal the open record into the log. With `epoch_end`, also seals an
+    /// empty record if nothing is open. With `barrier`, every record sealed
+    /// before it is written and complete first, and this one goes down with
+    /// the barrier (`pwritev` + `fdatasync`); without, it is queued and
+    /// written outside the lock (see `crate::sealed`).
+    pub(crate) fn seal(
+        &mut self,
+        env: &Env,
+        index: &mut Index,
+        epoch_end: bool,
+        barrier: bool,
+    ) -> EngineResult<()> {
+        assert!(
+            !env.health.is_degraded(),
+            "no log record is sealed in degraded mode"
+        );
+        if barrier {
+            self.sealed.complete_all(env)?;
+        }
+        let open = match self.open.take() {
+            Some(open) => open,
+            None if !epoch_end => return Ok(()),
+            None => self.empty_record(env, index),
+        };
+        let header = RecordHeader {
+            sequence: self.next_sequence,
+            log_offset: open.start(),
+            generation: self.generation,
+            durable_sequence: self.durable_sequence,
+            prev_crc: self.prev_crc,
+            format_tag: env.format_tag,
+            flags: if epoch_end { RECORD_FLAG_EPOCH_END } else { 0 },
+            entries: open.entries().to_vec(),
+        };
+        let (encoded, header_crc) = header.encode(env.block_size_bytes as u32);
+        // Aligned like the data, so the record goes down without a copy.
+        let mut header_buf = env.header_bufs.lend(encoded.len());
+        header_buf.extend_from_slice(&encoded);
+        let at = env.slot_offset_bytes(self.phys(open.start()));
+        let length = header.length_blocks();
+        assert!(
+            self.phys(open.start()) as u64 + length <= self.slot_count,
+            "record wraps"
+        );
+        open.debug_check(env.block_size_bytes);
+        if barrier {
+            if let Err(e) = self.write_with_barrier(env, at, &header_buf, open.data()) {
+                self.open = Some(open);
+                return Err(env.health.cache_write_failed("sealing a log record", e));
+            }
+        }
+        Counters::add(&env.counters.records_sealed, 1);
+        Counters::add(
+            &env.counters.cache_bytes_written,
+            length * env.block_size_bytes as u64,
+        );
+        let start = open.start();
+        self.prev_crc = header_crc;
+        self.next_sequence += 1;
+        self.head = start + length;
+        self.unsynced_blocks += length;
+        self.epoch_open = !epoch_end;
+        if barrier {
+            Counters::add(&env.counters.cache_barriers, 1);
+            self.durable_sequence = self.next_sequence - 1;
+            self.unsynced_blocks = 0;
+            return Ok(());
+        }
+        let (_, data) = open.into_parts();
+        let record = SealedRecord::new(env, start, at, header, header_buf, data);
+        self.sealed.push(env, record)
+    }
+
+    /// An empty record at the head, to end an epoch with nothing open.
+    fn empty_record(&mut self, env: &Env, index: &mut Index) -> OpenRecord {
+        let start = record_start(self.head, self.slot_count);
+        if start + 1 > self.limit() {
+            // Only right after recovery: the tail restarts at the
+            // checkpoint's, behind clean data it may now evict.
+            let _ = self.evict_until(env, index, start + 1 - self.slot_count);
+        }
+        assert!(start < self.limit(), "no room for an epoch-end record");
+        self.head = start;
+        OpenRecord::new(start, 0, env.record_bufs.lend(0))
+    }
+
+    /// The record and its barrier, in the calling thread. A barrier that
+    /// fails may also have lost the records sealed since the last one (a
+    /// failed fsync drops dirty pages); retrying this write cannot bring
+    /// them back, so that case is not retried.
+    fn write_with_barrier(
+        &self,
+        env: &Env,
+        at: u64,
+        header: &[u8],
+        data: &[u8],
+    ) -> Result<(), cairn_device::DeviceError> {
+        let bufs: &[&[u8]] = if data.is_empty() {
+            &[header]
+        } else {
+            &[header, data]
+        };
+        let retry_safe = self.unsynced_blocks == 0;
+        retrying_cache_write(env, "sealing a log record", retry_safe, || {
+            env.cache.write_vectored_and_flush(at, bufs)
+        })
+    }
+
+    /// Seal and make durable everything acknowledged so far; ends an epoch.
+    /// Costs nothing when there is nothing new.
+    pub(crate) fn flush(&mut self, env: &Env, index: &mut Index) -> EngineResult<()> {
+        if !self.has_unflushed() {
+            return Ok(());
+        }
+        self.seal(env, index, true, true)?;
+        self.writeback_limit = self.head;
+        Ok(())
+    }
+
+    /// Seal whatever is open (clean fills included) with a barrier, so the
+    /// log holds everything the index maps: before a checkpoint.
+    pub(crate) fn seal_everything(&mut self, env: &Env, index: &mut Index) -> EngineResult<()> {
+        self.flush(env, index)?;
+        if self.open.is_some() {
+            self.seal(env, index, true, true)?;
+            self.writeback_limit = self.head;
+        }
+        assert!(self.open.is_none());
+        assert_eq!(self.unsynced_blocks, 0, "a checkpoint follows a barrier");
+        Ok(())
+    }
+
+    /// Take on the records sealed without a barrier, to be written by the
+    /// caller outside the lock.
+    pub(crate) fn claim_sealed(&mut self) -> Vec<Arc<SealedRecord>> {
+        self.sealed.claim()
+    }
+
+    // ------------------------------------------------------------ eviction
+
+    /// Advance the tail towards `target`, evicting clean blocks, but never
+    /// past the persisted write-back position (dirty data stays). Clean
+    /// blocks hit since they were inserted (second chance) are read and
+    /// returned, up to a bound, so the caller can move them to the head.
+    pub(crate) fn evict_until(
+        &mut self,
+        env: &Env,
+        index: &mut Index,
+        target: u64,
+    ) -> Vec<(u64, Vec<u8>)> {
+        let mut rescued = Vec::new();
+        while self.tail < target && self.tail < self.writeback_persisted {
+            let slot = self.phys(self.tail);
+            if index.is_live(slot) {
+                assert!(!index.is_dirty(slot), "tail passed dirty data");
+                let lba = index.lba(slot);
+                if index.is_referenced(slot)
+                    && !index.is_corrupt(slot)
+                    && rescued.len() < SECOND_CHANCE_MAX_BLOCKS
+                {
+                    let mut block = vec![0u8; env.block_size_bytes];
+                    // Check data after reading it: only a verified copy moves.
+                    let read = env.read_slot(slot, &mut block);
+                    if read.is_ok() && block_checksum(lba, &block) == index.crc(slot) {
+                        rescued.push((lba, block));
+                    }
+                }
+                if index.is_corrupt(slot) {
+                    // Dirty data that failed its checksum is leaving the
+                    // log: remember it reads as EIO, never as stale data.
+                    index.mark_lost(lba);
+                }
+                index.retire(slot);
+                Counters::add(&env.counters.evictions, 1);
+            }
+            index.clear(slot);
+            self.tail += 1;
+        }
+        rescued
+    }
+
+    // ----------------------------------------------------------- progress
+
+    /// Write-back copied the group ending at `position` to the origin.
+    pub(crate) fn written_back_to(&mut self, position: u64) {
+        assert!(position > self.writeback_position);
+        // Past the limit only when degrading: the unflushed records go to
+        // the origin too, from memory.
+        assert!(position <= self.head, "write-back past the head");
+        self.writeback_position = position;
+    }
+
+    /// The superblock now records the write-back position.
+    pub(crate) fn writeback_position_persisted(&mut self) {
+        self.writeback_persisted = self.writeback_position;
+    }
+
+    /// A checkpoint of the index as of the head is durable.
+    pub(crate) fn checkpointed(&mut self) {
+        self.checkpoint_head = self.head;
+    }
+
+    /// Open bumped the generation and made everything replayed durable.
+    pub(crate) fn recovered(&mut self, generation: u64) {
+        self.generation = generation;
+        self.durable_sequence = self.next_sequence - 1;
+    }
+
+    // ----------------------------------------------------------- degraded
+
+    /// For degraded mode: the records sealed since the last barrier (taken
+    /// from memory, written or not) and the open record.
+    pub(crate) fn take_unflushed(
+        &mut self,
+        env: &Env,
+    ) -> (Vec<Arc<SealedRecord>>, Option<OpenRecord>) {
+        (self.sealed.take_all(env), self.open.take())
+    }
+
+    /// Degraded mode wrote everything back: nothing is dirty any more, and
+    /// the log never moves again.
+    pub(crate) fn drained(&mut self) {
+        self.writeback_position = self.head;
+        self.writeback_limit = self.head;
+        self.writeback_persisted = self.head;
+        self.epoch_open = false;
+        self.unsynced_blocks = 0;
+    }
+}

@@ -1,0 +1,197 @@
+//! Opening a formatted cache: check it belongs to this origin, recover its
+//! state, load the integrity tags, and make what was replayed durable.
+
+use std::sync::Arc;
+
+use cairn_device::Device;
+use cairn_format::{Layout, Superblock};
+
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::health::Health;
+use crate::index::Index;
+use crate::log::{Log, LogPositions};
+use crate::options::OpenOptions;
+use crate::policy::CacheMode;
+use crate::recovery;
+use crate::state::State;
+use crate::stats::Counters;
+use crate::superblocks;
+use crate::tags::TagTable;
+
+/// What opening produced.
+pub(crate) struct Opened {
+    pub(crate) env: Env,
+    pub(crate) state: State,
+    pub(crate) mode: CacheMode,
+}
+
+pub(crate) fn open(
+    cache: Arc<dyn Device>,
+    origin: Arc<dyn Device>,
+    opts: &OpenOptions,
+) -> EngineResult<Opened> {
+    cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
+    let superblock = superblocks::read_newest(cache.as_ref())?;
+    let layout = check_devices(cache.as_ref(), origin.as_ref(), &superblock, opts)?;
+    let mode =
+        CacheMode::from_code(superblock.mode).ok_or_else(|| EngineError::CheckpointDamaged {
+            device: cache.name().to_string(),
+            detail: format!(
+                "unknown cache mode code {} in the superblock",
+                superblock.mode
+            ),
+        })?;
+    if superblock.degraded() {
+        let env = Env::new(
+            cache,
+            origin,
+            layout,
+            &superblock,
+            opts.config.clone(),
+            Health::degraded(),
+        );
+        return Ok(open_degraded(env, superblock, mode));
+    }
+    let env = Env::new(
+        cache,
+        origin,
+        layout,
+        &superblock,
+        opts.config.clone(),
+        Health::default(),
+    );
+    let mut state = recovery::recover(&env, superblock)?;
+    if env.integrity {
+        state.tags = Some(load_tags(&env, &mut state)?);
+    }
+    if opts.force_origin && state.superblock.origin_identity != env.origin.identity() {
+        let mut identity = env.origin.identity();
+        identity.truncate(cairn_format::ORIGIN_IDENTITY_MAX_BYTES);
+        state.superblock.origin_identity = identity;
+    }
+    // Bump the generation and make everything replayed durable before
+    // anything new is written. A failure here refuses the open (nothing
+    // new was written yet).
+    state.superblock.generation += 1;
+    state.write_superblock(&env)?;
+    state.log.recovered(state.superblock.generation);
+    Ok(Opened { env, state, mode })
+}
+
+/// The cache must be this origin's, of the size it had, laid out as the
+/// superblock says. Returns the layout.
+fn check_devices(
+    cache: &dyn Device,
+    origin: &dyn Device,
+    superblock: &Superblock,
+    opts: &OpenOptions,
+) -> EngineResult<Layout> {
+    if origin.identity() != superblock.origin_identity && !opts.force_origin {
+        return Err(EngineError::WrongOrigin {
+            recorded: superblock.origin_identity.clone(),
+            given: origin.identity(),
+        });
+    }
+    if origin.size_bytes() != superblock.origin_size_bytes {
+        return Err(EngineError::OriginSizeChanged {
+            origin: origin.name().to_string(),
+            recorded_bytes: superblock.origin_size_bytes,
+            given_bytes: origin.size_bytes(),
+        });
+    }
+    if cache.size_bytes() < superblock.cache_size_bytes {
+        return Err(EngineError::CacheShrunk {
+            device: cache.name().to_string(),
+            size_bytes: cache.size_bytes(),
+            recorded_bytes: superblock.cache_size_bytes,
+        });
+    }
+    let block_bytes = superblock.block_size_bytes;
+    let integrity = superblock.features & cairn_format::FEATURE_INTEGRITY != 0;
+    let volume_blocks = superblock.origin_size_bytes / block_bytes as u64;
+    let layout = Layout::compute_with_tags(
+        superblock.cache_size_bytes,
+        block_bytes,
+        integrity.then_some(volume_blocks),
+    )
+    .map_err(|layout| EngineError::Layout {
+        device: cache.name().to_string(),
+        layout,
+    })?;
+    if layout.log_blocks != superblock.log_blocks
+        || layout.checkpoint_slot_bytes != superblock.checkpoint_slot_bytes
+    {
+        return Err(EngineError::CheckpointDamaged {
+            device: cache.name().to_string(),
+            detail: "superblock layout does not match the computed layout".into(),
+        });
+    }
+    Ok(layout)
+}
+
+/// A cache whose DEGRADED flag is set: its contents may be older than the
+/// origin, so nothing is replayed, nothing is read from it, nothing is
+/// written to it. The engine serves the origin directly.
+fn open_degraded(env: Env, superblock: Superblock, mode: CacheMode) -> Opened {
+    assert!(superblock.degraded());
+    tracing::error!(
+        "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
+        env.cache.name(),
+        superblock.origin_identity
+    );
+    let slot_count = env.layout.log_blocks;
+    let log = Log::new(
+        slot_count,
+        superblock.generation,
+        LogPositions {
+            tail: 0,
+            writeback_position: 0,
+            writeback_limit: 0,
+            head: 0,
+            checkpoint_head: 0,
+            next_sequence: 1,
+            prev_crc: 0,
+            durable_sequence: 0,
+        },
+    );
+    let state = State {
+        superblock,
+        log,
+        index: Index::new(slot_count),
+        tags: None,
+    };
+    Opened { env, state, mode }
+}
+
+/// Load every integrity tag. Pages unreadable in both copies are
+/// recalculated from the origin rather than refusing the whole cache.
+fn load_tags(env: &Env, state: &mut State) -> EngineResult<TagTable> {
+    let (mut tags, lost_pages) = TagTable::load(
+        env.cache.as_ref(),
+        &env.layout,
+        env.volume_blocks,
+        env.format_tag,
+        state.superblock.recalc_position_blocks,
+    )
+    .map_err(EngineError::Cache)?;
+    if let Some(&first) = lost_pages.first() {
+        let from = first * cairn_format::TAGS_PER_PAGE as u64;
+        tracing::error!(
+            pages = lost_pages.len(),
+            first_block = from,
+            "integrity tag pages unreadable in both copies; their blocks are recalculated from the origin"
+        );
+        Counters::add(&env.counters.tag_pages_lost, lost_pages.len() as u64);
+        tags.recalc_pos = tags.recalc_pos.min(from);
+        state.superblock.recalc_position_blocks = tags.recalc_pos;
+    }
+    let healed = tags.heal_from_clean_copies(state.index.clean_copies(), env.block_size_bytes);
+    if healed > 0 {
+        tracing::info!(
+            blocks = healed,
+            "integrity tags brought up to date from clean cached copies after recovery"
+        );
+    }
+    Ok(tags)
+}

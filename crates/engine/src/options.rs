@@ -1,0 +1,73 @@
+//! What a caller chooses when formatting and opening a cache.
+
+/// How to format a cache.
+#[derive(Debug, Clone)]
+pub struct FormatOptions {
+    pub block_size_bytes: u32,
+    /// Overwrite an existing cairn cache.
+    pub force: bool,
+    /// Keep an integrity tag for every origin block (`FEATURE_INTEGRITY`).
+    pub integrity: bool,
+}
+
+impl Default for FormatOptions {
+    fn default() -> Self {
+        FormatOptions {
+            block_size_bytes: 4096,
+            force: false,
+            integrity: false,
+        }
+    }
+}
+
+/// How an opened engine behaves.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Insert blocks read from the origin into the cache as clean.
+    pub promote_read_misses: bool,
+    /// Force an internal flush once this many sealed blocks are waiting for
+    /// a barrier. Bounds how far recovery must look for records that prove
+    /// a damaged one was acknowledged, and gives write-back epoch boundaries
+    /// during long streams without client flushes.
+    pub unsynced_blocks_max: u64,
+    /// Promote a missed block on its Nth miss (Open CAS nhit); 1 = always.
+    pub promote_after_misses: u32,
+    /// Reads continuing a sequential stream longer than this are not
+    /// promoted (counted as bypassed); 0 disables the cutoff.
+    pub sequential_cutoff_bytes: u64,
+    /// A failed cache write is tried this many times in all (when retrying
+    /// it is safe, see `docs/design.md`) before the engine goes degraded.
+    pub cache_write_attempts: u32,
+    /// Wait before the first retry of a failed cache write, doubled before
+    /// each further one. Zero in the simulation tests.
+    pub cache_write_backoff_us: u64,
+    /// Read cache hits through the host's page cache
+    /// (`Device::read_many_cacheable`), so the hottest blocks are served
+    /// from RAM the kernel can take back under memory pressure. Every read
+    /// is still verified against its checksum, and a mismatch is re-read
+    /// from the device itself before anything is called corrupt.
+    pub page_cache_reads: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            promote_read_misses: true,
+            unsynced_blocks_max: 4096,
+            promote_after_misses: 1,
+            sequential_cutoff_bytes: 4 << 20,
+            cache_write_attempts: 4,
+            cache_write_backoff_us: 5_000,
+            page_cache_reads: true,
+        }
+    }
+}
+
+/// How to open a formatted cache.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// Open even if the origin's identity differs from the recorded one
+    /// (the new identity is recorded).
+    pub force_origin: bool,
+    pub config: EngineConfig,
+}

@@ -1,0 +1,69 @@
+//! Read-caching policy: the cache mode, sequential cutoff and n-hit
+//! promotion. Small, fixed-size structures; their memory does not grow
+//! with the cache.
+
+mod cache_mode;
+mod hit_filter;
+mod sequential;
+
+pub use cache_mode::CacheMode;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use hit_filter::HitFilter;
+use sequential::SequentialDetector;
+
+use crate::options::EngineConfig;
+
+pub(crate) struct Policy {
+    mode: AtomicU8,
+    promote_read_misses: bool,
+    promote_after_misses: u32,
+    sequential_cutoff_bytes: u64,
+    sequential: SequentialDetector,
+    hit_filter: HitFilter,
+}
+
+impl Policy {
+    pub(crate) fn new(mode: CacheMode, config: &EngineConfig) -> Policy {
+        Policy {
+            mode: AtomicU8::new(mode.code()),
+            promote_read_misses: config.promote_read_misses,
+            promote_after_misses: config.promote_after_misses,
+            sequential_cutoff_bytes: config.sequential_cutoff_bytes,
+            sequential: SequentialDetector::default(),
+            hit_filter: HitFilter::default(),
+        }
+    }
+
+    pub(crate) fn mode(&self) -> CacheMode {
+        CacheMode::from_code(self.mode.load(Ordering::Relaxed)).unwrap_or(CacheMode::WriteBack)
+    }
+
+    pub(crate) fn set_mode(&self, mode: CacheMode) {
+        self.mode.store(mode.code(), Ordering::SeqCst);
+    }
+
+    /// Note a client read; true if it continues a sequential stream past
+    /// the cutoff (its misses are then not promoted: "bypassed").
+    pub(crate) fn observe_read(&self, offset: u64, length_bytes: u64) -> bool {
+        self.sequential
+            .observe(offset, length_bytes, self.sequential_cutoff_bytes)
+    }
+
+    /// Are this read's misses promoted at all (mode, configuration, the
+    /// sequential cutoff's verdict)?
+    pub(crate) fn promotes_misses(&self, bypassed: bool) -> bool {
+        self.promote_read_misses && self.mode().caches_reads() && !bypassed
+    }
+
+    /// Count a miss of `lba`; true once it is due for promotion (its Nth
+    /// miss with n-hit promotion, always otherwise).
+    pub(crate) fn miss_due(&self, lba: u64) -> bool {
+        self.hit_filter.miss(lba, self.promote_after_misses)
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.hit_filter.memory_bytes()
+    }
+}

@@ -1,0 +1,123 @@
+//! The slow paths of a read, taken when a block failed its check: decide
+//! under the engine lock whether the mapping (or the tag) moved meanwhile,
+//! or the copy really is bad, and then serve, repair or refuse.
+
+use cairn_format::block_checksum;
+
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::index::Plan;
+use crate::origin_check::{check_origin_data, judge};
+use crate::space;
+use crate::state_lock::StateLock;
+use crate::stats::Counters;
+
+/// A mismatch that may have raced a write-back is re-read at most this
+/// many times before it is reported.
+const RECHECK_ROUNDS_MAX: usize = 4;
+
+/// A cache hit that failed its checksum (or whose read failed): find out
+/// whether the mapping moved under us, or the copy is really bad. A bad
+/// clean copy is served from the origin and repaired; a bad dirty one is
+/// marked corrupt and fails with EIO.
+pub(crate) fn read_block_slow(
+    env: &Env,
+    state: &StateLock,
+    lba: u64,
+    slot: u32,
+    crc: u32,
+    block: &mut [u8],
+) -> EngineResult<()> {
+    let c = &env.counters;
+    let mut st = state.running(env)?;
+    // Re-plan under the lock: nothing can move now.
+    let (now_slot, now_crc) = match st.plan(env, lba, block)? {
+        Plan::Done => return Ok(()),
+        Plan::Miss { tag } => {
+            drop(st);
+            env.read_origin(lba, block)?;
+            return verify_origin_read(env, state, lba, tag, block);
+        }
+        Plan::Cache { slot, crc } => (slot, crc),
+    };
+    let read = env.read_slot(now_slot, block);
+    if let Err(e) = &read {
+        tracing::warn!("cache read of block {lba} failed: {e}");
+    }
+    if read.is_ok() && block_checksum(lba, block) == now_crc {
+        Counters::add(&c.read_hits, 1);
+        if (now_slot, now_crc) == (slot, crc) {
+            // The mapping did not move, yet the first read was bad and the
+            // device's copy is good: a failed batched read, or a stale
+            // page-cache page (see `Device::drop_cached_pages`). Drop the
+            // page so the next hit does not come here again.
+            Counters::add(&c.hit_rereads_ok, 1);
+            drop(st);
+            if env.config.page_cache_reads {
+                let at = env.slot_offset_bytes(slot);
+                env.cache.drop_cached_pages(at, env.block_size_bytes as u64);
+            }
+        }
+        return Ok(());
+    }
+    if read.is_ok() {
+        Counters::add(&c.checksum_mismatches, 1);
+    }
+    if st.index.is_dirty(now_slot) {
+        tracing::error!(
+            lba,
+            slot = now_slot,
+            "dirty cache block failed its checksum"
+        );
+        st.index.mark_corrupt(now_slot);
+        return Err(EngineError::DirtyBlockCorrupt { lba });
+    }
+    // Clean: the origin has the data. Serve it and repair.
+    tracing::warn!(
+        lba,
+        slot = now_slot,
+        "clean cache block bad; serving from origin and repairing"
+    );
+    env.read_origin(lba, block)?;
+    // The lock is held: the tag cannot move under this check.
+    let tag = st.tags.as_ref().map(|t| t.get(lba));
+    check_origin_data(env, lba, block, tag)?;
+    st.index.retire(now_slot);
+    if space::promote(env, &mut st, lba, block)? {
+        Counters::add(&c.repairs, 1);
+    }
+    Ok(())
+}
+
+/// Check a block just read from the origin against the tag its read was
+/// planned with. The read may have raced a write-back that moved the tag
+/// (or cached the block): on a mismatch the block is planned again, and
+/// only a mismatch against an unchanged tag is reported (EIO).
+pub(crate) fn verify_origin_read(
+    env: &Env,
+    state: &StateLock,
+    lba: u64,
+    planned: Option<u32>,
+    block: &mut [u8],
+) -> EngineResult<()> {
+    if judge(env, lba, block, planned).is_ok() {
+        return Ok(());
+    }
+    let mut tag = planned;
+    for _ in 0..RECHECK_ROUNDS_MAX {
+        let plan = state.running(env)?.plan(env, lba, block)?;
+        match plan {
+            Plan::Done => return Ok(()),
+            Plan::Cache { slot, crc } => return read_block_slow(env, state, lba, slot, crc, block),
+            Plan::Miss { tag: now } if now == tag => break,
+            Plan::Miss { tag: now } => {
+                env.read_origin(lba, block)?;
+                if judge(env, lba, block, now).is_ok() {
+                    return Ok(());
+                }
+                tag = now;
+            }
+        }
+    }
+    check_origin_data(env, lba, block, tag)
+}

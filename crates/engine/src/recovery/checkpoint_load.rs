@@ -1,0 +1,79 @@
+//! Step 1 of recovery: load the active checkpoint into a fresh index.
+
+use cairn_format::{
+    CheckpointEntry, CheckpointHeader, PendingRange, Reader, Superblock, CHECKPOINT_HEADER_BYTES,
+};
+
+use super::checkpoint_damaged;
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::index::Index;
+
+/// The active checkpoint's header, and the index it describes.
+pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(CheckpointHeader, Index)> {
+    let slot_count = env.layout.log_blocks;
+    let at = env
+        .layout
+        .checkpoint_offset_bytes(superblock.active_checkpoint);
+    let mut header_buf = vec![0u8; CHECKPOINT_HEADER_BYTES];
+    env.cache
+        .read_at(at, &mut header_buf)
+        .map_err(EngineError::Cache)?;
+    let header = CheckpointHeader::decode(&header_buf)
+        .map_err(|e| checkpoint_damaged(env, format!("header: {e}")))?;
+    if header.sequence != superblock.checkpoint_sequence {
+        return Err(checkpoint_damaged(
+            env,
+            format!(
+                "slot {} holds checkpoint {}, superblock expects {}",
+                superblock.active_checkpoint, header.sequence, superblock.checkpoint_sequence
+            ),
+        ));
+    }
+    let payload_bytes = CheckpointHeader::payload_bytes(header.entry_count, header.range_count);
+    // Check the header's claims before acting on them: device contents
+    // must never make us read or allocate out of bounds.
+    if header.entry_count > slot_count
+        || header.range_count as usize > cairn_format::PENDING_RANGES_MAX
+        || CHECKPOINT_HEADER_BYTES as u64 + payload_bytes > env.layout.checkpoint_slot_bytes
+        || header.tail_offset > header.head_offset
+        || header.writeback_offset > header.head_offset
+        || header.tail_offset > header.writeback_offset
+    {
+        return Err(checkpoint_damaged(
+            env,
+            "counts or offsets out of range".into(),
+        ));
+    }
+    let mut payload = vec![0u8; payload_bytes as usize];
+    if payload_bytes > 0 {
+        env.cache
+            .read_at(at + CHECKPOINT_HEADER_BYTES as u64, &mut payload)
+            .map_err(EngineError::Cache)?;
+    }
+    let crc = cairn_format::crc32c(&payload);
+    if crc != header.payload_crc {
+        return Err(checkpoint_damaged(
+            env,
+            format!("payload checksum {crc:#x} != {:#x}", header.payload_crc),
+        ));
+    }
+    let mut index = Index::new(slot_count);
+    let mut reader = Reader::new(&payload);
+    for _ in 0..header.entry_count {
+        let entry = CheckpointEntry::decode(&mut reader)
+            .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
+        index
+            .load_entry(&entry, env.volume_blocks)
+            .map_err(|detail| checkpoint_damaged(env, detail))?;
+    }
+    for _ in 0..header.range_count {
+        let range = PendingRange::decode(&mut reader)
+            .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
+        if range.start_lba + range.block_count > env.volume_blocks {
+            return Err(checkpoint_damaged(env, format!("bad range {range:?}")));
+        }
+        index.load_range(&range);
+    }
+    Ok((header, index))
+}

@@ -1,0 +1,108 @@
+//! Step 5 of recovery: check the positions against each other and build
+//! the engine's state.
+
+use cairn_format::{CheckpointHeader, Superblock};
+
+use super::log_damaged;
+use super::rebuild::Rebuilt;
+use super::replay::Chain;
+use crate::env::Env;
+use crate::error::EngineResult;
+use crate::index::Index;
+use crate::log::{read_record_header, record_start, Log, LogPositions};
+use crate::state::State;
+
+pub(crate) fn finish(
+    env: &Env,
+    mut superblock: Superblock,
+    checkpoint: &CheckpointHeader,
+    mut index: Index,
+    chain: &Chain,
+    rebuilt: &Rebuilt,
+    durable: u64,
+) -> EngineResult<State> {
+    let slot_count = env.layout.log_blocks;
+    let head = rebuilt.head;
+    let writeback = checkpoint.writeback_offset.max(superblock.writeback_offset);
+    check_writeback_position(env, checkpoint, chain, rebuilt, writeback)?;
+    let tail = checkpoint.tail_offset.max(head.saturating_sub(slot_count));
+    if tail > writeback {
+        return Err(log_damaged(
+            env,
+            format!("the log wrapped over dirty data (tail {tail} > write-back {writeback})"),
+        ));
+    }
+    superblock.generation = superblock.generation.max(rebuilt.generation_max);
+    let log = Log::new(
+        slot_count,
+        superblock.generation,
+        LogPositions {
+            tail,
+            writeback_position: writeback,
+            writeback_limit: rebuilt.writeback_limit,
+            head,
+            checkpoint_head: checkpoint.head_offset,
+            next_sequence: chain.next_sequence,
+            prev_crc: chain.prev_crc,
+            durable_sequence: durable,
+        },
+    );
+    // Every live slot lies in [tail, head); it is dirty if it lies after
+    // the write-back position (and was not inserted clean).
+    index
+        .finish_replay(
+            |slot| log.logical_of(slot) < head,
+            |slot| log.logical_of(slot) >= writeback,
+        )
+        .map_err(|detail| log_damaged(env, detail))?;
+    Ok(State {
+        superblock,
+        log,
+        index,
+        tags: None,
+    })
+}
+
+/// The persisted write-back position must be a record boundary the log
+/// still replays to.
+fn check_writeback_position(
+    env: &Env,
+    checkpoint: &CheckpointHeader,
+    chain: &Chain,
+    rebuilt: &Rebuilt,
+    writeback: u64,
+) -> EngineResult<()> {
+    let slot_count = env.layout.log_blocks;
+    if writeback > rebuilt.writeback_limit {
+        return Err(log_damaged(
+            env,
+            format!(
+                "write-back reached offset {writeback}, but the log only replays to {}",
+                rebuilt.writeback_limit
+            ),
+        ));
+    }
+    if writeback < checkpoint.head_offset && writeback != checkpoint.writeback_offset {
+        match read_record_header(env, writeback, slot_count)? {
+            Some((at, _)) if at == record_start(writeback, slot_count) => {}
+            _ => {
+                return Err(log_damaged(
+                    env,
+                    format!("no record at the write-back position {writeback}"),
+                ))
+            }
+        }
+    }
+    if writeback > checkpoint.head_offset
+        && !chain
+            .records
+            .iter()
+            .any(|r| r.at + r.header.length_blocks() == writeback)
+    {
+        return Err(log_damaged(
+            env,
+            format!("write-back position {writeback} is not a record boundary"),
+        ));
+    }
+    Ok(())
+}

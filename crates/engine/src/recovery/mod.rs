@@ -1,0 +1,66 @@
+//! Recovery: the newest checkpoint, then replay of the log after it.
+//!
+//! 1. [`checkpoint_load`]: the active checkpoint's header and payload give
+//!    the index as of its head;
+//! 2. [`replay`]: the record chain after it (sequence, logical offset and
+//!    the crc of the previous header must all match). Where the chain
+//!    ends, a bounded scan further looks for any record that proves the
+//!    missing one had been made durable; if one exists, the log is damaged
+//!    and opening is refused rather than silently serving older data;
+//! 3. [`classify`]: which records a completed barrier covered (a bad block
+//!    there is corruption, EIO) and which may be torn (verified now; a bad
+//!    block there keeps its previous value);
+//! 4. [`rebuild`]: the replayed records applied to the index in order;
+//! 5. [`finish`]: the positions checked against each other, the log's
+//!    state and the gauges.
+
+mod checkpoint_load;
+mod classify;
+mod finish;
+mod rebuild;
+mod replay;
+
+use cairn_format::Superblock;
+
+use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
+use crate::state::State;
+
+/// Recover the engine's state from the cache device.
+pub(crate) fn recover(env: &Env, superblock: Superblock) -> EngineResult<State> {
+    let (checkpoint, mut index) = checkpoint_load::load(env, &superblock)?;
+    let mut chain = replay::replay_chain(env, &superblock, &checkpoint)?;
+    let durable = classify::durable_sequence(&chain.records, &checkpoint);
+    classify::verify_unsynced(env, &mut chain.records, durable)?;
+    let rebuilt = rebuild::apply(env, &mut index, &chain.records, durable, &checkpoint);
+    let state = finish::finish(
+        env,
+        superblock,
+        &checkpoint,
+        index,
+        &chain,
+        &rebuilt,
+        durable,
+    )?;
+    tracing::info!(
+        records = chain.records.len(),
+        dirty_blocks = state.index.dirty_blocks(),
+        clean_blocks = state.index.clean_blocks(),
+        "cache recovered"
+    );
+    Ok(state)
+}
+
+fn checkpoint_damaged(env: &Env, detail: String) -> EngineError {
+    EngineError::CheckpointDamaged {
+        device: env.cache.name().to_string(),
+        detail,
+    }
+}
+
+fn log_damaged(env: &Env, detail: String) -> EngineError {
+    EngineError::LogDamaged {
+        device: env.cache.name().to_string(),
+        detail,
+    }
+}

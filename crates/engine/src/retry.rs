@@ -1,0 +1,58 @@
+//! Retrying a failed cache write, when retrying it can make it durable.
+
+use cairn_device::DeviceError;
+
+use crate::env::Env;
+use crate::stats::Counters;
+
+/// Run one cache write, retrying it up to `cache_write_attempts` times in
+/// all with a doubling backoff when `retry_safe`. Every failed attempt is
+/// counted in `cache_write_errors`, every retry in `cache_write_retries`.
+///
+/// A write with its barrier is retry-safe only if no record sealed without
+/// a barrier waits for it: a failed fsync may drop the dirty pages of those
+/// earlier writes, and a later barrier that succeeds would then vouch for
+/// data that is not there (see `docs/design.md`).
+pub(crate) fn retrying_cache_write<T>(
+    env: &Env,
+    what: &str,
+    retry_safe: bool,
+    mut op: impl FnMut() -> Result<T, DeviceError>,
+) -> Result<T, DeviceError> {
+    let attempts = if retry_safe {
+        env.config.cache_write_attempts.max(1)
+    } else {
+        1
+    };
+    let mut backoff_us = env.config.cache_write_backoff_us;
+    // Bounded: at most `attempts` rounds.
+    for attempt in 1..=attempts {
+        match op() {
+            Ok(value) => {
+                if attempt > 1 {
+                    tracing::warn!("{what}: succeeded on attempt {attempt} of {attempts}");
+                }
+                return Ok(value);
+            }
+            Err(e) => {
+                Counters::add(&env.counters.cache_write_errors, 1);
+                if attempt >= attempts {
+                    return Err(e);
+                }
+                tracing::warn!("{what} failed (attempt {attempt} of {attempts}), retrying: {e}");
+                Counters::add(&env.counters.cache_write_retries, 1);
+                backoff(&mut backoff_us);
+            }
+        }
+    }
+    unreachable!("the last attempt returns")
+}
+
+/// Sleep for the current backoff and double it. The engine owns no clock:
+/// this only waits, and zero (the simulation tests) does not wait at all.
+fn backoff(backoff_us: &mut u64) {
+    if *backoff_us > 0 {
+        std::thread::sleep(std::time::Duration::from_micros(*backoff_us));
+        *backoff_us = backoff_us.saturating_mul(2);
+    }
+}

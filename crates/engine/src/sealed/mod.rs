@@ -1,0 +1,48 @@
+//! Sealed records whose write to the cache device happens outside the
+//! engine lock, so that several records can be in flight at once while
+//! other writers keep filling the next one.
+//!
+//! A record sealed without a barrier (it was full) is queued in the log's
+//! [`SealedQueue`]. The engine call that sealed it *claims* it before
+//! dropping the lock and writes it afterwards ([`write_claimed`]); a record
+//! nobody claimed is written by the next barrier, or at once when the queue
+//! is at its bound. Until its write is known to be complete a record's
+//! blocks are served from its memory, never from the device.
+//!
+//! Ordering: records sealed without a barrier were never promised to be
+//! durable in any order (the crash harness drops, tears and reorders
+//! every write not yet flushed), so they may be written concurrently and
+//! complete in any order. A barrier (a flush, a FUA write, a checkpoint)
+//! first writes every unclaimed record and waits for every claimed one,
+//! then writes its epoch-end record with the fdatasync: everything sealed
+//! before it is on the device when the barrier is issued.
+//! Write-back only reads up to the last barrier, and eviction never passes
+//! it, so neither ever reads a record still in flight.
+//!
+//! Waiting never needs the engine lock: a writer marks its record done and
+//! signals [`RecordIo`] without it, and reports a failure to the engine's
+//! health, so a barrier may wait while holding the engine lock.
+
+mod queue;
+mod record;
+mod record_io;
+
+pub(crate) use queue::SealedQueue;
+pub(crate) use record::SealedRecord;
+pub(crate) use record_io::RecordIo;
+
+use std::sync::Arc;
+
+use crate::env::Env;
+use crate::error::EngineResult;
+
+/// Write records this call claimed, outside the engine lock. A failure
+/// marks the cache failed, as a failed seal always did.
+pub(crate) fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) -> EngineResult<()> {
+    for record in records {
+        if let Err(e) = record.write(env) {
+            return Err(env.health.cache_write_failed("sealing a log record", e));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,155 @@
+//! The records sealed without a barrier whose write may not be complete,
+//! in sequence order: the suffix of the log from the first record not
+//! known to be written.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::record::SealedRecord;
+use crate::env::Env;
+use crate::error::EngineResult;
+
+/// Most sealed records kept in memory before the sealing call writes them
+/// itself under the lock (the old, synchronous behaviour): 16 records of at
+/// most 256 KiB, 4 MiB.
+pub(crate) const SEALED_RECORDS_MAX: usize = 16;
+
+/// A queued record and whether a thread has taken it on to write it.
+struct Queued {
+    record: Arc<SealedRecord>,
+    claimed: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct SealedQueue {
+    queued: VecDeque<Queued>,
+}
+
+impl SealedQueue {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+
+    /// Queue a record sealed without a barrier. Keeps the queue bounded by
+    /// writing records here (under the engine lock) when it is full.
+    pub(crate) fn push(&mut self, env: &Env, record: SealedRecord) -> EngineResult<()> {
+        if let Some(last) = self.queued.back() {
+            assert!(
+                last.record.sequence < record.sequence,
+                "records are queued in sequence order"
+            );
+        }
+        self.queued.push_back(Queued {
+            record: Arc::new(record),
+            claimed: false,
+        });
+        self.prune(env)?;
+        if self.queued.len() > SEALED_RECORDS_MAX {
+            self.write_unclaimed(env)?;
+            self.wait_until(env, SEALED_RECORDS_MAX)?;
+        }
+        Ok(())
+    }
+
+    /// Take on every unclaimed record, to be written by the caller once it
+    /// has dropped the engine lock (with [`super::write_claimed`]).
+    pub(crate) fn claim(&mut self) -> Vec<Arc<SealedRecord>> {
+        let mut claimed = Vec::new();
+        for queued in self.queued.iter_mut().filter(|q| !q.claimed) {
+            queued.claimed = true;
+            claimed.push(queued.record.clone());
+        }
+        claimed
+    }
+
+    /// Write every unclaimed record here, in sequence order.
+    fn write_unclaimed(&mut self, env: &Env) -> EngineResult<()> {
+        for record in self.claim() {
+            if let Err(e) = record.write(env) {
+                return Err(env.health.cache_write_failed("sealing a log record", e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait (holding the engine lock: writers do not need it) until at most
+    /// `keep` records are queued, dropping the written ones from the front.
+    fn wait_until(&mut self, env: &Env, keep: usize) -> EngineResult<()> {
+        loop {
+            self.prune(env)?;
+            if self.queued.len() <= keep {
+                return Ok(());
+            }
+            let guard = env.record_io.lock();
+            let front = self.queued.front().expect("more than `keep` queued");
+            if front.record.is_done() {
+                continue;
+            }
+            assert!(front.claimed, "waiting for a record nobody will write");
+            drop(env.record_io.wait(guard));
+        }
+    }
+
+    /// Drop written records from the front of the queue (only the front:
+    /// the queue stays the suffix of the log from the first record not
+    /// known written, which degraded mode relies on). A failed write
+    /// anywhere marks the cache failed (degraded mode follows); the failed
+    /// record stays queued, so its data is still in memory.
+    fn prune(&mut self, env: &Env) -> EngineResult<()> {
+        while self.queued.front().is_some_and(|q| q.record.is_written()) {
+            self.queued.pop_front();
+        }
+        let failed = self.queued.iter().find_map(|q| {
+            q.record.failure().map(|reason| {
+                (
+                    q.record.at_bytes,
+                    q.record.length_bytes(),
+                    reason.to_string(),
+                )
+            })
+        });
+        match failed {
+            None => Ok(()),
+            Some((offset, len, reason)) => {
+                let e = cairn_device::DeviceError::Io {
+                    device: env.cache.name().to_string(),
+                    offset,
+                    len,
+                    source: std::io::Error::other(reason),
+                };
+                Err(env.health.cache_write_failed("sealing a log record", e))
+            }
+        }
+    }
+
+    /// Before a barrier: every sealed record is written and complete, so
+    /// the barrier covers them.
+    pub(crate) fn complete_all(&mut self, env: &Env) -> EngineResult<()> {
+        self.write_unclaimed(env)?;
+        self.wait_until(env, 0)?;
+        assert!(
+            self.queued.is_empty(),
+            "a barrier follows every sealed record"
+        );
+        Ok(())
+    }
+
+    /// For degraded mode: wait for every record a thread is writing, then
+    /// take the whole queue (written, failed or never written alike), in
+    /// log order. Their data goes to the origin from memory.
+    pub(crate) fn take_all(&mut self, env: &Env) -> Vec<Arc<SealedRecord>> {
+        let mut guard = env.record_io.lock();
+        while self.queued.iter().any(|q| q.claimed && !q.record.is_done()) {
+            guard = env.record_io.wait(guard);
+        }
+        drop(guard);
+        self.queued.drain(..).map(|q| q.record).collect()
+    }
+
+    /// The data block at `logical`, if a queued record holds it.
+    pub(crate) fn block(&self, logical: u64, block_bytes: usize) -> Option<&[u8]> {
+        self.queued
+            .iter()
+            .find_map(|q| q.record.block(logical, block_bytes))
+    }
+}

@@ -1,0 +1,108 @@
+//! One record sealed but not yet known to be written.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use cairn_device::DeviceError;
+use cairn_format::RecordHeader;
+
+use crate::blockbuf::PooledBuf;
+use crate::env::Env;
+use crate::retry::retrying_cache_write;
+
+pub(crate) struct SealedRecord {
+    pub(crate) sequence: u64,
+    /// Logical offset of its header block; data blocks follow.
+    pub(crate) start: u64,
+    pub(crate) data_count: u64,
+    /// Byte offset on the cache device.
+    pub(crate) at_bytes: u64,
+    pub(crate) header: PooledBuf,
+    /// The header, decoded: degraded mode copies a record that may never
+    /// have reached the cache from memory.
+    pub(crate) header_fields: RecordHeader,
+    pub(crate) data: PooledBuf,
+    /// Set once the write completed (successfully or not); `outcome` says.
+    done: AtomicBool,
+    outcome: OnceLock<Result<(), String>>,
+}
+
+impl SealedRecord {
+    pub(crate) fn new(
+        env: &Env,
+        start: u64,
+        at_bytes: u64,
+        header_fields: RecordHeader,
+        header: PooledBuf,
+        data: PooledBuf,
+    ) -> SealedRecord {
+        let block_bytes = env.block_size_bytes;
+        assert!(data.len().is_multiple_of(block_bytes));
+        SealedRecord {
+            sequence: header_fields.sequence,
+            start,
+            data_count: (data.len() / block_bytes) as u64,
+            at_bytes,
+            header,
+            header_fields,
+            data,
+            done: AtomicBool::new(false),
+            outcome: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Written, and successfully.
+    pub(crate) fn is_written(&self) -> bool {
+        self.is_done() && matches!(self.outcome.get(), Some(Ok(())))
+    }
+
+    /// Why its write failed, once it did.
+    pub(crate) fn failure(&self) -> Option<&str> {
+        match self.outcome.get() {
+            Some(Err(reason)) if self.is_done() => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// Bytes on the device: the header block and the data blocks.
+    pub(crate) fn length_bytes(&self) -> u64 {
+        (self.header.len() + self.data.len()) as u64
+    }
+
+    /// The data block at `logical`, if this record holds it.
+    pub(crate) fn block(&self, logical: u64, block_bytes: usize) -> Option<&[u8]> {
+        if logical > self.start && logical <= self.start + self.data_count {
+            let k = (logical - self.start - 1) as usize;
+            Some(&self.data[k * block_bytes..(k + 1) * block_bytes])
+        } else {
+            None
+        }
+    }
+
+    /// Write it (header and data in one vectored write, no barrier) and
+    /// publish the outcome. Never takes the engine lock.
+    pub(crate) fn write(&self, env: &Env) -> Result<(), DeviceError> {
+        assert!(!self.is_done(), "record {} written twice", self.sequence);
+        let bufs: &[&[u8]] = if self.data.is_empty() {
+            &[&self.header]
+        } else {
+            &[&self.header, &self.data]
+        };
+        // No barrier is involved, so a failed attempt can be retried.
+        let result = retrying_cache_write(env, "sealing a log record", true, || {
+            env.cache.write_vectored_at(self.at_bytes, bufs)
+        });
+        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
+        {
+            let _guard = env.record_io.lock();
+            self.done.store(true, Ordering::Release);
+            env.record_io.notify();
+        }
+        result
+    }
+}
