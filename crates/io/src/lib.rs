@@ -1,0 +1,32 @@
+//! cairn's event loop.
+//!
+//! A [`Reactor`] is one thread's io_uring plus a small single-threaded
+//! executor: a request waiting for I/O is a suspended task (a future), not
+//! a blocked thread. Ring operations ([`Reactor::read_at`], `write_at`,
+//! `writev_at`, `fsync`, `poll`, `sleep`) are submitted together when the
+//! loop next enters the kernel, and that same `io_uring_enter` waits for
+//! completions: one system call per loop turn for any number of
+//! operations. Nothing spins: an idle loop sleeps in the kernel until a
+//! completion or a wake-up from another thread arrives.
+//!
+//! Other threads (an NBD origin's reply reader, a group commit's leader)
+//! complete work for a task through a [`oneshot`] channel or a waker; a
+//! wake-up from another thread writes the reactor's eventfd, whose read is
+//! always pending in the ring.
+//!
+//! Code that may run with or without a reactor (the engine's I/O paths)
+//! asks [`Reactor::current`]: inside a reactor task it submits to the ring,
+//! elsewhere (tests, offline commands, background threads, and inside
+//! [`block_on`]) it does the I/O synchronously. So the engine has one
+//! async algorithm that also runs deterministically in simulation.
+
+mod block_on;
+mod buf;
+mod notify;
+pub mod oneshot;
+mod reactor;
+
+pub use block_on::block_on;
+pub use buf::{StableBuf, StableBufMut};
+pub use notify::LocalNotify;
+pub use reactor::{JoinHandle, Reactor, ReactorOptions, RemoteWaker};

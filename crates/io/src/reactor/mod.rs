@@ -1,0 +1,443 @@
+//! One thread's io_uring and the tasks it drives.
+
+mod kinds;
+mod op;
+mod shared;
+mod tasks;
+
+pub use tasks::JoinHandle;
+
+use std::cell::{Cell, RefCell, RefMut};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::Duration;
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+use kinds::{Fsync, PollFd, ReadAt, Sleep, WriteAt, WritevAt};
+use op::{Op, OpKind, OpTable};
+use shared::Shared;
+use tasks::{with_join, Tasks};
+
+use crate::buf::{StableBuf, StableBufMut};
+
+/// User data of the eventfd read (remote wake-ups).
+const EVENTFD_USER_DATA: u64 = u64::MAX - 1;
+/// User data of cancellations at shutdown (their completions are ignored).
+const CANCEL_USER_DATA: u64 = u64::MAX;
+/// Tasks polled per pass before the loop looks at the ring again, so a
+/// task that keeps waking itself cannot starve completions.
+const POLLS_PER_TURN_MAX: usize = 1024;
+/// How long a dropped reactor waits for cancelled operations to complete
+/// before it leaks their buffers rather than free memory the kernel may
+/// still write.
+const SHUTDOWN_WAIT_MS: u64 = 5_000;
+
+/// How a reactor's ring is set up.
+#[derive(Debug, Clone)]
+pub struct ReactorOptions {
+    /// Submission queue entries; at most this many operations are in
+    /// flight at once (more wait for room, they never fail).
+    pub ring_entries: u32,
+}
+
+impl Default for ReactorOptions {
+    fn default() -> Self {
+        ReactorOptions { ring_entries: 256 }
+    }
+}
+
+struct Inner {
+    ring: RefCell<IoUring>,
+    ops: RefCell<OpTable>,
+    tasks: RefCell<Tasks>,
+    shared: Arc<Shared>,
+    /// Operations waiting for room in the ring.
+    room_waiters: RefCell<VecDeque<Waker>>,
+    ops_max: usize,
+    /// The eventfd read's 8-byte target: a stable heap allocation.
+    eventfd_buf: RefCell<Box<[u8; 8]>>,
+    eventfd_armed: Cell<bool>,
+}
+
+/// A thread's event loop. Cloning gives another handle to the same loop;
+/// it is not `Send`: it lives and dies on its thread.
+#[derive(Clone)]
+pub struct Reactor {
+    inner: Rc<Inner>,
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Reactor>> = const { RefCell::new(None) };
+}
+
+/// Restores the previous current reactor when dropped.
+pub(crate) struct CurrentGuard {
+    previous: Option<Reactor>,
+}
+
+impl Drop for CurrentGuard {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        CURRENT.with(|c| *c.borrow_mut() = previous);
+    }
+}
+
+/// A handle that wakes a reactor's task from any thread.
+pub type RemoteWaker = Waker;
+
+impl Reactor {
+    /// A reactor for the calling thread. Single-issuer with deferred task
+    /// work where the kernel has it (completions are processed only when
+    /// this thread enters the ring, not by interrupting it).
+    pub fn new(options: &ReactorOptions) -> io::Result<Reactor> {
+        let entries = options.ring_entries.clamp(8, 4096);
+        let ring = IoUring::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_taskrun_flag()
+            .setup_cqsize(entries * 2)
+            .build(entries)
+            .or_else(|_| IoUring::builder().setup_cqsize(entries * 2).build(entries))?;
+        Ok(Reactor {
+            inner: Rc::new(Inner {
+                ring: RefCell::new(ring),
+                ops: RefCell::new(OpTable::default()),
+                tasks: RefCell::new(Tasks::default()),
+                shared: Arc::new(Shared::new()?),
+                room_waiters: RefCell::new(VecDeque::new()),
+                ops_max: entries as usize,
+                eventfd_buf: RefCell::new(Box::new([0u8; 8])),
+                eventfd_armed: Cell::new(false),
+            }),
+        })
+    }
+
+    /// The reactor running the current task, if any. `None` outside a
+    /// reactor and inside [`crate::block_on`].
+    pub fn current() -> Option<Reactor> {
+        CURRENT.with(|c| c.borrow().clone())
+    }
+
+    fn make_current(&self) -> CurrentGuard {
+        let previous = CURRENT.with(|c| c.borrow_mut().replace(self.clone()));
+        CurrentGuard { previous }
+    }
+
+    /// No reactor is current until the guard drops.
+    pub(crate) fn suspend_current() -> CurrentGuard {
+        let previous = CURRENT.with(|c| c.borrow_mut().take());
+        CurrentGuard { previous }
+    }
+
+    /// Start a task on this reactor; it runs when the loop next polls.
+    pub fn spawn<F>(&self, future: F) -> JoinHandle<F::Output>
+    where
+        F: Future + 'static,
+    {
+        let (task, handle) = with_join(future);
+        self.inner
+            .tasks
+            .borrow_mut()
+            .insert(task, &self.inner.shared);
+        handle
+    }
+
+    /// Tasks not yet finished.
+    pub fn live_tasks(&self) -> usize {
+        self.inner.tasks.borrow().live()
+    }
+
+    /// Operations in flight in the ring.
+    pub fn ops_in_flight(&self) -> usize {
+        self.inner.ops.borrow().in_flight()
+    }
+
+    /// Run `main` and every task it spawns until `main` completes. Tasks
+    /// still running then are dropped.
+    pub fn run<F>(&self, main: F) -> F::Output
+    where
+        F: Future + 'static,
+        F::Output: 'static,
+    {
+        let _current = self.make_current();
+        let handle = self.spawn(main);
+        loop {
+            self.poll_ready();
+            if let Some(output) = handle.try_take() {
+                return output;
+            }
+            self.turn();
+        }
+    }
+
+    /// Poll every woken task, a bounded number of times.
+    fn poll_ready(&self) {
+        let mut ready = Vec::new();
+        let mut polled = 0;
+        while polled < POLLS_PER_TURN_MAX {
+            ready.clear();
+            self.inner.shared.take_ready(&mut ready);
+            if ready.is_empty() {
+                return;
+            }
+            for &id in &ready {
+                let taken = self.inner.tasks.borrow_mut().take(id);
+                let Some((mut future, waker)) = taken else {
+                    continue;
+                };
+                let mut cx = std::task::Context::from_waker(&waker);
+                polled += 1;
+                match future.as_mut().poll(&mut cx) {
+                    std::task::Poll::Ready(()) => self.inner.tasks.borrow_mut().remove(id),
+                    std::task::Poll::Pending => self.inner.tasks.borrow_mut().put_back(id, future),
+                }
+            }
+        }
+    }
+
+    /// Submit what is queued and reap completions, sleeping in the kernel
+    /// for at least one completion if no task is ready.
+    fn turn(&self) {
+        self.arm_eventfd();
+        let wait = self.inner.shared.prepare_sleep();
+        let submitted = {
+            let ring = self.inner.ring.borrow();
+            if wait {
+                ring.submit_and_wait(1)
+            } else {
+                ring.submit()
+            }
+        };
+        self.inner.shared.woke();
+        match submitted {
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
+                ) => {}
+            Err(e) => {
+                // The ring itself failed: nothing this loop can do but
+                // report it; operations stay pending and the owner's
+                // timeouts end the work.
+                tracing::error!(error = %e, "io_uring_enter failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        self.reap();
+    }
+
+    /// Handle every completion in the queue.
+    fn reap(&self) {
+        let mut wakers = Vec::new();
+        {
+            let mut ring = self.inner.ring.borrow_mut();
+            let mut ops = self.inner.ops.borrow_mut();
+            for cqe in ring.completion() {
+                match cqe.user_data() {
+                    EVENTFD_USER_DATA => self.inner.eventfd_armed.set(false),
+                    CANCEL_USER_DATA => {}
+                    key => {
+                        if let Some(w) = ops.complete(key as usize, cqe.result()) {
+                            wakers.push(w);
+                        }
+                    }
+                }
+            }
+        }
+        for waker in wakers {
+            waker.wake();
+        }
+        self.wake_room_waiters();
+    }
+
+    /// Keep a read of the eventfd pending, so a wake-up from another
+    /// thread completes it and ends the loop's sleep.
+    fn arm_eventfd(&self) {
+        if self.inner.eventfd_armed.get() {
+            return;
+        }
+        let ptr = self.inner.eventfd_buf.borrow_mut().as_mut_ptr();
+        let entry = opcode::Read::new(types::Fd(self.inner.shared.eventfd()), ptr, 8)
+            .build()
+            .user_data(EVENTFD_USER_DATA);
+        if self.push_entry(entry) {
+            self.inner.eventfd_armed.set(true);
+        }
+    }
+
+    /// Push one entry, making room by submitting if the queue is full.
+    fn push_entry(&self, entry: squeue::Entry) -> bool {
+        let mut ring = self.inner.ring.borrow_mut();
+        // SAFETY: every pointer in `entry` targets memory kept alive until
+        // its completion (the op table, or the reactor's eventfd buffer).
+        let pushed = unsafe { ring.submission().push(&entry) }.is_ok();
+        if pushed {
+            return true;
+        }
+        if let Err(e) = ring.submit() {
+            tracing::warn!(error = %e, "io_uring submit to make room failed");
+        }
+        // SAFETY: as above.
+        let pushed = unsafe { ring.submission().push(&entry) }.is_ok();
+        pushed
+    }
+
+    /// Is there room for one more operation? If not, `waker` is woken
+    /// when there is.
+    fn has_room(&self, waker: &Waker) -> bool {
+        // One entry is kept for the eventfd read.
+        if self.inner.ops.borrow().in_flight() + 1 < self.inner.ops_max {
+            return true;
+        }
+        self.inner
+            .room_waiters
+            .borrow_mut()
+            .push_back(waker.clone());
+        false
+    }
+
+    fn wake_room_waiters(&self) {
+        let free = self
+            .inner
+            .ops_max
+            .saturating_sub(self.inner.ops.borrow().in_flight() + 1);
+        for _ in 0..free {
+            let Some(w) = self.inner.room_waiters.borrow_mut().pop_front() else {
+                break;
+            };
+            w.wake();
+        }
+    }
+
+    fn op_slot_freed(&self) {}
+
+    fn ops_mut(&self) -> RefMut<'_, OpTable> {
+        self.inner.ops.borrow_mut()
+    }
+
+    /// Record the operation and queue its entry.
+    fn submit<K: OpKind>(&self, entry: squeue::Entry, kind: Box<K>) -> usize {
+        let key = self.inner.ops.borrow_mut().start(kind);
+        let pushed = self.push_entry(entry.user_data(key as u64));
+        if !pushed {
+            // Unreachable with room checked (the queue holds `ops_max`),
+            // but never lose an operation: complete it as failed.
+            let waker = self.inner.ops.borrow_mut().complete(key, -libc::EAGAIN);
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+        key
+    }
+
+    // ---------------------------------------------------------- operations
+
+    /// Read into `buf` from `offset` of `fd`; resolves to the bytes read
+    /// (a short read is the caller's to handle) and the buffer.
+    pub fn read_at<B: StableBufMut>(
+        &self,
+        fd: i32,
+        offset: u64,
+        buf: B,
+    ) -> impl Future<Output = (io::Result<usize>, B)> {
+        Op::new(self.clone(), ReadAt { fd, offset, buf })
+    }
+
+    /// Write `buf` at `offset` of `fd`.
+    pub fn write_at<B: StableBuf>(
+        &self,
+        fd: i32,
+        offset: u64,
+        buf: B,
+    ) -> impl Future<Output = (io::Result<usize>, B)> {
+        Op::new(self.clone(), WriteAt { fd, offset, buf })
+    }
+
+    /// Write `bufs` back to back from `offset` of `fd`.
+    pub fn writev_at<B: StableBuf>(
+        &self,
+        fd: i32,
+        offset: u64,
+        bufs: Vec<B>,
+    ) -> impl Future<Output = (io::Result<usize>, Vec<B>)> {
+        Op::new(
+            self.clone(),
+            WritevAt {
+                fd,
+                offset,
+                bufs,
+                iovecs: Vec::new(),
+            },
+        )
+    }
+
+    /// fsync (or fdatasync) `fd`.
+    pub fn fsync(&self, fd: i32, datasync: bool) -> impl Future<Output = io::Result<()>> {
+        Op::new(self.clone(), Fsync { fd, datasync })
+    }
+
+    /// Wait until `fd` is ready for `events` (`libc::POLLIN`...).
+    pub fn poll(&self, fd: i32, events: u32) -> impl Future<Output = io::Result<u32>> {
+        Op::new(self.clone(), PollFd { fd, events })
+    }
+
+    /// Wait `duration`.
+    pub fn sleep(&self, duration: Duration) -> impl Future<Output = ()> {
+        Op::new(
+            self.clone(),
+            Sleep {
+                timespec: types::Timespec::from(duration),
+            },
+        )
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Drop every task first: their operations become orphans.
+        drop(self.tasks.get_mut().clear());
+        let keys = self.ops.get_mut().in_flight_keys();
+        if keys.is_empty() {
+            return;
+        }
+        // Cancel what is still in flight (socket polls never end on their
+        // own) and wait for the completions: only then may the buffers the
+        // kernel writes into be freed.
+        let ring = self.ring.get_mut();
+        for key in &keys {
+            let entry = opcode::AsyncCancel::new(*key as u64)
+                .build()
+                .user_data(CANCEL_USER_DATA);
+            // SAFETY: a cancel entry references no memory.
+            if unsafe { ring.submission().push(&entry) }.is_err() {
+                let _ = ring.submit();
+                // SAFETY: as above.
+                let _ = unsafe { ring.submission().push(&entry) };
+            }
+        }
+        let deadline = std::time::Instant::now() + Duration::from_millis(SHUTDOWN_WAIT_MS);
+        let ops = self.ops.get_mut();
+        while ops.in_flight() > 0 && std::time::Instant::now() < deadline {
+            let _ = ring.submit_and_wait(1);
+            for cqe in ring.completion() {
+                let key = cqe.user_data();
+                if key < EVENTFD_USER_DATA {
+                    ops.complete(key as usize, cqe.result());
+                }
+            }
+        }
+        if ops.in_flight() > 0 {
+            tracing::error!(
+                ops = ops.in_flight(),
+                "operations still in flight at reactor shutdown; their buffers are leaked"
+            );
+            std::mem::forget(std::mem::take(ops));
+        }
+    }
+}
