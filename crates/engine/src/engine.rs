@@ -9,6 +9,7 @@ use cairn_device::Device;
 use cairn_format::{block_checksum, RangeKind, Superblock};
 
 use crate::checkpoint;
+use crate::commit::GroupCommit;
 use crate::degrade;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -30,6 +31,7 @@ pub struct Engine {
     state: StateLock,
     writeback: Writeback,
     policy: Policy,
+    commit: GroupCommit,
     degraded_writes: Mutex<()>,
 }
 
@@ -64,6 +66,7 @@ impl Engine {
             state: StateLock::new(opened.state),
             writeback: Writeback::default(),
             policy,
+            commit: GroupCommit::default(),
             degraded_writes: Mutex::new(()),
         })
     }
@@ -74,6 +77,7 @@ impl Engine {
             state: &self.state,
             writeback: &self.writeback,
             policy: &self.policy,
+            commit: &self.commit,
             degraded_writes: &self.degraded_writes,
         }
     }
@@ -219,6 +223,12 @@ impl Engine {
 
     /// Write `data` at `offset`. With `fua`, the data is durable on return.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
+        cairn_io::block_on(self.write_async(offset, data, fua))
+    }
+
+    /// [`Engine::write`] as a task: a FUA write waits for its barrier
+    /// without holding a thread.
+    pub async fn write_async(&self, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
         self.check_range(offset, data.len() as u64)?;
         let c = &self.env.counters;
         Counters::add(&c.writes, 1);
@@ -226,13 +236,19 @@ impl Engine {
         if fua {
             Counters::add(&c.fua_writes, 1);
         }
-        self.with_degrade(|degraded| {
+        let degraded = self.with_degrade(|degraded| {
             if degraded {
-                degrade::degraded_write(self.parts(), offset, data)
+                degrade::degraded_write(self.parts(), offset, data)?;
             } else {
-                write::write(self.parts(), offset, data, fua)
+                write::write(self.parts(), offset, data)?;
             }
-        })
+            Ok(degraded)
+        })?;
+        // A degraded write is durable on the origin already.
+        if fua && !degraded {
+            self.flush_cached().await?;
+        }
+        Ok(())
     }
 
     /// Zero a range. Whole blocks become a logged zero range (no data is
@@ -265,16 +281,40 @@ impl Engine {
     }
 
     /// Make every write acknowledged so far durable. Costs one cache barrier
-    /// when there is something to persist, none otherwise.
+    /// when there is something to persist, none otherwise, and shares it
+    /// with every flush made meanwhile.
     pub fn flush(&self) -> EngineResult<()> {
+        cairn_io::block_on(self.flush_async())
+    }
+
+    /// [`Engine::flush`] as a task: waiting for the barrier holds no thread.
+    pub async fn flush_async(&self) -> EngineResult<()> {
         Counters::add(&self.env.counters.flushes, 1);
-        self.with_degrade(|degraded| {
-            if degraded {
-                degrade::degraded_flush(self.parts())
-            } else {
-                self.flush_internal()
+        if !self.is_degraded() {
+            self.flush_cached().await?;
+        }
+        if self.is_degraded() {
+            return degrade::degraded_flush(self.parts());
+        }
+        Ok(())
+    }
+
+    /// A client flush on the normal path; a cache write that failed for
+    /// good switches to degraded mode here (the caller then flushes the
+    /// origin: `drain` wrote every acknowledged write there).
+    async fn flush_cached(&self) -> EngineResult<()> {
+        match write::flush(self.parts()).await {
+            Err(e) if !self.is_degraded() => {
+                if self.env.health.wants_degraded_path()? {
+                    degrade::enter(self.parts())?;
+                    tracing::debug!("a flush switched to degraded mode after: {e}");
+                    Ok(())
+                } else {
+                    Err(e)
+                }
             }
-        })
+            result => result,
+        }
     }
 
     /// A flush the engine needs for itself (not counted as a client flush).

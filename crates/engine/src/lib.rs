@@ -20,6 +20,7 @@
 
 mod blockbuf;
 mod checkpoint;
+mod commit;
 mod degrade;
 mod engine;
 mod env;

@@ -4,6 +4,7 @@
 
 use std::sync::Mutex;
 
+use crate::commit::GroupCommit;
 use crate::env::Env;
 use crate::policy::Policy;
 use crate::state_lock::StateLock;
@@ -15,6 +16,7 @@ pub(crate) struct Parts<'a> {
     pub(crate) state: &'a StateLock,
     pub(crate) writeback: &'a Writeback,
     pub(crate) policy: &'a Policy,
+    pub(crate) commit: &'a GroupCommit,
     /// Serialises degraded-mode writes, zeroes and discards: a partial
     /// block is read, patched and written whole, and two of those on the
     /// same block must not interleave.

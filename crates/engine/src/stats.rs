@@ -105,6 +105,8 @@ counters!(
     writeback_skipped_corrupt,
     writeback_stalls,
     cache_barriers,
+    flush_barriers,
+    group_commit_joins,
     cache_bytes_written,
     records_sealed,
     checkpoints,

@@ -15,9 +15,12 @@
 //! seals it with a barrier, a full record is sealed without one and
 //! written outside the engine lock (see `crate::sealed`).
 
+mod barrier_plan;
 mod open_record;
 mod record_reader;
+mod unsynced;
 
+pub(crate) use barrier_plan::BarrierPlan;
 pub(crate) use open_record::OpenRecord;
 pub(crate) use record_reader::read_record_header;
 
@@ -31,6 +34,7 @@ use crate::index::Index;
 use crate::retry::retrying_cache_write;
 use crate::sealed::{SealedQueue, SealedRecord};
 use crate::stats::Counters;
+use unsynced::Unsynced;
 
 /// At most this many recently hit clean blocks move forward per eviction
 /// round (each costs a cache read and a write).
@@ -79,8 +83,8 @@ pub(crate) struct Log {
     prev_crc: u32,
     /// The newest record known durable (covered by a completed barrier).
     durable_sequence: u64,
-    /// Blocks sealed since the last barrier.
-    unsynced_blocks: u64,
+    /// Records sealed since the last completed barrier.
+    unsynced: Unsynced,
     /// Records were sealed since the last epoch end.
     epoch_open: bool,
     open: Option<OpenRecord>,
@@ -104,7 +108,7 @@ impl Log {
             next_sequence: at.next_sequence,
             prev_crc: at.prev_crc,
             durable_sequence: at.durable_sequence,
-            unsynced_blocks: 0,
+            unsynced: Unsynced::default(),
             epoch_open: at.head > at.writeback_limit,
             open: None,
             sealed: SealedQueue::default(),
@@ -177,8 +181,14 @@ impl Log {
         self.durable_sequence
     }
 
+    /// Blocks sealed since the last completed barrier.
     pub(crate) fn unsynced_blocks(&self) -> u64 {
-        self.unsynced_blocks
+        self.unsynced.blocks()
+    }
+
+    /// The sequence of the newest sealed record.
+    pub(crate) fn last_sequence(&self) -> u64 {
+        self.next_sequence - 1
     }
 
     pub(crate) fn open_start(&self) -> Option<u64> {
@@ -190,7 +200,7 @@ impl Log {
     pub(crate) fn has_unflushed(&self) -> bool {
         self.open.as_ref().is_some_and(OpenRecord::has_dirty)
             || self.epoch_open
-            || self.unsynced_blocks > 0
+            || !self.unsynced.is_empty()
     }
 
     // ---------------------------------------------------------- in memory
@@ -361,15 +371,15 @@ impl Log {
             length * env.block_size_bytes as u64,
         );
         let start = open.start();
+        let sequence = self.next_sequence;
         self.prev_crc = header_crc;
         self.next_sequence += 1;
         self.head = start + length;
-        self.unsynced_blocks += length;
+        self.unsynced.push(sequence, self.head, length, epoch_end);
         self.epoch_open = !epoch_end;
         if barrier {
             Counters::add(&env.counters.cache_barriers, 1);
-            self.durable_sequence = self.next_sequence - 1;
-            self.unsynced_blocks = 0;
+            self.barrier_done(sequence);
             return Ok(());
         }
         let (_, data) = open.into_parts();
@@ -406,7 +416,7 @@ impl Log {
         } else {
             &[header, data]
         };
-        let retry_safe = self.unsynced_blocks == 0;
+        let retry_safe = self.unsynced.is_empty();
         retrying_cache_write(env, "sealing a log record", retry_safe, || {
             env.cache.write_vectored_and_flush(at, bufs)
         })
@@ -432,8 +442,60 @@ impl Log {
             self.writeback_limit = self.head;
         }
         assert!(self.open.is_none());
-        assert_eq!(self.unsynced_blocks, 0, "a checkpoint follows a barrier");
+        assert!(self.unsynced.is_empty(), "a checkpoint follows a barrier");
         Ok(())
+    }
+
+    /// A client flush or FUA write, with group commit: seal what is open as
+    /// an epoch end, without a barrier, and return the sequence a barrier
+    /// must make durable before the flush may be answered (`None`: every
+    /// sealed record is durable already and nothing new is open). The
+    /// barrier is made outside the engine lock ([`Log::barrier_plan`]).
+    pub(crate) fn seal_for_flush(
+        &mut self,
+        env: &Env,
+        index: &mut Index,
+    ) -> EngineResult<Option<u64>> {
+        let open_dirty = self.open.as_ref().is_some_and(OpenRecord::has_dirty);
+        if open_dirty || self.epoch_open {
+            self.seal(env, index, true, false)?;
+        }
+        if self.unsynced.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(self.last_sequence()))
+    }
+
+    /// Start a barrier over everything sealed so far: the records nobody
+    /// is writing yet (the caller writes them) and those another call is
+    /// writing (the caller waits for them), then one fdatasync.
+    pub(crate) fn barrier_plan(&mut self) -> BarrierPlan {
+        // Those claimed by others first: the caller's own are not waited for.
+        let in_flight = self.sealed.in_flight();
+        BarrierPlan {
+            target: self.last_sequence(),
+            to_write: self.sealed.claim(),
+            in_flight,
+            unsynced_blocks: self.unsynced.blocks(),
+        }
+    }
+
+    /// A barrier made every record up to `sequence` durable (barriers may
+    /// complete out of order: the newest wins).
+    pub(crate) fn barrier_done(&mut self, sequence: u64) {
+        if sequence <= self.durable_sequence {
+            return;
+        }
+        self.durable_sequence = sequence;
+        if let Some(end) = self.unsynced.durable_through(sequence) {
+            self.writeback_limit = self.writeback_limit.max(end);
+        }
+    }
+
+    /// Drop the records written since from the queue of records in flight
+    /// (their blocks are read from the device from now on).
+    pub(crate) fn prune_sealed(&mut self, env: &Env) -> EngineResult<()> {
+        self.sealed.prune(env)
     }
 
     /// Take on the records sealed without a barrier, to be written by the
@@ -530,6 +592,6 @@ impl Log {
         self.writeback_limit = self.head;
         self.writeback_persisted = self.head;
         self.epoch_open = false;
-        self.unsynced_blocks = 0;
+        self.unsynced.clear();
     }
 }

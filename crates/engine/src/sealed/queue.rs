@@ -62,6 +62,15 @@ impl SealedQueue {
         claimed
     }
 
+    /// Records another call claimed and is still writing.
+    pub(crate) fn in_flight(&self) -> Vec<Arc<SealedRecord>> {
+        self.queued
+            .iter()
+            .filter(|q| q.claimed && !q.record.is_done())
+            .map(|q| q.record.clone())
+            .collect()
+    }
+
     /// Write every unclaimed record here, in sequence order.
     fn write_unclaimed(&mut self, env: &Env) -> EngineResult<()> {
         for record in self.claim() {
@@ -95,7 +104,7 @@ impl SealedQueue {
     /// known written, which degraded mode relies on). A failed write
     /// anywhere marks the cache failed (degraded mode follows); the failed
     /// record stays queued, so its data is still in memory.
-    fn prune(&mut self, env: &Env) -> EngineResult<()> {
+    pub(crate) fn prune(&mut self, env: &Env) -> EngineResult<()> {
         while self.queued.front().is_some_and(|q| q.record.is_written()) {
             self.queued.pop_front();
         }

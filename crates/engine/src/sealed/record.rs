@@ -83,26 +83,44 @@ impl SealedRecord {
         }
     }
 
+    /// The buffers to write, back to back from `at_bytes`: the header
+    /// block, then the data blocks.
+    pub(crate) fn bufs(&self) -> Vec<&[u8]> {
+        if self.data.is_empty() {
+            vec![&self.header]
+        } else {
+            vec![&self.header, &self.data]
+        }
+    }
+
     /// Write it (header and data in one vectored write, no barrier) and
     /// publish the outcome. Never takes the engine lock.
     pub(crate) fn write(&self, env: &Env) -> Result<(), DeviceError> {
         assert!(!self.is_done(), "record {} written twice", self.sequence);
-        let bufs: &[&[u8]] = if self.data.is_empty() {
-            &[&self.header]
-        } else {
-            &[&self.header, &self.data]
-        };
+        let bufs = self.bufs();
         // No barrier is involved, so a failed attempt can be retried.
         let result = retrying_cache_write(env, "sealing a log record", true, || {
-            env.cache.write_vectored_at(self.at_bytes, bufs)
+            env.cache.write_vectored_at(self.at_bytes, &bufs)
         });
-        let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
-        assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
-        {
-            let _guard = env.record_io.lock();
-            self.done.store(true, Ordering::Release);
-            env.record_io.notify();
-        }
+        self.publish(env, result.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         result
+    }
+
+    /// Publish the outcome of its write (made by [`SealedRecord::write`] or
+    /// as part of a barrier's) and wake whoever waits for it.
+    pub(crate) fn publish(&self, env: &Env, outcome: Result<(), String>) {
+        assert!(!self.is_done(), "record {} written twice", self.sequence);
+        assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
+        let _guard = env.record_io.lock();
+        self.done.store(true, Ordering::Release);
+        env.record_io.notify();
+    }
+
+    /// Wait (without the engine lock) until its write completed.
+    pub(crate) fn wait_done(&self, env: &Env) {
+        let mut guard = env.record_io.lock();
+        while !self.is_done() {
+            guard = env.record_io.wait(guard);
+        }
     }
 }

@@ -29,8 +29,9 @@ const CHECKPOINT_EVERY_LOG_FRACTION: u64 = 4;
 const SPACE_RETRIES_MAX: usize = 100_000;
 
 /// Write `data` at `offset` into the log (then through to the origin in
-/// the modes other than write-back). With `fua`, durable on return.
-pub(crate) fn write(p: Parts<'_>, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
+/// the modes other than write-back). Not durable until a flush (a FUA
+/// write is this and then a flush: see `Engine::write_async`).
+pub(crate) fn write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineResult<()> {
     let env = p.env;
     let block_bytes = env.block_size_bytes as u64;
     let end = offset + data.len() as u64;
@@ -59,9 +60,6 @@ pub(crate) fn write(p: Parts<'_>, offset: u64, data: &[u8], fua: bool) -> Engine
             }
             at += n as u64;
         }
-    }
-    if fua {
-        st.flush(env)?;
     }
     // Records this write filled are written outside the lock, so other
     // writers keep going and several records are in flight at once.
@@ -127,6 +125,22 @@ pub(crate) fn partial_edges(offset: u64, end: u64, block_bytes: u64) -> Vec<(u64
         }
     }
     edges
+}
+
+/// A client flush: seal what is open and wait (as a task) until it and
+/// everything sealed before it is durable, sharing the barrier with every
+/// flush that arrives meanwhile (see `crate::commit`).
+pub(crate) async fn flush(p: Parts<'_>) -> EngineResult<()> {
+    let env = p.env;
+    let target = {
+        let mut st = p.state.normal(env)?;
+        let st = &mut *st;
+        st.log.seal_for_flush(env, &mut st.index)?
+    };
+    match target {
+        None => Ok(()),
+        Some(target) => p.commit.wait_durable(env, p.state, target).await,
+    }
 }
 
 /// Make room for `blocks` data blocks and `ranges` range entries, running
