@@ -12,7 +12,7 @@ use super::conn::ConnWriter;
 use super::{lock, Shared};
 use crate::codec::reply::{
     encode_block_status, encode_error, encode_ok, encode_read_prefix, read_prefix_bytes,
-    shape_extents,
+    shape_extents, Descriptor,
 };
 use crate::codec::{Command, ReplyMode, Request, BASE_ALLOCATION_ID};
 use crate::export::{Export, ExportError};
@@ -400,8 +400,12 @@ fn block_status(
     let cap = (u32::MAX as u64) & !(min_block - 1);
     let query = length_bytes.min(size - request.offset).min(cap);
     let extents = shared.export.block_status(request.offset, query)?;
+    let reported = extents.iter().map(|extent| Descriptor {
+        length_bytes: extent.length,
+        flags: extent.kind.allocation_flags(),
+    });
     let descriptors = shape_extents(
-        &extents,
+        reported,
         query,
         req_one,
         shared.limits.max_block_status_extents,

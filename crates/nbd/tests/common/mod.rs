@@ -1,5 +1,6 @@
-//! Shared test helpers: a minimal NBD client, session byte builders, an
-//! in-process server on a temporary unix socket, and tool detection.
+//! Shared test helpers: a minimal NBD client, session byte builders (from
+//! the codec tests of `cairn-nbd-proto`), an in-process server on a
+//! temporary unix socket, and tool detection.
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::collections::HashMap;
@@ -15,125 +16,12 @@ use cairn_nbd::{serve, Export, Listener, MemExport, ServerConfig, ServerHandle};
 
 // ---------------------------------------------------------------- bytes ---
 
-pub fn be16(out: &mut Vec<u8>, v: u16) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-pub fn be32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-pub fn be64(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-
-pub fn client_flags(flags: u32) -> Vec<u8> {
-    flags.to_be_bytes().to_vec()
-}
-
-pub fn option(option: u32, data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    be64(&mut out, IHAVEOPT);
-    be32(&mut out, option);
-    be32(&mut out, data.len() as u32);
-    out.extend_from_slice(data);
-    out
-}
-
-/// An option header claiming `length` bytes, without the data.
-pub fn option_header(option: u32, length: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    be64(&mut out, IHAVEOPT);
-    be32(&mut out, option);
-    be32(&mut out, length);
-    out
-}
-
-pub fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
-    let mut out = Vec::new();
-    be32(&mut out, name.len() as u32);
-    out.extend_from_slice(name.as_bytes());
-    be16(&mut out, infos.len() as u16);
-    for i in infos {
-        be16(&mut out, *i);
-    }
-    out
-}
-
-pub fn meta_data(name: &str, queries: &[&str]) -> Vec<u8> {
-    let mut out = Vec::new();
-    be32(&mut out, name.len() as u32);
-    out.extend_from_slice(name.as_bytes());
-    be32(&mut out, queries.len() as u32);
-    for q in queries {
-        be32(&mut out, q.len() as u32);
-        out.extend_from_slice(q.as_bytes());
-    }
-    out
-}
-
-pub fn request(
-    extended: bool,
-    flags: u16,
-    command: u16,
-    cookie: u64,
-    offset: u64,
-    length: u64,
-) -> Vec<u8> {
-    let mut out = Vec::new();
-    be32(
-        &mut out,
-        if extended {
-            EXTENDED_REQUEST_MAGIC
-        } else {
-            REQUEST_MAGIC
-        },
-    );
-    be16(&mut out, flags);
-    be16(&mut out, command);
-    be64(&mut out, cookie);
-    be64(&mut out, offset);
-    if extended {
-        be64(&mut out, length);
-    } else {
-        be32(&mut out, length as u32);
-    }
-    out
-}
-
-/// A complete valid client byte stream: flags, the given negotiation
-/// options, GO, then `requests` (each already encoded, payload included).
-pub fn session_bytes(
-    structured: bool,
-    extended: bool,
-    meta: bool,
-    requests: &[Vec<u8>],
-) -> Vec<u8> {
-    let mut out = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
-    if extended {
-        out.extend(option(OPT_EXTENDED_HEADERS, &[]));
-    } else if structured {
-        out.extend(option(OPT_STRUCTURED_REPLY, &[]));
-    }
-    if meta {
-        out.extend(option(
-            OPT_SET_META_CONTEXT,
-            &meta_data("", &[BASE_ALLOCATION]),
-        ));
-    }
-    out.extend(option(OPT_GO, &info_data("", &[INFO_BLOCK_SIZE])));
-    for r in requests {
-        out.extend_from_slice(r);
-    }
-    out
-}
+// One set of client byte builders for the codec tests and these.
+#[path = "../../../nbd-proto/tests/common/mod.rs"]
+mod bytes;
+pub use bytes::*;
 
 // --------------------------------------------------------------- client ---
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OptReply {
-    pub option: u32,
-    pub reply_type: u32,
-    pub data: Vec<u8>,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {

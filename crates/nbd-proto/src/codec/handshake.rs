@@ -1,11 +1,25 @@
 //! Fixed-newstyle negotiation as a pure state machine.
 
+use super::option::{encode_option_reply as option_reply, Info};
 use super::wire::{self, put_u16, put_u32, put_u64, Reader};
 use super::{
     printable, transmission_flags, ExportInfo, Limits, ProtocolError, ReplyMode, Session,
     BASE_ALLOCATION_ID,
 };
 use crate::proto::*;
+
+/// The client's answer to the handshake flags of the greeting: it takes
+/// fixed newstyle and NO_ZEROES whenever the server offers them.
+pub fn client_flags_for(server_flags: u16) -> u32 {
+    let mut client_flags = 0u32;
+    if server_flags & FLAG_FIXED_NEWSTYLE != 0 {
+        client_flags |= FLAG_C_FIXED_NEWSTYLE;
+    }
+    if server_flags & FLAG_NO_ZEROES != 0 {
+        client_flags |= FLAG_C_NO_ZEROES;
+    }
+    client_flags
+}
 
 /// What one call to [`Negotiation::step`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -336,33 +350,24 @@ impl Negotiation {
 
         let session = self.session(want_block_size);
         let mut payload = Vec::with_capacity(16);
-        put_u16(&mut payload, INFO_EXPORT);
-        put_u64(&mut payload, session.size_bytes);
-        put_u16(&mut payload, session.transmission_flags);
-        option_reply(out, option, REP_INFO, &payload);
-
+        let mut info_reply = |info: Info<'_>| {
+            payload.clear();
+            info.encode(&mut payload);
+            option_reply(out, option, REP_INFO, &payload);
+        };
+        info_reply(Info::Export {
+            size_bytes: session.size_bytes,
+            transmission_flags: session.transmission_flags,
+        });
         // Always describe the block sizes: a client that did not ask still
         // benefits from knowing them.
-        let sizes = self.export.block_sizes;
-        payload.clear();
-        put_u16(&mut payload, INFO_BLOCK_SIZE);
-        put_u32(&mut payload, sizes.min_bytes);
-        put_u32(&mut payload, sizes.preferred_bytes);
-        put_u32(&mut payload, sizes.max_bytes);
-        option_reply(out, option, REP_INFO, &payload);
-
+        info_reply(Info::BlockSize(self.export.block_sizes));
         if want_name {
-            payload.clear();
-            put_u16(&mut payload, INFO_NAME);
-            payload.extend_from_slice(self.export.name.as_bytes());
-            option_reply(out, option, REP_INFO, &payload);
+            info_reply(Info::Name(self.export.name.as_bytes()));
         }
         if let (true, Some(description)) = (want_description, &self.export.description) {
-            payload.clear();
-            put_u16(&mut payload, INFO_DESCRIPTION);
             let text = wire::truncate_utf8(description, MAX_STRING_BYTES);
-            payload.extend_from_slice(text.as_bytes());
-            option_reply(out, option, REP_INFO, &payload);
+            info_reply(Info::Description(text.as_bytes()));
         }
         option_reply(out, option, REP_ACK, &[]);
 
@@ -493,14 +498,6 @@ impl Negotiation {
             read_only: self.export.read_only,
         }
     }
-}
-
-fn option_reply(out: &mut Vec<u8>, option: u32, reply_type: u32, data: &[u8]) {
-    put_u64(out, OPTION_REPLY_MAGIC);
-    put_u32(out, option);
-    put_u32(out, reply_type);
-    put_u32(out, data.len() as u32);
-    out.extend_from_slice(data);
 }
 
 fn option_error(out: &mut Vec<u8>, option: u32, reply_type: u32, message: &str) {
