@@ -283,7 +283,6 @@ fn validate(
     if writes && session.read_only {
         return fail(NBD_EPERM, "export is read-only");
     }
-    let fua = flags & CMD_FLAG_FUA != 0;
     if command == CMD_FLUSH {
         if offset != 0 || length != 0 {
             return fail(NBD_EINVAL, "FLUSH offset and length must be zero");
@@ -321,8 +320,28 @@ fn validate(
             );
         }
     }
-    let command = match command {
-        // Both lengths were checked against max_payload_bytes (a u32) above.
+    match command_for(session, command, flags, length) {
+        Ok(command) => RequestAction::Execute(Request {
+            reply_to,
+            offset,
+            command,
+        }),
+        Err(message) => fail(NBD_EINVAL, message),
+    }
+}
+
+/// The command of a request that passed the checks of [`validate`], or
+/// why it is refused (EINVAL).
+fn command_for(
+    session: &Session,
+    command: u16,
+    flags: u16,
+    length: u64,
+) -> Result<Command, &'static str> {
+    let fua = flags & CMD_FLAG_FUA != 0;
+    Ok(match command {
+        // Both lengths were checked against max_payload_bytes (a u32) in
+        // `validate`.
         CMD_READ => Command::Read {
             length_bytes: length as u32,
         },
@@ -345,24 +364,16 @@ fn validate(
         },
         _ => {
             if !session.base_allocation {
-                return fail(
-                    NBD_EINVAL,
-                    "BLOCK_STATUS without a selected metadata context",
-                );
+                return Err("BLOCK_STATUS without a selected metadata context");
             }
             if length == 0 {
-                return fail(NBD_EINVAL, "zero-length BLOCK_STATUS");
+                return Err("zero-length BLOCK_STATUS");
             }
             Command::BlockStatus {
                 length_bytes: length,
                 req_one: flags & CMD_FLAG_REQ_ONE != 0,
             }
         }
-    };
-    RequestAction::Execute(Request {
-        reply_to,
-        offset,
-        command,
     })
 }
 
