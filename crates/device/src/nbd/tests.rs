@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use cairn_nbd_proto::codec::option::{encode_option_reply, Info};
 use cairn_nbd_proto::codec::reply::encode_simple;
+use cairn_nbd_proto::codec::wire::COMPACT_REQUEST_BYTES;
 use cairn_nbd_proto::codec::BlockSizes;
 use cairn_nbd_proto::proto::{
     CMD_DISC, CMD_READ, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE,
@@ -80,7 +81,7 @@ fn info_reply(stream: &mut UnixStream, info: Info<'_>) {
 /// Serve reads of a zero export until the client disconnects.
 fn serve_zeroes(stream: &mut UnixStream) {
     loop {
-        let mut header = [0u8; 28];
+        let mut header = [0u8; COMPACT_REQUEST_BYTES];
         if stream.read_exact(&mut header).is_err() {
             return;
         }

@@ -9,15 +9,8 @@ use cairn_nbd_proto::codec::option::{
 use cairn_nbd_proto::codec::RequestHeader;
 use cairn_nbd_proto::proto::*;
 
-pub fn be16(out: &mut Vec<u8>, v: u16) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-pub fn be32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-pub fn be64(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
+#[allow(unused_imports)] // each test binary uses a different subset
+pub use cairn_nbd_proto::codec::wire::{put_u16 as be16, put_u32 as be32, put_u64 as be64};
 
 pub fn client_flags(flags: u32) -> Vec<u8> {
     flags.to_be_bytes().to_vec()
