@@ -16,7 +16,7 @@
 
 mod file;
 mod local;
-mod nbd_client;
+mod nbd;
 mod sim;
 mod uring;
 
@@ -24,7 +24,7 @@ pub use file::{FileDevice, OpenMode};
 pub use local::{
     open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,
 };
-pub use nbd_client::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
+pub use nbd::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 pub use sim::{
     build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, OpKinds, PendingWrite,
     RangeFault, SimCounters, SimDevice, SECTOR_BYTES,

@@ -1,6 +1,8 @@
 //! cairn's NBD server.
 //!
-//! - [`codec`]: the protocol as a pure codec (no I/O), fuzzed on its own.
+//! - [`codec`] and [`proto`]: the protocol as a pure codec (no I/O) and its
+//!   wire constants. They live in `cairn-nbd-proto`, shared with the NBD
+//!   client device, and are re-exported here under their old paths.
 //! - [`server`]: the connection loop: one reader thread per connection, a
 //!   small worker pool shared by all connections, replies written under a
 //!   per-connection lock.
@@ -20,10 +22,10 @@
 //! # Ok::<(), cairn_nbd::ServerError>(())
 //! ```
 
-pub mod codec;
 mod export;
-pub mod proto;
 pub mod server;
+
+pub use cairn_nbd_proto::{codec, proto};
 
 pub use export::{
     Export, ExportError, Extent, ExtentKind, MemCounters, MemExport, MemOp, MEM_CHUNK_BYTES,

@@ -116,7 +116,9 @@ impl ServerConfig {
                     .into(),
             );
         }
-        if !self.min_block_bytes.is_power_of_two() || self.min_block_bytes > 65536 {
+        if !self.min_block_bytes.is_power_of_two()
+            || self.min_block_bytes > crate::proto::MAX_MIN_BLOCK_BYTES
+        {
             return bad(format!(
                 "min_block_bytes {} must be a power of two <= 65536",
                 self.min_block_bytes

@@ -12,7 +12,7 @@ use super::conn::ConnWriter;
 use super::{lock, Shared};
 use crate::codec::reply::{
     encode_block_status, encode_error, encode_ok, encode_read_prefix, read_prefix_bytes,
-    shape_extents,
+    shape_extents, Descriptor,
 };
 use crate::codec::{Command, ReplyMode, Request, BASE_ALLOCATION_ID};
 use crate::export::{Export, ExportError};
@@ -121,18 +121,14 @@ pub(crate) fn execute_reads(shared: &Shared, jobs: Vec<Job>, fan_out: &FanOut) {
     let conn = first.conn.clone();
     let mode = first.mode;
     let prefix = read_prefix_bytes(mode);
-    let length_of = |job: &Job| match job.request.command {
-        Command::Read { length_bytes } => length_bytes,
-        _ => unreachable!("a read batch holds only reads"),
-    };
     let mut total_bytes = 0usize;
     for job in &jobs {
-        assert!(length_of(job) > 0, "empty reads are not batched");
+        assert!(read_length(job) > 0, "empty reads are not batched");
         assert!(
             Arc::ptr_eq(&job.conn, &conn) && job.mode == mode,
             "one connection per batch"
         );
-        total_bytes += prefix + length_of(job) as usize;
+        total_bytes += prefix + read_length(job) as usize;
     }
     // Every reply is laid out in one buffer: header, data, header, data...
     // so the served replies leave in one write with no copy.
@@ -144,54 +140,109 @@ pub(crate) fn execute_reads(shared: &Shared, jobs: Vec<Job>, fan_out: &FanOut) {
         let mut rest: &mut [u8] = &mut out;
         for job in &jobs {
             let (reply, tail) =
-                std::mem::take(&mut rest).split_at_mut(prefix + length_of(job) as usize);
+                std::mem::take(&mut rest).split_at_mut(prefix + read_length(job) as usize);
             rest = tail;
             requests.push((job.request.offset, &mut reply[prefix..]));
         }
         export.read_quick_many(&mut requests, &mut results);
     }));
     if outcome.is_err() {
-        tracing::error!(
-            conn = conn.id(),
-            reads = jobs.len(),
-            "export read_quick_many panicked"
-        );
-        for job in &jobs {
-            let mut reply = Vec::new();
-            encode_error(
-                &mut reply,
-                mode,
-                job.request.reply_to,
-                proto::NBD_EIO,
-                "internal server error",
-            );
-            conn.send(&reply);
-        }
-        shared
-            .counters
-            .requests
-            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        for job in &jobs {
-            shared.budget.release(job.budget_bytes);
-            conn.release_slot();
-        }
+        fail_reads_after_panic(shared, &conn, mode, &jobs);
         return;
     }
-    // Replies of the served reads, in one write.
+    send_served_replies(&conn, mode, &jobs, &results, &mut out);
+    let mut deferred = Vec::new();
+    let mut served = 0u64;
+    for (job, result) in jobs.into_iter().zip(&results) {
+        if result.is_some() {
+            served += 1;
+            shared.budget.release(job.budget_bytes);
+            conn.release_slot();
+        } else {
+            deferred.push(job);
+        }
+    }
+    drop(out);
+    shared
+        .counters
+        .requests
+        .fetch_add(served, Ordering::Relaxed);
+    // The rest, one job each: to idle workers if the queue has room (never
+    // waiting for it: this may be a worker), else here.
+    let mut inline = Vec::new();
+    for job in deferred {
+        match fan_out.try_send(Task::One(job)) {
+            Ok(()) => {}
+            Err(Task::One(job)) => inline.push(job),
+            Err(Task::Reads(_)) => unreachable!("sent a single job"),
+        }
+    }
+    for job in inline {
+        execute(shared, job);
+    }
+}
+
+/// The length of a job of a read batch.
+fn read_length(job: &Job) -> u32 {
+    match job.request.command {
+        Command::Read { length_bytes } => length_bytes,
+        _ => unreachable!("a read batch holds only reads"),
+    }
+}
+
+/// `read_quick_many` panicked: every read of the batch gets EIO.
+fn fail_reads_after_panic(shared: &Shared, conn: &ConnWriter, mode: ReplyMode, jobs: &[Job]) {
+    tracing::error!(
+        conn = conn.id(),
+        reads = jobs.len(),
+        "export read_quick_many panicked"
+    );
+    for job in jobs {
+        let mut reply = Vec::new();
+        encode_error(
+            &mut reply,
+            mode,
+            job.request.reply_to,
+            proto::NBD_EIO,
+            "internal server error",
+        );
+        conn.send(&reply);
+    }
+    shared
+        .counters
+        .requests
+        .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+    for job in jobs {
+        shared.budget.release(job.budget_bytes);
+        conn.release_slot();
+    }
+}
+
+/// Send the replies of the reads `read_quick_many` served (its result is
+/// `Some`), in one write: the successful ones straight from `out`, where
+/// each reply has its header in front of its data.
+fn send_served_replies(
+    conn: &ConnWriter,
+    mode: ReplyMode,
+    jobs: &[Job],
+    results: &[Option<Result<(), ExportError>>],
+    out: &mut [u8],
+) {
+    let prefix = read_prefix_bytes(mode);
     let mut pieces: Vec<&[u8]> = Vec::with_capacity(jobs.len());
     let mut error_replies: Vec<Vec<u8>> = Vec::new();
     {
         let mut at = 0usize;
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(jobs.len());
-        for (job, result) in jobs.iter().zip(&results) {
-            let len = prefix + length_of(job) as usize;
+        for (job, result) in jobs.iter().zip(results) {
+            let len = prefix + read_length(job) as usize;
             match result {
                 Some(Ok(())) => {
                     encode_read_prefix(
                         &mut out[at..at + prefix],
                         mode,
                         job.request.reply_to,
-                        length_of(job),
+                        read_length(job),
                     );
                     // Adjacent replies are sent as one piece.
                     match spans.last_mut() {
@@ -224,35 +275,6 @@ pub(crate) fn execute_reads(shared: &Shared, jobs: Vec<Job>, fan_out: &FanOut) {
     }
     if !pieces.is_empty() {
         conn.send_all(&pieces);
-    }
-    let mut deferred = Vec::new();
-    let mut served = 0u64;
-    for (job, result) in jobs.into_iter().zip(&results) {
-        if result.is_some() {
-            served += 1;
-            shared.budget.release(job.budget_bytes);
-            conn.release_slot();
-        } else {
-            deferred.push(job);
-        }
-    }
-    drop(out);
-    shared
-        .counters
-        .requests
-        .fetch_add(served, Ordering::Relaxed);
-    // The rest, one job each: to idle workers if the queue has room (never
-    // waiting for it: this may be a worker), else here.
-    let mut inline = Vec::new();
-    for job in deferred {
-        match fan_out.try_send(Task::One(job)) {
-            Ok(()) => {}
-            Err(Task::One(job)) => inline.push(job),
-            Err(Task::Reads(_)) => unreachable!("sent a single job"),
-        }
-    }
-    for job in inline {
-        execute(shared, job);
     }
 }
 
@@ -400,8 +422,12 @@ fn block_status(
     let cap = (u32::MAX as u64) & !(min_block - 1);
     let query = length_bytes.min(size - request.offset).min(cap);
     let extents = shared.export.block_status(request.offset, query)?;
+    let reported = extents.iter().map(|extent| Descriptor {
+        length_bytes: extent.length,
+        flags: extent.kind.allocation_flags(),
+    });
     let descriptors = shape_extents(
-        &extents,
+        reported,
         query,
         req_one,
         shared.limits.max_block_status_extents,

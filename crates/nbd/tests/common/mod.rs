@@ -1,5 +1,6 @@
-//! Shared test helpers: a minimal NBD client, session byte builders, an
-//! in-process server on a temporary unix socket, and tool detection.
+//! Shared test helpers: a minimal NBD client, session byte builders (from
+//! the codec tests of `cairn-nbd-proto`), an in-process server on a
+//! temporary unix socket, and tool detection.
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::collections::HashMap;
@@ -10,130 +11,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cairn_nbd::codec::reply::{decode_chunk_header, decode_simple_reply, ChunkHeader, SimpleReply};
+use cairn_nbd::codec::wire;
 use cairn_nbd::proto::*;
 use cairn_nbd::{serve, Export, Listener, MemExport, ServerConfig, ServerHandle};
 
 // ---------------------------------------------------------------- bytes ---
 
-pub fn be16(out: &mut Vec<u8>, v: u16) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-pub fn be32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-pub fn be64(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(&v.to_be_bytes());
-}
-
-pub fn client_flags(flags: u32) -> Vec<u8> {
-    flags.to_be_bytes().to_vec()
-}
-
-pub fn option(option: u32, data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    be64(&mut out, IHAVEOPT);
-    be32(&mut out, option);
-    be32(&mut out, data.len() as u32);
-    out.extend_from_slice(data);
-    out
-}
-
-/// An option header claiming `length` bytes, without the data.
-pub fn option_header(option: u32, length: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    be64(&mut out, IHAVEOPT);
-    be32(&mut out, option);
-    be32(&mut out, length);
-    out
-}
-
-pub fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
-    let mut out = Vec::new();
-    be32(&mut out, name.len() as u32);
-    out.extend_from_slice(name.as_bytes());
-    be16(&mut out, infos.len() as u16);
-    for i in infos {
-        be16(&mut out, *i);
-    }
-    out
-}
-
-pub fn meta_data(name: &str, queries: &[&str]) -> Vec<u8> {
-    let mut out = Vec::new();
-    be32(&mut out, name.len() as u32);
-    out.extend_from_slice(name.as_bytes());
-    be32(&mut out, queries.len() as u32);
-    for q in queries {
-        be32(&mut out, q.len() as u32);
-        out.extend_from_slice(q.as_bytes());
-    }
-    out
-}
-
-pub fn request(
-    extended: bool,
-    flags: u16,
-    command: u16,
-    cookie: u64,
-    offset: u64,
-    length: u64,
-) -> Vec<u8> {
-    let mut out = Vec::new();
-    be32(
-        &mut out,
-        if extended {
-            EXTENDED_REQUEST_MAGIC
-        } else {
-            REQUEST_MAGIC
-        },
-    );
-    be16(&mut out, flags);
-    be16(&mut out, command);
-    be64(&mut out, cookie);
-    be64(&mut out, offset);
-    if extended {
-        be64(&mut out, length);
-    } else {
-        be32(&mut out, length as u32);
-    }
-    out
-}
-
-/// A complete valid client byte stream: flags, the given negotiation
-/// options, GO, then `requests` (each already encoded, payload included).
-pub fn session_bytes(
-    structured: bool,
-    extended: bool,
-    meta: bool,
-    requests: &[Vec<u8>],
-) -> Vec<u8> {
-    let mut out = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
-    if extended {
-        out.extend(option(OPT_EXTENDED_HEADERS, &[]));
-    } else if structured {
-        out.extend(option(OPT_STRUCTURED_REPLY, &[]));
-    }
-    if meta {
-        out.extend(option(
-            OPT_SET_META_CONTEXT,
-            &meta_data("", &[BASE_ALLOCATION]),
-        ));
-    }
-    out.extend(option(OPT_GO, &info_data("", &[INFO_BLOCK_SIZE])));
-    for r in requests {
-        out.extend_from_slice(r);
-    }
-    out
-}
+// One set of client byte builders for the codec tests and these.
+#[path = "../../../nbd-proto/tests/common/mod.rs"]
+mod bytes;
+pub use bytes::*;
 
 // --------------------------------------------------------------- client ---
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OptReply {
-    pub option: u32,
-    pub reply_type: u32,
-    pub data: Vec<u8>,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -331,6 +221,44 @@ impl<S: Read + Write> Client<S> {
         cookie
     }
 
+    /// The rest of a chunk header that began with `magic`, checked against
+    /// the negotiated mode (and, when extended, the request offset).
+    fn read_chunk_header(&mut self, magic: u32) -> io::Result<ChunkHeader> {
+        let (mode, name, header_bytes) = if magic == STRUCTURED_REPLY_MAGIC {
+            (
+                Mode::Structured,
+                "structured",
+                wire::STRUCTURED_REPLY_HEADER_BYTES,
+            )
+        } else if magic == EXTENDED_REPLY_MAGIC {
+            (
+                Mode::Extended,
+                "extended",
+                wire::EXTENDED_REPLY_HEADER_BYTES,
+            )
+        } else {
+            panic!("bad reply magic {magic:#x}");
+        };
+        assert_eq!(self.mode, mode, "{name} chunk in mode {:?}", self.mode);
+        let mut header = vec![0u8; header_bytes];
+        header[..4].copy_from_slice(&magic.to_be_bytes());
+        self.stream.read_exact(&mut header[4..])?;
+        let chunk = decode_chunk_header(&header)
+            .expect("a chunk magic")
+            .expect("a whole chunk header");
+        if mode == Mode::Extended {
+            let p = self
+                .pending
+                .get(&chunk.cookie)
+                .expect("chunk for an unknown cookie");
+            assert_eq!(
+                chunk.offset, p.offset,
+                "extended reply must echo the request offset"
+            );
+        }
+        Ok(chunk)
+    }
+
     /// Read until one whole reply is complete; replies may come in any order.
     pub fn reply(&mut self) -> io::Result<Reply> {
         loop {
@@ -338,10 +266,11 @@ impl<S: Read + Write> Client<S> {
             self.stream.read_exact(&mut magic)?;
             let magic = u32::from_be_bytes(magic);
             if magic == SIMPLE_REPLY_MAGIC {
-                let mut rest = [0u8; 12];
-                self.stream.read_exact(&mut rest)?;
-                let error = u32::from_be_bytes(rest[0..4].try_into().unwrap());
-                let cookie = u64::from_be_bytes(rest[4..12].try_into().unwrap());
+                let mut header = [0u8; wire::SIMPLE_REPLY_BYTES];
+                header[..4].copy_from_slice(&magic.to_be_bytes());
+                self.stream.read_exact(&mut header[4..])?;
+                let SimpleReply { error, cookie } =
+                    decode_simple_reply(&header).expect("a simple reply magic");
                 let p = self
                     .pending
                     .remove(&cookie)
@@ -365,49 +294,13 @@ impl<S: Read + Write> Client<S> {
                 }
                 return Ok(reply);
             }
-            let (flags, kind, cookie, length) = if magic == STRUCTURED_REPLY_MAGIC {
-                assert_eq!(
-                    self.mode,
-                    Mode::Structured,
-                    "structured chunk in mode {:?}",
-                    self.mode
-                );
-                let mut rest = [0u8; 16];
-                self.stream.read_exact(&mut rest)?;
-                (
-                    u16::from_be_bytes([rest[0], rest[1]]),
-                    u16::from_be_bytes([rest[2], rest[3]]),
-                    u64::from_be_bytes(rest[4..12].try_into().unwrap()),
-                    u32::from_be_bytes(rest[12..16].try_into().unwrap()) as u64,
-                )
-            } else if magic == EXTENDED_REPLY_MAGIC {
-                assert_eq!(
-                    self.mode,
-                    Mode::Extended,
-                    "extended chunk in mode {:?}",
-                    self.mode
-                );
-                let mut rest = [0u8; 28];
-                self.stream.read_exact(&mut rest)?;
-                let cookie = u64::from_be_bytes(rest[4..12].try_into().unwrap());
-                let offset = u64::from_be_bytes(rest[12..20].try_into().unwrap());
-                let p = self
-                    .pending
-                    .get(&cookie)
-                    .expect("chunk for an unknown cookie");
-                assert_eq!(
-                    offset, p.offset,
-                    "extended reply must echo the request offset"
-                );
-                (
-                    u16::from_be_bytes([rest[0], rest[1]]),
-                    u16::from_be_bytes([rest[2], rest[3]]),
-                    cookie,
-                    u64::from_be_bytes(rest[20..28].try_into().unwrap()),
-                )
-            } else {
-                panic!("bad reply magic {magic:#x}");
-            };
+            let ChunkHeader {
+                flags,
+                reply_type: kind,
+                cookie,
+                payload_bytes: length,
+                ..
+            } = self.read_chunk_header(magic)?;
             assert!(length <= 64 * 1024 * 1024, "absurd chunk length {length}");
             let mut payload = vec![0u8; length as usize];
             self.stream.read_exact(&mut payload)?;
@@ -421,54 +314,7 @@ impl<S: Read + Write> Client<S> {
                 ..Default::default()
             });
             reply.chunks += 1;
-            match kind {
-                REPLY_TYPE_NONE => assert_eq!(length, 0),
-                REPLY_TYPE_OFFSET_DATA => {
-                    let off = u64::from_be_bytes(payload[0..8].try_into().unwrap());
-                    let data = &payload[8..];
-                    assert!(!data.is_empty());
-                    assert!(
-                        off >= p_offset && off + data.len() as u64 <= p_offset + p_length,
-                        "data chunk outside the request"
-                    );
-                    if reply.data.is_empty() {
-                        reply.data = vec![0u8; p_length as usize];
-                    }
-                    let at = (off - p_offset) as usize;
-                    reply.data[at..at + data.len()].copy_from_slice(data);
-                }
-                REPLY_TYPE_OFFSET_HOLE => {
-                    if reply.data.is_empty() {
-                        reply.data = vec![0u8; p_length as usize];
-                    }
-                }
-                REPLY_TYPE_BLOCK_STATUS => {
-                    reply.context_id = Some(u32::from_be_bytes(payload[0..4].try_into().unwrap()));
-                    assert_eq!((payload.len() - 4) % 8, 0);
-                    for d in payload[4..].chunks(8) {
-                        let len = u32::from_be_bytes(d[0..4].try_into().unwrap()) as u64;
-                        let fl = u32::from_be_bytes(d[4..8].try_into().unwrap()) as u64;
-                        reply.descriptors.push((len, fl));
-                    }
-                }
-                REPLY_TYPE_BLOCK_STATUS_EXT => {
-                    reply.context_id = Some(u32::from_be_bytes(payload[0..4].try_into().unwrap()));
-                    let count = u32::from_be_bytes(payload[4..8].try_into().unwrap()) as usize;
-                    assert_eq!(payload.len(), 8 + 16 * count);
-                    for d in payload[8..].chunks(16) {
-                        let len = u64::from_be_bytes(d[0..8].try_into().unwrap());
-                        let fl = u64::from_be_bytes(d[8..16].try_into().unwrap());
-                        reply.descriptors.push((len, fl));
-                    }
-                }
-                REPLY_TYPE_ERROR => {
-                    reply.error = u32::from_be_bytes(payload[0..4].try_into().unwrap());
-                    let n = u16::from_be_bytes([payload[4], payload[5]]) as usize;
-                    reply.message = String::from_utf8_lossy(&payload[6..6 + n]).into_owned();
-                    assert_ne!(reply.error, 0);
-                }
-                other => panic!("unexpected chunk type {other}"),
-            }
+            apply_chunk(reply, kind, length, &payload, p_offset, p_length);
             if flags & REPLY_FLAG_DONE != 0 {
                 self.pending.remove(&cookie);
                 return Ok(self.partial.remove(&cookie).unwrap());
@@ -521,6 +367,66 @@ impl<S: Read + Write> Client<S> {
                 Err(_) => return false,
             }
         }
+    }
+}
+
+/// Fold one structured or extended chunk of the request at
+/// `[p_offset, p_offset + p_length)` into its reply.
+fn apply_chunk(
+    reply: &mut Reply,
+    kind: u16,
+    length: u64,
+    payload: &[u8],
+    p_offset: u64,
+    p_length: u64,
+) {
+    match kind {
+        REPLY_TYPE_NONE => assert_eq!(length, 0),
+        REPLY_TYPE_OFFSET_DATA => {
+            let off = u64::from_be_bytes(payload[0..8].try_into().unwrap());
+            let data = &payload[8..];
+            assert!(!data.is_empty());
+            assert!(
+                off >= p_offset && off + data.len() as u64 <= p_offset + p_length,
+                "data chunk outside the request"
+            );
+            if reply.data.is_empty() {
+                reply.data = vec![0u8; p_length as usize];
+            }
+            let at = (off - p_offset) as usize;
+            reply.data[at..at + data.len()].copy_from_slice(data);
+        }
+        REPLY_TYPE_OFFSET_HOLE => {
+            if reply.data.is_empty() {
+                reply.data = vec![0u8; p_length as usize];
+            }
+        }
+        REPLY_TYPE_BLOCK_STATUS => {
+            reply.context_id = Some(u32::from_be_bytes(payload[0..4].try_into().unwrap()));
+            assert_eq!((payload.len() - 4) % 8, 0);
+            for d in payload[4..].chunks(8) {
+                let len = u32::from_be_bytes(d[0..4].try_into().unwrap()) as u64;
+                let fl = u32::from_be_bytes(d[4..8].try_into().unwrap()) as u64;
+                reply.descriptors.push((len, fl));
+            }
+        }
+        REPLY_TYPE_BLOCK_STATUS_EXT => {
+            reply.context_id = Some(u32::from_be_bytes(payload[0..4].try_into().unwrap()));
+            let count = u32::from_be_bytes(payload[4..8].try_into().unwrap()) as usize;
+            assert_eq!(payload.len(), 8 + 16 * count);
+            for d in payload[8..].chunks(16) {
+                let len = u64::from_be_bytes(d[0..8].try_into().unwrap());
+                let fl = u64::from_be_bytes(d[8..16].try_into().unwrap());
+                reply.descriptors.push((len, fl));
+            }
+        }
+        REPLY_TYPE_ERROR => {
+            reply.error = u32::from_be_bytes(payload[0..4].try_into().unwrap());
+            let n = u16::from_be_bytes([payload[4], payload[5]]) as usize;
+            reply.message = String::from_utf8_lossy(&payload[6..6 + n]).into_owned();
+            assert_ne!(reply.error, 0);
+        }
+        other => panic!("unexpected chunk type {other}"),
     }
 }
 

@@ -3,15 +3,15 @@
 
 mod common;
 
-use cairn_nbd::codec::harness::{self, HarnessEnd};
-use cairn_nbd::codec::reply::{
+use cairn_nbd_proto::codec::harness::{self, HarnessEnd};
+use cairn_nbd_proto::codec::reply::{
     encode_block_status, encode_read_prefix, read_prefix_bytes, Descriptor,
 };
-use cairn_nbd::codec::{
+use cairn_nbd_proto::codec::{
     decode_request, BlockSizes, Command, ExportInfo, Limits, Negotiation, NegotiationStep,
     ProtocolError, ReplyMode, ReplyTo, RequestAction, RequestDecode, Session,
 };
-use cairn_nbd::proto::*;
+use cairn_nbd_proto::proto::*;
 use common::*;
 
 mod peak_alloc;
@@ -148,7 +148,7 @@ fn rejected(a: &RequestAction) -> (u32, u64) {
     }
 }
 
-fn executed(a: RequestAction) -> cairn_nbd::codec::Request {
+fn executed(a: RequestAction) -> cairn_nbd_proto::codec::Request {
     match a {
         RequestAction::Execute(r) => r,
         other => panic!("expected execution, got {other:?}"),

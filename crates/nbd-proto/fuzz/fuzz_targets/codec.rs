@@ -6,32 +6,27 @@
 
 #![no_main]
 
-use cairn_nbd::codec::harness::{self, HarnessReport};
-use cairn_nbd::codec::{BlockSizes, ExportInfo, Limits};
+use cairn_nbd_proto::codec::harness::{self, HarnessReport};
+use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, Limits};
 use libfuzzer_sys::fuzz_target;
 
 /// A valid start of session (client flags, STRUCTURED_REPLY or
 /// EXTENDED_HEADERS, SET_META_CONTEXT base:allocation, GO) so the fuzzer
 /// reaches the transmission phase without having to discover it.
 fn preamble(extended: bool) -> Vec<u8> {
-    fn option(out: &mut Vec<u8>, opt: u32, data: &[u8]) {
-        out.extend_from_slice(&cairn_nbd::proto::IHAVEOPT.to_be_bytes());
-        out.extend_from_slice(&opt.to_be_bytes());
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        out.extend_from_slice(data);
-    }
-    use cairn_nbd::proto::*;
+    use cairn_nbd_proto::codec::option::{
+        encode_info_request, encode_meta_context_request, encode_option,
+    };
+    use cairn_nbd_proto::proto::*;
     let mut out = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes().to_vec();
-    option(&mut out, if extended { OPT_EXTENDED_HEADERS } else { OPT_STRUCTURED_REPLY }, &[]);
-    let mut meta = 0u32.to_be_bytes().to_vec();
-    meta.extend_from_slice(&1u32.to_be_bytes());
-    meta.extend_from_slice(&(BASE_ALLOCATION.len() as u32).to_be_bytes());
-    meta.extend_from_slice(BASE_ALLOCATION.as_bytes());
-    option(&mut out, OPT_SET_META_CONTEXT, &meta);
-    let mut go = 0u32.to_be_bytes().to_vec();
-    go.extend_from_slice(&1u16.to_be_bytes());
-    go.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-    option(&mut out, OPT_GO, &go);
+    let mode = if extended { OPT_EXTENDED_HEADERS } else { OPT_STRUCTURED_REPLY };
+    encode_option(&mut out, mode, &[]);
+    let mut meta = Vec::new();
+    encode_meta_context_request(&mut meta, "", &[BASE_ALLOCATION]);
+    encode_option(&mut out, OPT_SET_META_CONTEXT, &meta);
+    let mut go = Vec::new();
+    encode_info_request(&mut go, "", &[INFO_BLOCK_SIZE]);
+    encode_option(&mut out, OPT_GO, &go);
     out
 }
 

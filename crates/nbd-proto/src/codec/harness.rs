@@ -61,6 +61,22 @@ pub fn run(
         reply_bytes: 0,
         peak_buffer_bytes: 0,
     };
+    let Some(session) = negotiate(export, limits, &mut feeder, &mut report) else {
+        return report;
+    };
+    report.reached_transmission = true;
+    transmit(&session, limits, &mut feeder, &mut report);
+    report
+}
+
+/// The negotiation half of [`run`]: the session it ends in, or `None`
+/// with `report.end` saying why it did not get there.
+fn negotiate(
+    export: &ExportInfo,
+    limits: &Limits,
+    feeder: &mut Feeder<'_>,
+    report: &mut HarnessReport,
+) -> Option<Session> {
     let buffer_limit = wire::OPTION_HEADER_BYTES + limits.max_option_bytes as usize;
     let mut negotiation = Negotiation::new(export.clone(), limits.clone());
     report.reply_bytes += negotiation.greeting().len() as u64;
@@ -72,7 +88,7 @@ pub fn run(
             Ok(step) => step,
             Err(e) => {
                 report.end = HarnessEnd::Protocol(e);
-                return report;
+                return None;
             }
         };
         assert!(
@@ -94,7 +110,7 @@ pub fn run(
                 );
                 report.peak_buffer_bytes = report.peak_buffer_bytes.max(min_total_bytes);
                 if !feeder.feed() {
-                    return report;
+                    return None;
                 }
             }
             NegotiationStep::Consumed { bytes } => {
@@ -109,19 +125,29 @@ pub fn run(
             NegotiationStep::Aborted { bytes } => {
                 feeder.consume(bytes);
                 report.end = HarnessEnd::Aborted;
-                return report;
+                return None;
             }
         }
     };
     assert!(negotiation.is_done());
-    report.reached_transmission = true;
+    Some(session)
+}
 
+/// The transmission half of [`run`]: parse requests and skip payloads
+/// until the input or the session ends.
+fn transmit(
+    session: &Session,
+    limits: &Limits,
+    feeder: &mut Feeder<'_>,
+    report: &mut HarnessReport,
+) {
+    let mut out = Vec::new();
     loop {
-        let decoded = match decode_request(&feeder.buffer, &session, limits) {
+        let decoded = match decode_request(&feeder.buffer, session, limits) {
             Ok(d) => d,
             Err(e) => {
                 report.end = HarnessEnd::Protocol(e);
-                return report;
+                return;
             }
         };
         match decoded {
@@ -130,7 +156,7 @@ pub fn run(
                 assert!(min_total_bytes <= wire::EXTENDED_REQUEST_BYTES);
                 report.peak_buffer_bytes = report.peak_buffer_bytes.max(min_total_bytes);
                 if !feeder.feed() {
-                    return report;
+                    return;
                 }
             }
             RequestDecode::Request {
@@ -143,11 +169,11 @@ pub fn run(
                 let skip = match action {
                     RequestAction::Disconnect => {
                         report.end = HarnessEnd::Disconnected;
-                        return report;
+                        return;
                     }
                     RequestAction::Execute(request) => {
                         report.executed += 1;
-                        check_executable(&session, limits, &request);
+                        check_executable(session, limits, &request);
                         encode_ok(&mut out, session.mode, request.reply_to);
                         request.payload_bytes()
                     }
@@ -166,7 +192,7 @@ pub fn run(
                 };
                 report.reply_bytes += out.len() as u64;
                 if !feeder.skip(skip) {
-                    return report;
+                    return;
                 }
             }
         }

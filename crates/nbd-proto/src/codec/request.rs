@@ -1,8 +1,58 @@
-//! Transmission-phase request parsing and validation.
+//! Transmission-phase requests: the header a client encodes, and the
+//! server's parsing and validation of it.
 
-use super::wire::Reader;
+use super::wire::{self, Reader};
 use super::{Limits, ProtocolError, Session};
 use crate::proto::*;
+
+/// The fields of a request header, as a client sends them. A WRITE's
+/// payload follows the header on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHeader {
+    pub flags: u16,
+    pub command: u16,
+    pub cookie: u64,
+    pub offset: u64,
+    pub length_bytes: u64,
+}
+
+impl RequestHeader {
+    /// The compact header (REQUEST_MAGIC, 32-bit length) used unless
+    /// extended headers were negotiated. `length_bytes` must fit in 32 bits.
+    pub fn to_compact(&self) -> [u8; wire::COMPACT_REQUEST_BYTES] {
+        debug_assert!(self.length_bytes <= u32::MAX as u64);
+        let mut h = [0u8; wire::COMPACT_REQUEST_BYTES];
+        self.put_fields(&mut h, REQUEST_MAGIC);
+        h[24..28].copy_from_slice(&(self.length_bytes as u32).to_be_bytes());
+        h
+    }
+
+    /// The extended header (EXTENDED_REQUEST_MAGIC, 64-bit length).
+    pub fn to_extended(&self) -> [u8; wire::EXTENDED_REQUEST_BYTES] {
+        let mut h = [0u8; wire::EXTENDED_REQUEST_BYTES];
+        self.put_fields(&mut h, EXTENDED_REQUEST_MAGIC);
+        h[24..32].copy_from_slice(&self.length_bytes.to_be_bytes());
+        h
+    }
+
+    /// Append the header in the form the session uses.
+    pub fn encode(&self, out: &mut Vec<u8>, extended: bool) {
+        if extended {
+            out.extend_from_slice(&self.to_extended());
+        } else {
+            out.extend_from_slice(&self.to_compact());
+        }
+    }
+
+    /// Magic through offset: the 24 bytes both forms share.
+    fn put_fields(&self, h: &mut [u8], magic: u32) {
+        h[0..4].copy_from_slice(&magic.to_be_bytes());
+        h[4..6].copy_from_slice(&self.flags.to_be_bytes());
+        h[6..8].copy_from_slice(&self.command.to_be_bytes());
+        h[8..16].copy_from_slice(&self.cookie.to_be_bytes());
+        h[16..24].copy_from_slice(&self.offset.to_be_bytes());
+    }
+}
 
 /// Where a reply goes: the cookie to echo, plus the request offset (extended
 /// replies echo it too) and the command (a READ always gets a structured
@@ -233,7 +283,6 @@ fn validate(
     if writes && session.read_only {
         return fail(NBD_EPERM, "export is read-only");
     }
-    let fua = flags & CMD_FLAG_FUA != 0;
     if command == CMD_FLUSH {
         if offset != 0 || length != 0 {
             return fail(NBD_EINVAL, "FLUSH offset and length must be zero");
@@ -271,8 +320,28 @@ fn validate(
             );
         }
     }
-    let command = match command {
-        // Both lengths were checked against max_payload_bytes (a u32) above.
+    match command_for(session, command, flags, length) {
+        Ok(command) => RequestAction::Execute(Request {
+            reply_to,
+            offset,
+            command,
+        }),
+        Err(message) => fail(NBD_EINVAL, message),
+    }
+}
+
+/// The command of a request that passed the checks of [`validate`], or
+/// why it is refused (EINVAL).
+fn command_for(
+    session: &Session,
+    command: u16,
+    flags: u16,
+    length: u64,
+) -> Result<Command, &'static str> {
+    let fua = flags & CMD_FLAG_FUA != 0;
+    Ok(match command {
+        // Both lengths were checked against max_payload_bytes (a u32) in
+        // `validate`.
         CMD_READ => Command::Read {
             length_bytes: length as u32,
         },
@@ -295,23 +364,102 @@ fn validate(
         },
         _ => {
             if !session.base_allocation {
-                return fail(
-                    NBD_EINVAL,
-                    "BLOCK_STATUS without a selected metadata context",
-                );
+                return Err("BLOCK_STATUS without a selected metadata context");
             }
             if length == 0 {
-                return fail(NBD_EINVAL, "zero-length BLOCK_STATUS");
+                return Err("zero-length BLOCK_STATUS");
             }
             Command::BlockStatus {
                 length_bytes: length,
                 req_one: flags & CMD_FLAG_REQ_ONE != 0,
             }
         }
-    };
-    RequestAction::Execute(Request {
-        reply_to,
-        offset,
-        command,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{BlockSizes, ReplyMode};
+
+    fn session(mode: ReplyMode) -> Session {
+        Session {
+            size_bytes: 1 << 20,
+            transmission_flags: 0,
+            mode,
+            base_allocation: false,
+            block_sizes_agreed: false,
+            block_sizes: BlockSizes::default(),
+            read_only: false,
+        }
+    }
+
+    #[test]
+    fn compact_header_layout() {
+        let header = RequestHeader {
+            flags: CMD_FLAG_FUA,
+            command: CMD_WRITE,
+            cookie: 9,
+            offset: 4096,
+            length_bytes: 13,
+        };
+        let mut expected = REQUEST_MAGIC.to_be_bytes().to_vec();
+        expected.extend_from_slice(&[0, 1, 0, 1]);
+        expected.extend_from_slice(&9u64.to_be_bytes());
+        expected.extend_from_slice(&4096u64.to_be_bytes());
+        expected.extend_from_slice(&13u32.to_be_bytes());
+        assert_eq!(header.to_compact().to_vec(), expected);
+        let mut out = Vec::new();
+        header.encode(&mut out, false);
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn encoded_headers_decode_to_the_same_request() {
+        for (mode, extended) in [(ReplyMode::Simple, false), (ReplyMode::Extended, true)] {
+            let header = RequestHeader {
+                flags: CMD_FLAG_FUA,
+                command: CMD_TRIM,
+                cookie: u64::MAX,
+                offset: 8192,
+                length_bytes: 4096,
+            };
+            let mut bytes = Vec::new();
+            header.encode(&mut bytes, extended);
+            let session = session(mode);
+            assert_eq!(bytes.len(), session.request_header_bytes());
+            let decoded = decode_request(&bytes, &session, &Limits::default()).unwrap();
+            let RequestDecode::Request {
+                header_bytes,
+                action: RequestAction::Execute(request),
+            } = decoded
+            else {
+                panic!("expected an executable request, got {decoded:?}");
+            };
+            assert_eq!(header_bytes, bytes.len());
+            assert_eq!(request.reply_to.cookie, u64::MAX);
+            assert_eq!(request.offset, 8192);
+            assert_eq!(
+                request.command,
+                Command::Trim {
+                    length_bytes: 4096,
+                    fua: true
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn extended_header_carries_64_bit_lengths() {
+        let header = RequestHeader {
+            flags: 0,
+            command: CMD_BLOCK_STATUS,
+            cookie: 1,
+            offset: 0,
+            length_bytes: 1 << 40,
+        };
+        let h = header.to_extended();
+        assert_eq!(&h[0..4], &EXTENDED_REQUEST_MAGIC.to_be_bytes());
+        assert_eq!(&h[24..32], &(1u64 << 40).to_be_bytes());
+    }
 }

@@ -6,6 +6,11 @@
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
 pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+/// What an oldstyle server sends where a newstyle one sends IHAVEOPT.
+pub const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
+
+/// The IANA port for NBD over TCP.
+pub const DEFAULT_TCP_PORT: u16 = 10809;
 
 // Transmission magics.
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
@@ -122,6 +127,14 @@ pub const EXPORT_NAME_PADDING_BYTES: usize = 124;
 /// The longest string (export name, query, error message) the spec allows.
 pub const MAX_STRING_BYTES: usize = 4096;
 
+/// The largest payload every server must accept when it advertises no
+/// maximum block size.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: u32 = 32 << 20;
+
+/// The largest minimum block size a server may advertise (it must also be
+/// a power of two).
+pub const MAX_MIN_BLOCK_BYTES: u32 = 64 << 10;
+
 /// Map a host errno to the NBD error the client sees. The spec only defines
 /// a handful of values; anything else becomes EIO.
 pub fn errno_to_nbd(errno: i32) -> u32 {
@@ -135,6 +148,23 @@ pub fn errno_to_nbd(errno: i32) -> u32 {
         libc::ENOTSUP => NBD_ENOTSUP,
         libc::ESHUTDOWN => NBD_ESHUTDOWN,
         _ => NBD_EIO,
+    }
+}
+
+/// Map an NBD error from the wire to the host errno a caller sees. The
+/// defined values keep their meaning; the spec says to treat any other
+/// value as EINVAL.
+pub fn nbd_to_errno(error: u32) -> i32 {
+    match error {
+        NBD_EPERM => libc::EPERM,
+        NBD_EIO => libc::EIO,
+        NBD_ENOMEM => libc::ENOMEM,
+        NBD_EINVAL => libc::EINVAL,
+        NBD_ENOSPC => libc::ENOSPC,
+        NBD_EOVERFLOW => libc::EOVERFLOW,
+        NBD_ENOTSUP => libc::ENOTSUP,
+        NBD_ESHUTDOWN => libc::ESHUTDOWN,
+        _ => libc::EINVAL,
     }
 }
 
@@ -168,5 +198,31 @@ pub fn option_name(option: u32) -> &'static str {
         OPT_SET_META_CONTEXT => "SET_META_CONTEXT",
         OPT_EXTENDED_HEADERS => "EXTENDED_HEADERS",
         _ => "UNKNOWN",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nbd_errors_map_to_errno_and_back() {
+        for error in [
+            NBD_EPERM,
+            NBD_EIO,
+            NBD_ENOMEM,
+            NBD_EINVAL,
+            NBD_ENOSPC,
+            NBD_EOVERFLOW,
+            NBD_ENOTSUP,
+            NBD_ESHUTDOWN,
+        ] {
+            assert_eq!(errno_to_nbd(nbd_to_errno(error)), error);
+            // The wire values equal Linux errno values.
+            #[cfg(target_os = "linux")]
+            assert_eq!(nbd_to_errno(error), error as i32);
+        }
+        assert_eq!(nbd_to_errno(0xdead), libc::EINVAL);
+        assert_eq!(nbd_to_errno(libc::EAGAIN as u32), libc::EINVAL);
     }
 }

@@ -11,9 +11,9 @@ mod common;
 use std::cell::Cell;
 use std::io::Write;
 
-use cairn_nbd::codec::harness::{self, HarnessReport};
-use cairn_nbd::codec::{BlockSizes, ExportInfo, Limits};
-use cairn_nbd::proto::*;
+use cairn_nbd_proto::codec::harness::{self, HarnessReport};
+use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, Limits};
+use cairn_nbd_proto::proto::*;
 use common::*;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

@@ -1,5 +1,6 @@
 //! A pure NBD protocol codec: bytes in, frames and reply bytes out, no I/O.
 //!
+//! Server side:
 //! - [`Negotiation`] runs the fixed-newstyle handshake one option at a time
 //!   and ends in a [`Session`] describing what was agreed.
 //! - [`decode_request`] parses one transmission request header and validates
@@ -7,19 +8,32 @@
 //! - The `encode_*` functions in [`reply`] build simple, structured and
 //!   extended replies.
 //!
-//! Every parser is incremental: given too few bytes it answers
+//! Client side, each next to the server function for the same frame:
+//! - [`option`]: option headers and data (GO/INFO with information
+//!   requests, EXPORT_NAME, ABORT, meta contexts), option-reply headers and
+//!   NBD_INFO payloads ([`Info`]).
+//! - [`RequestHeader`]: compact and extended request headers.
+//! - [`reply::decode_simple_reply`] and [`reply::decode_chunk_header`].
+//!
+//! Every server-side parser is incremental: given too few bytes it answers
 //! `NeedMore { min_total_bytes }`, and it checks client-claimed lengths
 //! against [`Limits`] *before* asking for more, so a caller that buffers
-//! what it is told never holds more than the limits allow.
+//! what it is told never holds more than the limits allow. The client-side
+//! decoders check a magic as soon as its bytes are there, so a client can
+//! refuse garbage before it reads further.
 
 mod handshake;
 pub mod harness;
+pub mod option;
 pub mod reply;
 mod request;
 pub mod wire;
 
-pub use handshake::{Negotiation, NegotiationStep};
-pub use request::{decode_request, Command, ReplyTo, Request, RequestAction, RequestDecode};
+pub use handshake::{client_flags_for, Negotiation, NegotiationStep};
+pub use option::{Info, OptionReplyHeader};
+pub use request::{
+    decode_request, Command, ReplyTo, Request, RequestAction, RequestDecode, RequestHeader,
+};
 
 use crate::proto;
 
@@ -184,6 +198,16 @@ pub enum ProtocolError {
     PayloadTooLarge { length_bytes: u64, max_bytes: u64 },
     #[error("data after the session ended")]
     AfterEnd,
+}
+
+/// A server answer a client cannot frame: the stream is lost.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplyError {
+    #[error("bad option reply magic {magic:#x}")]
+    BadOptionReplyMagic { magic: u64 },
+    #[error("bad reply magic {magic:#x}")]
+    BadReplyMagic { magic: u32 },
 }
 
 /// Lossy, bounded rendering of client bytes for logs and errors.

@@ -1,9 +1,9 @@
-//! Transmission-phase reply encoding: simple replies, structured chunks and
-//! extended chunks.
+//! Transmission-phase replies: the server's encoding of simple replies,
+//! structured chunks and extended chunks, and the client's decoding of
+//! their headers.
 
-use super::wire::{self, put_u16, put_u32, put_u64};
-use super::{ReplyMode, ReplyTo};
-use crate::export::Extent;
+use super::wire::{self, put_u16, put_u32, put_u64, Reader};
+use super::{ReplyError, ReplyMode, ReplyTo};
 use crate::proto::*;
 
 /// A simple reply: magic, error, cookie. A successful READ is followed by
@@ -12,6 +12,89 @@ pub fn encode_simple(out: &mut Vec<u8>, cookie: u64, error: u32) {
     put_u32(out, SIMPLE_REPLY_MAGIC);
     put_u32(out, error);
     put_u64(out, cookie);
+}
+
+/// A simple reply header as a client reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimpleReply {
+    /// Zero on success, else an NBD error (see [`nbd_to_errno`]).
+    pub error: u32,
+    pub cookie: u64,
+}
+
+/// Parse a simple reply header. Any other magic (a structured chunk, or
+/// garbage) is an error carrying the magic found.
+pub fn decode_simple_reply(
+    header: &[u8; wire::SIMPLE_REPLY_BYTES],
+) -> Result<SimpleReply, ReplyError> {
+    let magic = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+    if magic != SIMPLE_REPLY_MAGIC {
+        return Err(ReplyError::BadReplyMagic { magic });
+    }
+    let error = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
+    let mut cookie = [0u8; 8];
+    cookie.copy_from_slice(&header[8..16]);
+    Ok(SimpleReply {
+        error,
+        cookie: u64::from_be_bytes(cookie),
+    })
+}
+
+/// A structured or extended chunk header as a client reads it;
+/// `payload_bytes` of chunk payload follow it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkHeader {
+    /// `Structured` or `Extended`, from the magic.
+    pub mode: ReplyMode,
+    pub flags: u16,
+    pub reply_type: u16,
+    pub cookie: u64,
+    /// The request offset echoed by an extended chunk; 0 when structured.
+    pub offset: u64,
+    pub payload_bytes: u64,
+}
+
+impl ChunkHeader {
+    pub fn is_done(&self) -> bool {
+        self.flags & REPLY_FLAG_DONE != 0
+    }
+}
+
+/// Parse a structured or extended chunk header from the front of `input`.
+/// The magic decides the header size; `Ok(None)` means fewer bytes than
+/// that (the magic is refused as soon as its 4 bytes are there).
+pub fn decode_chunk_header(input: &[u8]) -> Result<Option<ChunkHeader>, ReplyError> {
+    let mut r = Reader::new(input);
+    let Some(magic) = r.u32() else {
+        return Ok(None);
+    };
+    let (mode, header_bytes) = match magic {
+        STRUCTURED_REPLY_MAGIC => (ReplyMode::Structured, wire::STRUCTURED_REPLY_HEADER_BYTES),
+        EXTENDED_REPLY_MAGIC => (ReplyMode::Extended, wire::EXTENDED_REPLY_HEADER_BYTES),
+        _ => return Err(ReplyError::BadReplyMagic { magic }),
+    };
+    if input.len() < header_bytes {
+        return Ok(None);
+    }
+    let fields = (|| {
+        let flags = r.u16()?;
+        let reply_type = r.u16()?;
+        let cookie = r.u64()?;
+        let (offset, payload_bytes) = if mode == ReplyMode::Extended {
+            (r.u64()?, r.u64()?)
+        } else {
+            (0, r.u32()? as u64)
+        };
+        Some(ChunkHeader {
+            mode,
+            flags,
+            reply_type,
+            cookie,
+            offset,
+            payload_bytes,
+        })
+    })();
+    Ok(fields)
 }
 
 /// A structured or extended chunk header. `mode` must not be `Simple`.
@@ -114,11 +197,12 @@ pub struct Descriptor {
     pub flags: u32,
 }
 
-/// Turn what the export reported into descriptors that obey the spec:
-/// non-zero lengths, clipped to the request, merged where flags repeat, at
-/// most one with REQ_ONE and at most `max_extents` otherwise.
+/// Turn the extents an export reported (in order, as descriptors) into
+/// descriptors that obey the spec: non-zero lengths, clipped to the
+/// request, merged where flags repeat, at most one with REQ_ONE and at most
+/// `max_extents` otherwise.
 pub fn shape_extents(
-    extents: &[Extent],
+    extents: impl IntoIterator<Item = Descriptor>,
     request_length: u64,
     req_one: bool,
     max_extents: u32,
@@ -127,14 +211,14 @@ pub fn shape_extents(
     let mut out: Vec<Descriptor> = Vec::new();
     let mut covered = 0u64;
     for extent in extents {
-        if extent.length == 0 {
+        if extent.length_bytes == 0 {
             return Err("export reported a zero-length extent");
         }
         if covered >= request_length {
             break;
         }
-        let length_bytes = extent.length.min(request_length - covered);
-        let flags = extent.kind.allocation_flags();
+        let length_bytes = extent.length_bytes.min(request_length - covered);
+        let flags = extent.flags;
         let full = req_one || out.len() >= max_extents;
         match out.last_mut() {
             Some(last) if last.flags == flags => last.length_bytes += length_bytes,
@@ -201,21 +285,28 @@ pub fn encode_block_status(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::export::ExtentKind;
 
-    fn ext(length: u64, kind: ExtentKind) -> Extent {
-        Extent { length, kind }
+    /// Allocated data, a zero run, and a hole, as an export reports them.
+    const DATA: u32 = 0;
+    const ZERO: u32 = STATE_ZERO;
+    const HOLE: u32 = STATE_HOLE | STATE_ZERO;
+
+    fn ext(length_bytes: u64, flags: u32) -> Descriptor {
+        Descriptor {
+            length_bytes,
+            flags,
+        }
     }
 
     #[test]
     fn shape_clips_merges_and_honours_req_one() {
         let extents = [
-            ext(4096, ExtentKind::Data),
-            ext(4096, ExtentKind::Data),
-            ext(8192, ExtentKind::Hole),
-            ext(4096, ExtentKind::Zero),
+            ext(4096, DATA),
+            ext(4096, DATA),
+            ext(8192, HOLE),
+            ext(4096, ZERO),
         ];
-        let d = shape_extents(&extents, 10_000, false, 100).unwrap();
+        let d = shape_extents(extents, 10_000, false, 100).unwrap();
         assert_eq!(
             d,
             vec![
@@ -229,7 +320,7 @@ mod tests {
                 },
             ]
         );
-        let d = shape_extents(&extents, 10_000, true, 100).unwrap();
+        let d = shape_extents(extents, 10_000, true, 100).unwrap();
         assert_eq!(
             d,
             vec![Descriptor {
@@ -237,7 +328,7 @@ mod tests {
                 flags: 0
             }]
         );
-        let d = shape_extents(&extents, 100, true, 100).unwrap();
+        let d = shape_extents(extents, 100, true, 100).unwrap();
         assert_eq!(
             d,
             vec![Descriptor {
@@ -245,10 +336,10 @@ mod tests {
                 flags: 0
             }]
         );
-        let d = shape_extents(&extents, 1 << 20, false, 2).unwrap();
+        let d = shape_extents(extents, 1 << 20, false, 2).unwrap();
         assert_eq!(d.len(), 2);
-        assert!(shape_extents(&[], 10, false, 10).is_err());
-        assert!(shape_extents(&[ext(0, ExtentKind::Data)], 10, false, 10).is_err());
+        assert!(shape_extents([], 10, false, 10).is_err());
+        assert!(shape_extents([ext(0, DATA)], 10, false, 10).is_err());
     }
 
     #[test]
@@ -300,5 +391,87 @@ mod tests {
             },
         );
         assert_eq!(&out[0..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+    }
+
+    #[test]
+    fn simple_reply_round_trip() {
+        let mut out = Vec::new();
+        encode_simple(&mut out, 0x0102_0304_0506_0708, NBD_ENOSPC);
+        let header: [u8; wire::SIMPLE_REPLY_BYTES] = out.as_slice().try_into().unwrap();
+        assert_eq!(
+            decode_simple_reply(&header),
+            Ok(SimpleReply {
+                error: NBD_ENOSPC,
+                cookie: 0x0102_0304_0506_0708
+            })
+        );
+        let mut chunk = Vec::new();
+        let to = ReplyTo {
+            cookie: 1,
+            offset: 0,
+            command: CMD_READ,
+        };
+        encode_ok(&mut chunk, ReplyMode::Structured, to);
+        let header: [u8; wire::SIMPLE_REPLY_BYTES] = chunk[..16].try_into().unwrap();
+        assert_eq!(
+            decode_simple_reply(&header),
+            Err(ReplyError::BadReplyMagic {
+                magic: STRUCTURED_REPLY_MAGIC
+            })
+        );
+        assert_eq!(
+            ReplyError::BadReplyMagic { magic: 0xab }.to_string(),
+            "bad reply magic 0xab"
+        );
+    }
+
+    #[test]
+    fn chunk_header_round_trip() {
+        let to = ReplyTo {
+            cookie: 77,
+            offset: 1 << 33,
+            command: CMD_READ,
+        };
+        for (mode, header_bytes) in [
+            (ReplyMode::Structured, wire::STRUCTURED_REPLY_HEADER_BYTES),
+            (ReplyMode::Extended, wire::EXTENDED_REPLY_HEADER_BYTES),
+        ] {
+            let mut out = Vec::new();
+            encode_chunk_header(
+                &mut out,
+                mode,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                to,
+                520,
+            );
+            assert_eq!(out.len(), header_bytes);
+            assert_eq!(decode_chunk_header(&out[..header_bytes - 1]), Ok(None));
+            let header = decode_chunk_header(&out).unwrap().unwrap();
+            assert_eq!(
+                header,
+                ChunkHeader {
+                    mode,
+                    flags: REPLY_FLAG_DONE,
+                    reply_type: REPLY_TYPE_OFFSET_DATA,
+                    cookie: 77,
+                    offset: if mode == ReplyMode::Extended {
+                        1 << 33
+                    } else {
+                        0
+                    },
+                    payload_bytes: 520,
+                }
+            );
+            assert!(header.is_done());
+        }
+        let mut simple = Vec::new();
+        encode_simple(&mut simple, 1, 0);
+        assert_eq!(
+            decode_chunk_header(&simple[..4]),
+            Err(ReplyError::BadReplyMagic {
+                magic: SIMPLE_REPLY_MAGIC
+            })
+        );
     }
 }

@@ -1,11 +1,25 @@
 //! Fixed-newstyle negotiation as a pure state machine.
 
+use super::option::{encode_option_reply as option_reply, Info};
 use super::wire::{self, put_u16, put_u32, put_u64, Reader};
 use super::{
     printable, transmission_flags, ExportInfo, Limits, ProtocolError, ReplyMode, Session,
     BASE_ALLOCATION_ID,
 };
 use crate::proto::*;
+
+/// The client's answer to the handshake flags of the greeting: it takes
+/// fixed newstyle and NO_ZEROES whenever the server offers them.
+pub fn client_flags_for(server_flags: u16) -> u32 {
+    let mut client_flags = 0u32;
+    if server_flags & FLAG_FIXED_NEWSTYLE != 0 {
+        client_flags |= FLAG_C_FIXED_NEWSTYLE;
+    }
+    if server_flags & FLAG_NO_ZEROES != 0 {
+        client_flags |= FLAG_C_NO_ZEROES;
+    }
+    client_flags
+}
 
 /// What one call to [`Negotiation::step`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +174,17 @@ impl Negotiation {
                 self.state = State::Done;
                 Ok(NegotiationStep::Aborted { bytes: total })
             }
+            OPT_INFO | OPT_GO => self.info_or_go(option, data, total, out),
+            _ => {
+                self.haggle(option, data, out);
+                Ok(NegotiationStep::Consumed { bytes: total })
+            }
+        }
+    }
+
+    /// The options that never end negotiation: answer them and go on.
+    fn haggle(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>) {
+        match option {
             OPT_LIST => {
                 if data.is_empty() {
                     let mut payload = Vec::with_capacity(4 + self.export.name.len());
@@ -170,7 +195,6 @@ impl Negotiation {
                 } else {
                     option_error(out, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data");
                 }
-                Ok(NegotiationStep::Consumed { bytes: total })
             }
             OPT_STARTTLS => {
                 if data.is_empty() {
@@ -188,9 +212,7 @@ impl Negotiation {
                         "NBD_OPT_STARTTLS takes no data",
                     );
                 }
-                Ok(NegotiationStep::Consumed { bytes: total })
             }
-            OPT_INFO | OPT_GO => self.info_or_go(option, data, total, out),
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     option_error(
@@ -210,7 +232,6 @@ impl Negotiation {
                     self.mode = ReplyMode::Structured;
                     option_reply(out, option, REP_ACK, &[]);
                 }
-                Ok(NegotiationStep::Consumed { bytes: total })
             }
             OPT_EXTENDED_HEADERS => {
                 if !self.export.extended_headers {
@@ -226,16 +247,9 @@ impl Negotiation {
                     self.mode = ReplyMode::Extended;
                     option_reply(out, option, REP_ACK, &[]);
                 }
-                Ok(NegotiationStep::Consumed { bytes: total })
             }
-            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-                self.meta_context(option, data, out);
-                Ok(NegotiationStep::Consumed { bytes: total })
-            }
-            _ => {
-                option_error(out, option, REP_ERR_UNSUP, "option not supported");
-                Ok(NegotiationStep::Consumed { bytes: total })
-            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(option, data, out),
+            _ => option_error(out, option, REP_ERR_UNSUP, "option not supported"),
         }
     }
 
@@ -275,94 +289,39 @@ impl Negotiation {
         out: &mut Vec<u8>,
     ) -> Result<NegotiationStep, ProtocolError> {
         let consumed = NegotiationStep::Consumed { bytes: total };
-        let mut r = Reader::new(data);
-        let Some(name_len) = r.u32() else {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "option data too short for a name length",
-            );
-            return Ok(consumed);
-        };
-        if name_len > self.limits.max_name_bytes {
-            option_error(out, option, REP_ERR_TOO_BIG, "export name too long");
-            return Ok(consumed);
-        }
-        let Some(name) = r.take(name_len as usize) else {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "export name longer than the option data",
-            );
-            return Ok(consumed);
-        };
-        let Some(n_requests) = r.u16() else {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "missing information request count",
-            );
-            return Ok(consumed);
-        };
-        if r.remaining() != 2 * n_requests as usize {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "information request count does not match the option length",
-            );
-            return Ok(consumed);
-        }
-        let mut want_name = false;
-        let mut want_description = false;
-        let mut want_block_size = false;
-        for _ in 0..n_requests {
-            match r.u16() {
-                Some(INFO_NAME) => want_name = true,
-                Some(INFO_DESCRIPTION) => want_description = true,
-                Some(INFO_BLOCK_SIZE) => want_block_size = true,
-                // INFO_EXPORT is always sent; unknown requests are ignored.
-                _ => {}
+        let request = match parse_info_request(data, self.limits.max_name_bytes) {
+            Ok(request) => request,
+            Err(refusal) => {
+                refusal.send(out, option);
+                return Ok(consumed);
             }
-        }
-        if !self.export.accepts_name(name) {
-            let message = format!("unknown export {:?}", printable(name));
+        };
+        if !self.export.accepts_name(request.name) {
+            let message = format!("unknown export {:?}", printable(request.name));
             option_error(out, option, REP_ERR_UNKNOWN, &message);
             return Ok(consumed);
         }
 
-        let session = self.session(want_block_size);
+        let session = self.session(request.want_block_size);
         let mut payload = Vec::with_capacity(16);
-        put_u16(&mut payload, INFO_EXPORT);
-        put_u64(&mut payload, session.size_bytes);
-        put_u16(&mut payload, session.transmission_flags);
-        option_reply(out, option, REP_INFO, &payload);
-
+        let mut info_reply = |info: Info<'_>| {
+            payload.clear();
+            info.encode(&mut payload);
+            option_reply(out, option, REP_INFO, &payload);
+        };
+        info_reply(Info::Export {
+            size_bytes: session.size_bytes,
+            transmission_flags: session.transmission_flags,
+        });
         // Always describe the block sizes: a client that did not ask still
         // benefits from knowing them.
-        let sizes = self.export.block_sizes;
-        payload.clear();
-        put_u16(&mut payload, INFO_BLOCK_SIZE);
-        put_u32(&mut payload, sizes.min_bytes);
-        put_u32(&mut payload, sizes.preferred_bytes);
-        put_u32(&mut payload, sizes.max_bytes);
-        option_reply(out, option, REP_INFO, &payload);
-
-        if want_name {
-            payload.clear();
-            put_u16(&mut payload, INFO_NAME);
-            payload.extend_from_slice(self.export.name.as_bytes());
-            option_reply(out, option, REP_INFO, &payload);
+        info_reply(Info::BlockSize(self.export.block_sizes));
+        if request.want_name {
+            info_reply(Info::Name(self.export.name.as_bytes()));
         }
-        if let (true, Some(description)) = (want_description, &self.export.description) {
-            payload.clear();
-            put_u16(&mut payload, INFO_DESCRIPTION);
+        if let (true, Some(description)) = (request.want_description, &self.export.description) {
             let text = wire::truncate_utf8(description, MAX_STRING_BYTES);
-            payload.extend_from_slice(text.as_bytes());
-            option_reply(out, option, REP_INFO, &payload);
+            info_reply(Info::Description(text.as_bytes()));
         }
         option_reply(out, option, REP_ACK, &[]);
 
@@ -392,77 +351,15 @@ impl Negotiation {
             );
             return;
         }
-        let mut r = Reader::new(data);
         let max_name = self.limits.max_name_bytes as usize;
-        let Some(name_len) = r.u32() else {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "option data too short for a name length",
-            );
-            return;
+        let MetaRequest {
+            name,
+            n_queries,
+            matched,
+        } = match parse_meta_request(data, set, max_name) {
+            Ok(request) => request,
+            Err(refusal) => return refusal.send(out, option),
         };
-        if name_len as usize > max_name {
-            option_error(out, option, REP_ERR_TOO_BIG, "export name too long");
-            return;
-        }
-        let Some(name) = r.take(name_len as usize) else {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "export name longer than the option data",
-            );
-            return;
-        };
-        let Some(n_queries) = r.u32() else {
-            option_error(out, option, REP_ERR_INVALID, "missing query count");
-            return;
-        };
-        // The claimed count is never used to size anything: each query must
-        // carry at least its 4-byte length, so the loop is bounded by the
-        // (already limited) option length.
-        let mut matched = false;
-        for _ in 0..n_queries {
-            let Some(query_len) = r.u32() else {
-                option_error(
-                    out,
-                    option,
-                    REP_ERR_INVALID,
-                    "query count exceeds the option data",
-                );
-                return;
-            };
-            if query_len as usize > max_name {
-                option_error(out, option, REP_ERR_TOO_BIG, "metadata query too long");
-                return;
-            }
-            let Some(query) = r.take(query_len as usize) else {
-                option_error(
-                    out,
-                    option,
-                    REP_ERR_INVALID,
-                    "query longer than the option data",
-                );
-                return;
-            };
-            let hit = if set {
-                query == BASE_ALLOCATION.as_bytes()
-            } else {
-                query == BASE_ALLOCATION.as_bytes() || query == b"base:"
-            };
-            matched |= hit;
-        }
-        if r.remaining() != 0 {
-            option_error(
-                out,
-                option,
-                REP_ERR_INVALID,
-                "trailing bytes after the queries",
-            );
-            return;
-        }
         if !self.export.accepts_name(name) {
             let message = format!("unknown export {:?}", printable(name));
             option_error(out, option, REP_ERR_UNKNOWN, &message);
@@ -495,12 +392,127 @@ impl Negotiation {
     }
 }
 
-fn option_reply(out: &mut Vec<u8>, option: u32, reply_type: u32, data: &[u8]) {
-    put_u64(out, OPTION_REPLY_MAGIC);
-    put_u32(out, option);
-    put_u32(out, reply_type);
-    put_u32(out, data.len() as u32);
-    out.extend_from_slice(data);
+/// An option refused with an error reply (negotiation goes on).
+struct Refusal {
+    reply_type: u32,
+    message: &'static str,
+}
+
+impl Refusal {
+    fn send(&self, out: &mut Vec<u8>, option: u32) {
+        option_error(out, option, self.reply_type, self.message);
+    }
+}
+
+fn refuse(reply_type: u32, message: &'static str) -> Refusal {
+    Refusal {
+        reply_type,
+        message,
+    }
+}
+
+/// The data of NBD_OPT_INFO / NBD_OPT_GO.
+struct InfoRequest<'a> {
+    name: &'a [u8],
+    want_name: bool,
+    want_description: bool,
+    want_block_size: bool,
+}
+
+fn parse_info_request(data: &[u8], max_name_bytes: u32) -> Result<InfoRequest<'_>, Refusal> {
+    let mut r = Reader::new(data);
+    let name_len = r.u32().ok_or(refuse(
+        REP_ERR_INVALID,
+        "option data too short for a name length",
+    ))?;
+    if name_len > max_name_bytes {
+        return Err(refuse(REP_ERR_TOO_BIG, "export name too long"));
+    }
+    let name = r.take(name_len as usize).ok_or(refuse(
+        REP_ERR_INVALID,
+        "export name longer than the option data",
+    ))?;
+    let n_requests = r
+        .u16()
+        .ok_or(refuse(REP_ERR_INVALID, "missing information request count"))?;
+    if r.remaining() != 2 * n_requests as usize {
+        return Err(refuse(
+            REP_ERR_INVALID,
+            "information request count does not match the option length",
+        ));
+    }
+    let mut request = InfoRequest {
+        name,
+        want_name: false,
+        want_description: false,
+        want_block_size: false,
+    };
+    for _ in 0..n_requests {
+        match r.u16() {
+            Some(INFO_NAME) => request.want_name = true,
+            Some(INFO_DESCRIPTION) => request.want_description = true,
+            Some(INFO_BLOCK_SIZE) => request.want_block_size = true,
+            // INFO_EXPORT is always sent; unknown requests are ignored.
+            _ => {}
+        }
+    }
+    Ok(request)
+}
+
+/// The data of NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT.
+struct MetaRequest<'a> {
+    name: &'a [u8],
+    n_queries: u32,
+    /// A query named `base:allocation` (or, for LIST, `base:`).
+    matched: bool,
+}
+
+fn parse_meta_request(data: &[u8], set: bool, max_name: usize) -> Result<MetaRequest<'_>, Refusal> {
+    let mut r = Reader::new(data);
+    let name_len = r.u32().ok_or(refuse(
+        REP_ERR_INVALID,
+        "option data too short for a name length",
+    ))?;
+    if name_len as usize > max_name {
+        return Err(refuse(REP_ERR_TOO_BIG, "export name too long"));
+    }
+    let name = r.take(name_len as usize).ok_or(refuse(
+        REP_ERR_INVALID,
+        "export name longer than the option data",
+    ))?;
+    let n_queries = r
+        .u32()
+        .ok_or(refuse(REP_ERR_INVALID, "missing query count"))?;
+    // The claimed count is never used to size anything: each query must
+    // carry at least its 4-byte length, so the loop is bounded by the
+    // (already limited) option length.
+    let mut matched = false;
+    for _ in 0..n_queries {
+        let query_len = r.u32().ok_or(refuse(
+            REP_ERR_INVALID,
+            "query count exceeds the option data",
+        ))?;
+        if query_len as usize > max_name {
+            return Err(refuse(REP_ERR_TOO_BIG, "metadata query too long"));
+        }
+        let query = r
+            .take(query_len as usize)
+            .ok_or(refuse(REP_ERR_INVALID, "query longer than the option data"))?;
+        let hit = if set {
+            query == BASE_ALLOCATION.as_bytes()
+        } else {
+            query == BASE_ALLOCATION.as_bytes() || query == b"base:"
+        };
+        matched |= hit;
+    }
+    if r.remaining() != 0 {
+        return Err(refuse(REP_ERR_INVALID, "trailing bytes after the queries"));
+    }
+    Ok(MetaRequest {
+        name,
+        n_queries,
+        matched,
+    })
 }
 
 fn option_error(out: &mut Vec<u8>, option: u32, reply_type: u32, message: &str) {

@@ -1,0 +1,402 @@
+//! [`NbdDevice`]: the [`Device`] impl over a [`Link`], turning each call
+//! into a batch of commands that is resent only when none of it reached the
+//! server.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cairn_nbd_proto::proto::{
+    CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, FLAG_CAN_MULTI_CONN,
+    FLAG_READ_ONLY, FLAG_SEND_FLUSH, FLAG_SEND_TRIM, FLAG_SEND_WRITE_ZEROES,
+};
+
+use super::batch::Batch;
+use super::command::{chunks, first_len, first_offset, write_commands, Command};
+use super::conn::{Conn, SendError};
+use super::handshake::NegotiatedExport;
+use super::link::Link;
+use super::options::NbdOptions;
+use super::stats::{Counters, NbdStats};
+use super::uri::NbdUri;
+use crate::{check_range, Device, DeviceError, DeviceResult};
+
+/// TRIM and WRITE_ZEROES carry no payload but a 32-bit length: split at 1 GiB
+/// (a multiple of every legal minimum block size).
+const MAX_EFFECT_BYTES: u64 = 1 << 30;
+/// Zero-filled payload used when the server cannot WRITE_ZEROES.
+const ZERO_CHUNK_BYTES: usize = 1 << 20;
+/// Attempts at one batch when the connection breaks before any of it left.
+const MAX_BATCH_ATTEMPTS: u32 = 3;
+
+/// How one attempt at a batch failed.
+enum Attempt {
+    /// Nothing of the batch reached the server; it may be resent.
+    NotSent(DeviceError),
+    Failed(DeviceError),
+}
+
+/// A remote export served by an NBD server (see the module documentation).
+pub struct NbdDevice {
+    name: String,
+    size_bytes: u64,
+    info: NegotiatedExport,
+    link: Link,
+    next_cookie: AtomicU64,
+    counters: Arc<Counters>,
+    zeroes: Vec<u8>,
+}
+
+impl NbdDevice {
+    /// Connect to `uri` with default options. Fails with a clear error
+    /// naming the URI if the server is unreachable or refuses the export.
+    pub fn open(uri: &str) -> DeviceResult<NbdDevice> {
+        Self::open_with(uri, NbdOptions::default())
+    }
+
+    pub fn open_with(uri: &str, options: NbdOptions) -> DeviceResult<NbdDevice> {
+        let parsed = NbdUri::parse(uri).map_err(|message| DeviceError::Open {
+            device: uri.to_string(),
+            source: io::Error::new(io::ErrorKind::InvalidInput, message),
+        })?;
+        let name = parsed.to_string();
+        let counters = Arc::new(Counters::default());
+        let conn =
+            Conn::open(&parsed, &options, &counters, None).map_err(|err| DeviceError::Open {
+                device: name.clone(),
+                source: io::Error::new(
+                    err.kind(),
+                    format!("cannot connect to the NBD server at {name}: {err}"),
+                ),
+            })?;
+        let info = conn.info;
+        log_connected(&name, &info);
+        Ok(NbdDevice {
+            link: Link::new(name.clone(), parsed, options, Arc::clone(&counters), conn),
+            name,
+            size_bytes: info.size_bytes,
+            info,
+            next_cookie: AtomicU64::new(1),
+            counters,
+            zeroes: vec![0u8; ZERO_CHUNK_BYTES.min(info.max_payload_bytes as usize)],
+        })
+    }
+
+    /// The parsed URI.
+    pub fn uri(&self) -> &NbdUri {
+        self.link.uri()
+    }
+
+    pub fn stats(&self) -> NbdStats {
+        self.counters.snapshot()
+    }
+
+    /// Whether the server advertised the export as read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.info.flags & FLAG_READ_ONLY != 0
+    }
+
+    fn io_error(&self, offset: u64, len: u64, source: io::Error) -> DeviceError {
+        DeviceError::Io {
+            device: self.name.clone(),
+            offset,
+            len,
+            source,
+        }
+    }
+
+    fn check_aligned(&self, op: &'static str, offset: u64, len: u64) -> DeviceResult<()> {
+        let min = self.info.min_block_bytes as u64;
+        if offset.is_multiple_of(min) && len.is_multiple_of(min) {
+            return Ok(());
+        }
+        Err(DeviceError::Unsupported {
+            device: self.name.clone(),
+            message: format!(
+                "{op} at offset {offset} length {len} is not aligned to the server's minimum block size of {min} bytes"
+            ),
+        })
+    }
+
+    fn check_writable(&self) -> DeviceResult<()> {
+        if self.is_read_only() {
+            return Err(DeviceError::Unsupported {
+                device: self.name.clone(),
+                message: "the export is read-only".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Send every command, then wait for every reply. Returns the data of
+    /// each read, or the first error.
+    fn execute(&self, commands: &[Command<'_>]) -> DeviceResult<Vec<Option<Vec<u8>>>> {
+        if commands.is_empty() {
+            return Ok(Vec::new());
+        }
+        let first = &commands[0];
+        let mut attempt = 1;
+        loop {
+            let conn = self
+                .link
+                .connection()
+                .map_err(|err| self.io_error(first.offset, first.len as u64, err))?;
+            match self.execute_on(&conn, commands) {
+                Ok(results) => return Ok(results),
+                // The connection died before the first request fully left:
+                // the server cannot have run any of the batch, so resending it
+                // on a new connection is safe. (A request that was sent and
+                // then lost is ambiguous and fails; the engine decides.)
+                Err(Attempt::NotSent(err)) if attempt < MAX_BATCH_ATTEMPTS => {
+                    tracing::debug!(device = %self.name, "resending a batch that never reached the server: {err}");
+                    attempt += 1;
+                }
+                Err(Attempt::NotSent(err) | Attempt::Failed(err)) => return Err(err),
+            }
+        }
+    }
+
+    fn execute_on(
+        &self,
+        conn: &Conn,
+        commands: &[Command<'_>],
+    ) -> Result<Vec<Option<Vec<u8>>>, Attempt> {
+        let batch = Arc::new(Batch::new(commands.len()));
+        let mut sent_at: Vec<Instant> = Vec::with_capacity(commands.len());
+        let mut send_error: Option<(usize, SendError)> = None;
+        for (index, command) in commands.iter().enumerate() {
+            let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
+            if let Err(err) = conn.send(&batch, index, command, cookie) {
+                send_error = Some((index, err));
+                break;
+            }
+            sent_at.push(Instant::now());
+        }
+        conn.wait(&batch, &sent_at);
+        if let Some((
+            0,
+            SendError {
+                error,
+                retryable: true,
+            },
+        )) = send_error
+        {
+            return Err(Attempt::NotSent(self.io_error(
+                first_offset(commands),
+                first_len(commands),
+                error,
+            )));
+        }
+        self.collect(&batch, commands, send_error)
+    }
+
+    /// The results of a finished batch, or its first error.
+    fn collect(
+        &self,
+        batch: &Batch,
+        commands: &[Command<'_>],
+        send_error: Option<(usize, SendError)>,
+    ) -> Result<Vec<Option<Vec<u8>>>, Attempt> {
+        let mut state = batch.lock();
+        let mut results = Vec::with_capacity(commands.len());
+        let mut first_error: Option<DeviceError> = None;
+        for (index, slot) in state.results.iter_mut().enumerate() {
+            match slot.take() {
+                Some(Ok(data)) => results.push(data),
+                Some(Err(err)) => {
+                    let command = &commands[index];
+                    first_error.get_or_insert_with(|| {
+                        self.io_error(command.offset, command.len as u64, err)
+                    });
+                    results.push(None);
+                }
+                None => results.push(None),
+            }
+        }
+        if let Some(err) = first_error {
+            return Err(Attempt::Failed(err));
+        }
+        if let Some((index, err)) = send_error {
+            let command = &commands[index];
+            return Err(Attempt::Failed(self.io_error(
+                command.offset,
+                command.len as u64,
+                err.error,
+            )));
+        }
+        Ok(results)
+    }
+
+    fn flags(&self) -> u16 {
+        self.info.flags
+    }
+}
+
+fn log_connected(name: &str, info: &NegotiatedExport) {
+    if info.flags & FLAG_SEND_FLUSH == 0 {
+        tracing::debug!(device = %name, "the server does not take FLUSH; flush is a no-op");
+    }
+    if info.flags & FLAG_READ_ONLY != 0 {
+        tracing::warn!(device = %name, "the export is read-only; writes will fail");
+    }
+    tracing::debug!(
+        device = %name,
+        size_bytes = info.size_bytes,
+        flags = info.flags,
+        min_block_bytes = info.min_block_bytes,
+        max_payload_bytes = info.max_payload_bytes,
+        multi_conn = info.flags & FLAG_CAN_MULTI_CONN != 0,
+        "connected"
+    );
+}
+
+impl Drop for NbdDevice {
+    fn drop(&mut self) {
+        self.link.close();
+    }
+}
+
+impl Device for NbdDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn backend(&self) -> &'static str {
+        "nbd"
+    }
+
+    fn identity(&self) -> String {
+        self.name.clone()
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn alignment_bytes(&self) -> u32 {
+        self.info.min_block_bytes.max(512)
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        self.read_many(&mut [(offset, buf)])
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
+        self.write_vectored_at(offset, &[buf])
+    }
+
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        self.write_many_vectored(&[(offset, bufs)])
+    }
+
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
+        let limit = self.info.max_payload_bytes as u64;
+        let mut commands = Vec::new();
+        for (offset, buf) in requests.iter() {
+            check_range(
+                &self.name,
+                "read",
+                *offset,
+                buf.len() as u64,
+                self.size_bytes,
+            )?;
+            self.check_aligned("read", *offset, buf.len() as u64)?;
+            for (at, n) in chunks(*offset, buf.len() as u64, limit) {
+                commands.push(Command::bare(CMD_READ, at, n as u32));
+            }
+        }
+        let results = self.execute(&commands)?;
+        let mut replies = results.into_iter();
+        for (_, buf) in requests.iter_mut() {
+            let mut filled = 0usize;
+            while filled < buf.len() {
+                let data = replies.next().flatten().ok_or_else(|| {
+                    self.io_error(
+                        0,
+                        buf.len() as u64,
+                        io::Error::new(io::ErrorKind::InvalidData, "missing read reply"),
+                    )
+                })?;
+                buf[filled..filled + data.len()].copy_from_slice(&data);
+                filled += data.len();
+            }
+        }
+        Ok(())
+    }
+
+    fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {
+        let runs: Vec<[&[u8]; 1]> = requests.iter().map(|(_, buf)| [*buf]).collect();
+        let requests: Vec<(u64, &[&[u8]])> = requests
+            .iter()
+            .zip(&runs)
+            .map(|((offset, _), run)| (*offset, run.as_slice()))
+            .collect();
+        self.write_many_vectored(&requests)
+    }
+
+    /// Every run pipelined on the connection, each sent from the caller's
+    /// buffers (one command per run, split at the export's payload limit).
+    fn write_many_vectored(&self, requests: &[(u64, &[&[u8]])]) -> DeviceResult<()> {
+        for (offset, bufs) in requests {
+            let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+            check_range(&self.name, "write", *offset, total, self.size_bytes)?;
+            self.check_aligned("write", *offset, total)?;
+        }
+        if !requests.is_empty() {
+            self.check_writable()?;
+        }
+        let limit = self.info.max_payload_bytes as usize;
+        let mut commands = Vec::new();
+        for (offset, bufs) in requests {
+            write_commands(*offset, bufs, limit, &mut commands);
+        }
+        self.execute(&commands).map(drop)
+    }
+
+    fn flush(&self) -> DeviceResult<()> {
+        // FLUSH covers every write already replied to, and every write call
+        // returns only after its replies: nothing else to wait for.
+        if self.flags() & FLAG_SEND_FLUSH == 0 {
+            return Ok(());
+        }
+        self.execute(&[Command::bare(CMD_FLUSH, 0, 0)]).map(drop)
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        check_range(&self.name, "discard", offset, len, self.size_bytes)?;
+        self.check_aligned("discard", offset, len)?;
+        if len == 0 || self.flags() & FLAG_SEND_TRIM == 0 || self.is_read_only() {
+            // Discard is a hint.
+            return Ok(());
+        }
+        let commands: Vec<Command<'_>> = chunks(offset, len, MAX_EFFECT_BYTES)
+            .map(|(at, n)| Command::bare(CMD_TRIM, at, n as u32))
+            .collect();
+        self.execute(&commands).map(drop)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        check_range(&self.name, "write_zeroes", offset, len, self.size_bytes)?;
+        self.check_aligned("write_zeroes", offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.check_writable()?;
+        let commands: Vec<Command<'_>> = if self.flags() & FLAG_SEND_WRITE_ZEROES != 0 {
+            chunks(offset, len, MAX_EFFECT_BYTES)
+                .map(|(at, n)| Command::bare(CMD_WRITE_ZEROES, at, n as u32))
+                .collect()
+        } else {
+            chunks(offset, len, self.zeroes.len() as u64)
+                .map(|(at, n)| Command {
+                    command: CMD_WRITE,
+                    offset: at,
+                    len: n as u32,
+                    payload: vec![&self.zeroes[..n as usize]],
+                })
+                .collect()
+        };
+        self.execute(&commands).map(drop)
+    }
+}

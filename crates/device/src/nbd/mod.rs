@@ -1,0 +1,58 @@
+//! An NBD client device, so the origin can be a remote export.
+//!
+//! URIs: `nbd://host[:port]/export` (TCP, port 10809 by default) and
+//! `nbd+unix:///export?socket=PATH`. TLS (`nbds://`) is not supported.
+//!
+//! Protocol: fixed-newstyle handshake with `NBD_OPT_GO` (asking for the
+//! server's block-size constraints), falling back to `NBD_OPT_EXPORT_NAME`
+//! when the server does not know GO. Transmission uses simple replies only;
+//! structured replies are never negotiated, so a reply is a fixed 16-byte
+//! header plus, for a successful read, exactly the bytes asked for.
+//!
+//! Concurrency: one connection, fully pipelined. Callers write their
+//! requests straight to the socket (under a short writer lock) and a reader
+//! thread matches each reply to its request by cookie. A batch call
+//! (`read_many`, `write_many`, a long write split at the server's maximum
+//! payload) sends everything before waiting, and requests from different
+//! threads are in flight together, up to `max_in_flight` per connection. One
+//! connection keeps ordering and FLUSH semantics simple (a FLUSH covers every
+//! write already replied to, without the CAN_MULTI_CONN caveats); it is not
+//! the bottleneck in front of a slow origin.
+//!
+//! Failure: every request has a deadline (`request_timeout_ms`). A request
+//! that misses it fails with `TimedOut` and tears the connection down, since
+//! a server that stopped answering one request is not trusted with the next.
+//! When the connection is lost, the requests in flight fail (the engine
+//! decides whether to retry) and the next request reconnects, retrying with
+//! exponential backoff for up to `reconnect_wait_ms`; after that, requests
+//! fail at once while the server stays down, with a reconnect attempt at
+//! most every backoff period. Every such failure is a [`crate::DeviceError::Io`]
+//! (errno EIO for the client).
+//!
+//! Layout: [`uri`] (parsing and the normalized form), [`transport`]
+//! (sockets, connect with a deadline), [`handshake`] (negotiation),
+//! [`conn`] (one pipelined connection: the writer side), [`reader`] (its
+//! reader thread and the table of requests in flight), [`batch`] and
+//! [`command`] (what one device call sends and collects), [`link`]
+//! (reconnect with backoff) and [`device`] (the [`crate::Device`] impl).
+//! Every frame and constant of the protocol comes from `cairn-nbd-proto`.
+
+mod batch;
+mod command;
+mod conn;
+mod device;
+mod handshake;
+mod link;
+mod options;
+mod reader;
+mod stats;
+mod transport;
+mod uri;
+
+#[cfg(test)]
+mod tests;
+
+pub use device::NbdDevice;
+pub use options::NbdOptions;
+pub use stats::NbdStats;
+pub use uri::{NbdTransport, NbdUri};

@@ -1,0 +1,41 @@
+//! Counters of the NBD client: the live atomics and the snapshot callers
+//! read.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters of one [`super::NbdDevice`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NbdStats {
+    /// Requests sent (reads, writes, flushes, trims, zeroes).
+    pub requests: u64,
+    /// Successful connections after the first.
+    pub reconnects: u64,
+    /// Connections lost (server gone, protocol error or timeout).
+    pub connection_losses: u64,
+    /// Requests that got no reply in time.
+    pub timeouts: u64,
+    /// Most requests ever in flight at once.
+    pub peak_in_flight: u64,
+}
+
+/// The live counters, shared by the device, its link and its connections.
+#[derive(Default)]
+pub(super) struct Counters {
+    pub requests: AtomicU64,
+    pub reconnects: AtomicU64,
+    pub connection_losses: AtomicU64,
+    pub timeouts: AtomicU64,
+    pub peak_in_flight: AtomicU64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> NbdStats {
+        NbdStats {
+            requests: self.requests.load(Ordering::Relaxed),
+            reconnects: self.reconnects.load(Ordering::Relaxed),
+            connection_losses: self.connection_losses.load(Ordering::Relaxed),
+            timeouts: self.timeouts.load(Ordering::Relaxed),
+            peak_in_flight: self.peak_in_flight.load(Ordering::Relaxed),
+        }
+    }
+}
