@@ -14,12 +14,14 @@
 //! back to pread/pwrite); [`open_path_or_uri`] also takes NBD URIs. These are
 //! what the daemon should call.
 
+mod buf;
 mod file;
 mod local;
 mod nbd_client;
 mod sim;
 mod uring;
 
+pub use buf::{BlockBuf, BufPool, PooledBuf};
 pub use file::{FileDevice, OpenMode};
 pub use local::{
     open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,

@@ -4,13 +4,12 @@ use std::collections::{BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cairn_device::Device;
+use cairn_device::{BufPool, Device, PooledBuf};
 use cairn_format::{
     block_checksum, record_data_blocks_max, CheckpointHeader, Layout, RecordEntry, RecordHeader,
     Superblock, ORIGIN_BLOCKS_MAX, SUPERBLOCK_OFFSETS,
 };
 
-use crate::blockbuf::{BufPool, PooledBuf};
 use crate::error::{EngineError, EngineResult};
 use crate::index::{remove_mapping, state, ForwardMap, SlotTable};
 use crate::inflight::{Queued, RecordIo};

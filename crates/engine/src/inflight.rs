@@ -26,7 +26,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use crate::blockbuf::PooledBuf;
+use cairn_device::PooledBuf;
 use cairn_format::RecordHeader;
 
 use crate::engine::*;

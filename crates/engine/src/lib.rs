@@ -16,7 +16,6 @@
 //! background write-back by calling [`Engine::writeback_step`], and tests
 //! drive everything deterministically.
 
-mod blockbuf;
 mod degrade;
 mod engine;
 mod error;

@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
+use cairn_device::PooledBuf;
 use cairn_format::{block_checksum, RangeKind, RecordEntry, RecordHeader};
 
-use crate::blockbuf::PooledBuf;
 use crate::engine::*;
 use crate::error::{EngineError, EngineResult};
 use crate::index::state;
