@@ -21,7 +21,7 @@ mod nbd_client;
 mod sim;
 mod uring;
 
-pub use buf::{BlockBuf, BufPool, PooledBuf};
+pub use buf::{Backing, BlockBuf, BufPool, PooledBuf};
 pub use file::{FileDevice, OpenMode};
 pub use local::{
     open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::{BlockBuf, PooledBuf};
+use super::{Backing, BlockBuf, PooledBuf};
 
 /// Most idle buffers a pool keeps by default, sized for the engine's
 /// record buffers: as many as records may be in flight
@@ -19,21 +19,24 @@ const POOL_IDLE_MAX: usize = 16;
 pub struct BufPool {
     capacity_bytes: usize,
     idle_max: usize,
+    backing: Backing,
     idle: Mutex<Vec<BlockBuf>>,
 }
 
 impl BufPool {
-    /// A pool of `capacity_bytes` buffers keeping up to 16 idle ones.
+    /// A pool of mapped `capacity_bytes` buffers keeping up to 16 idle ones.
     pub fn new(capacity_bytes: usize) -> BufPool {
-        BufPool::with_idle_max(capacity_bytes, POOL_IDLE_MAX)
+        BufPool::with_backing(Backing::Mapped, capacity_bytes, POOL_IDLE_MAX)
     }
 
-    /// A pool of `capacity_bytes` buffers keeping up to `idle_max` idle
-    /// ones, which bounds its memory at `capacity_bytes * idle_max`.
-    pub fn with_idle_max(capacity_bytes: usize, idle_max: usize) -> BufPool {
+    /// A pool of `capacity_bytes` buffers from `backing`, keeping up to
+    /// `idle_max` idle ones, which bounds its memory at
+    /// `capacity_bytes * idle_max`.
+    pub fn with_backing(backing: Backing, capacity_bytes: usize, idle_max: usize) -> BufPool {
         BufPool {
             capacity_bytes,
             idle_max,
+            backing,
             idle: Mutex::new(Vec::with_capacity(idle_max)),
         }
     }
@@ -56,7 +59,7 @@ impl BufPool {
                 return buf;
             }
         }
-        BlockBuf::with_capacity(capacity)
+        BlockBuf::with_capacity_in(capacity, self.backing)
     }
 
     /// An empty buffer of `capacity` bytes that goes back to this pool
@@ -120,7 +123,7 @@ mod tests {
 
     #[test]
     fn lent_buffers_come_back_on_drop() {
-        let pool = Arc::new(BufPool::with_idle_max(4096, 1));
+        let pool = Arc::new(BufPool::with_backing(Backing::Heap, 4096, 1));
         let mut a = pool.lend_full();
         a.extend_from_slice(&[5u8; 100]);
         let a_ptr = a.as_ptr();

@@ -9,20 +9,22 @@
 //! capacity byte buffer on a page boundary, so records go down as they are;
 //! the bounce buffers are `BlockBuf`s too.
 //!
-//! The memory is mapped directly (anonymous mmap), not taken from malloc:
-//! these buffers are large and live across threads, and from malloc they
+//! Record buffers are mapped directly (anonymous mmap), not taken from
+//! malloc: they are large and live across threads, and from malloc they
 //! fragmented its heap, which kept the freed memory (W5: +7.5 MiB RSS after
-//! the fill on a 4 GiB cache). Unmapped, freed memory goes back at once;
-//! a [`BufPool`] keeps a bounded few of one size for reuse so mapping stays
-//! rare, and lends them as [`PooledBuf`]s that go back when dropped. The
-//! engine keeps one pool per record size; the io_uring backend one per
-//! bounce size class.
+//! the fill on a 4 GiB cache). Unmapped, freed memory goes back at once.
+//! Bounce buffers live for one call on one thread, where malloc reuses
+//! memory at once and mapping would fault every buffer in afresh: they come
+//! from the heap ([`Backing`]). A [`BufPool`] keeps a bounded few buffers
+//! of one size for reuse so allocating stays rare, and lends them as
+//! [`PooledBuf`]s that go back when dropped. The engine keeps one pool per
+//! record size; the io_uring backend one per bounce size class.
 
 mod block_buf;
 mod buf_pool;
 mod pooled_buf;
 
-pub use block_buf::BlockBuf;
+pub use block_buf::{Backing, BlockBuf};
 pub use buf_pool::BufPool;
 pub use pooled_buf::PooledBuf;
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::{BufPool, PooledBuf};
+use crate::{Backing, BufPool, PooledBuf};
 
 /// Bounce buffers are at most this large; a larger unaligned I/O is split
 /// into several I/Os of this size (still one submission).
@@ -17,7 +17,8 @@ const POOL_CLASS_BUDGET_BYTES: usize = 4 << 20;
 
 /// Reusable aligned bounce buffers, by power-of-two size class: a bounce
 /// buffer is taken per chunk of an I/O and goes back to its class when the
-/// batch is done, so a warm pool allocates nothing.
+/// batch is done, so a warm pool allocates nothing. From the heap: see
+/// [`Backing::Heap`].
 pub(super) struct BouncePool {
     classes: [Arc<BufPool>; POOL_CLASS_COUNT],
 }
@@ -26,7 +27,8 @@ impl BouncePool {
     pub(super) fn new() -> BouncePool {
         BouncePool {
             classes: std::array::from_fn(|class| {
-                Arc::new(BufPool::with_idle_max(
+                Arc::new(BufPool::with_backing(
+                    Backing::Heap,
                     Self::class_bytes(class),
                     Self::class_cap(class),
                 ))
