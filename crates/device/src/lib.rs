@@ -6,9 +6,9 @@
 //!   O_DIRECT and batched submission.
 //! - [`NbdDevice`]: a remote export through an NBD client, so the origin can
 //!   live on another machine.
-//! - [`SimDevice`]: an in-memory device for tests that can crash (dropping,
-//!   tearing and reordering unflushed writes), flip bits, misdirect a write
-//!   and fail the Nth I/O, all reproducible from a seed.
+//! - `SimDevice` (feature `sim`): an in-memory device for tests that can
+//!   crash (dropping, tearing and reordering unflushed writes), flip bits,
+//!   misdirect a write and fail the Nth I/O, all reproducible from a seed.
 //!
 //! [`open_local`] picks the best backend for a local path (io_uring, falling
 //! back to pread/pwrite); [`open_path_or_uri`] also takes NBD URIs. These are
@@ -18,6 +18,7 @@ mod buf;
 mod file;
 mod local;
 mod nbd_client;
+#[cfg(any(test, feature = "sim"))]
 mod sim;
 mod uring;
 
@@ -27,6 +28,7 @@ pub use local::{
     open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,
 };
 pub use nbd_client::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
+#[cfg(any(test, feature = "sim"))]
 pub use sim::{
     build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, OpKinds, PendingWrite,
     RangeFault, SimCounters, SimDevice, SECTOR_BYTES,
