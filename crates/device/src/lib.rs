@@ -6,25 +6,29 @@
 //!   O_DIRECT and batched submission.
 //! - [`NbdDevice`]: a remote export through an NBD client, so the origin can
 //!   live on another machine.
-//! - [`SimDevice`]: an in-memory device for tests that can crash (dropping,
-//!   tearing and reordering unflushed writes), flip bits, misdirect a write
-//!   and fail the Nth I/O, all reproducible from a seed.
+//! - `SimDevice` (feature `sim`): an in-memory device for tests that can
+//!   crash (dropping, tearing and reordering unflushed writes), flip bits,
+//!   misdirect a write and fail the Nth I/O, all reproducible from a seed.
 //!
 //! [`open_local`] picks the best backend for a local path (io_uring, falling
 //! back to pread/pwrite); [`open_path_or_uri`] also takes NBD URIs. These are
 //! what the daemon should call.
 
+mod buf;
 mod file;
 mod local;
 mod nbd;
+#[cfg(any(test, feature = "sim"))]
 mod sim;
 mod uring;
 
+pub use buf::{Backing, BlockBuf, BufPool, PooledBuf};
 pub use file::{FileDevice, OpenMode};
 pub use local::{
     open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,
 };
 pub use nbd::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
+#[cfg(any(test, feature = "sim"))]
 pub use sim::{
     build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, OpKinds, PendingWrite,
     RangeFault, SimCounters, SimDevice, SECTOR_BYTES,

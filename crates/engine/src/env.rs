@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cairn_device::{Device, DeviceError};
 use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
 
-use crate::blockbuf::BufPool;
+use cairn_device::BufPool;
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::options::EngineConfig;

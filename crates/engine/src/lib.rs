@@ -18,7 +18,6 @@
 //! background write-back by calling [`Engine::writeback_step`], and tests
 //! drive everything deterministically.
 
-mod blockbuf;
 mod checkpoint;
 mod commit;
 mod degrade;

@@ -3,7 +3,7 @@
 
 use cairn_format::RecordHeader;
 
-use crate::blockbuf::PooledBuf;
+use cairn_device::PooledBuf;
 
 pub(crate) struct GroupRecord {
     /// Logical offset of the header block; data blocks follow.

@@ -25,7 +25,7 @@ const RUN_BYTES_MAX: usize = 1 << 20;
 
 /// A pooled buffer of `len` bytes to be read into in place. Its bytes are
 /// whatever the buffer held: the caller overwrites all of them.
-fn data_for_read(env: &Env, len: usize) -> crate::blockbuf::PooledBuf {
+fn data_for_read(env: &Env, len: usize) -> cairn_device::PooledBuf {
     let mut data = env.record_bufs.lend_full();
     data.set_len(len);
     data

@@ -3,7 +3,7 @@
 
 use cairn_format::{block_checksum, RangeKind, RecordEntry};
 
-use crate::blockbuf::PooledBuf;
+use cairn_device::PooledBuf;
 
 pub(crate) struct OpenRecord {
     start: u64,

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use cairn_device::DeviceError;
 use cairn_format::RecordHeader;
 
-use crate::blockbuf::PooledBuf;
+use cairn_device::PooledBuf;
 use crate::env::Env;
 use crate::retry::retrying_cache_write;
 
