@@ -86,4 +86,38 @@ mod tests {
         assert_eq!(for_error(&e).as_deref(), Some("do this"));
         assert_eq!(for_error(&anyhow::anyhow!("plain")), None);
     }
+
+    /// The engine's own messages no longer name CLI flags or commands;
+    /// the advice does.
+    #[test]
+    fn engine_messages_say_what_happened_only() {
+        let errors = [
+            EngineError::NotFormatted { device: "D".into() },
+            EngineError::AlreadyFormatted {
+                device: "D".into(),
+                origin: "O".into(),
+            },
+            EngineError::WrongOrigin {
+                recorded: "R".into(),
+                given: "G".into(),
+            },
+            EngineError::OriginSizeChanged {
+                origin: "O".into(),
+                recorded_bytes: 1,
+                given_bytes: 2,
+            },
+            EngineError::CacheDegraded {
+                device: "D".into(),
+                action: "a mode change".into(),
+            },
+        ];
+        for e in errors {
+            let msg = e.to_string();
+            assert!(
+                !msg.contains("--") && !msg.contains("cairn format"),
+                "the engine names a CLI command: {msg}"
+            );
+            assert!(for_engine(&e).is_some(), "no advice for: {msg}");
+        }
+    }
 }
