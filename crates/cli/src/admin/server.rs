@@ -11,7 +11,9 @@ use std::time::Duration;
 use cairn_engine::Engine;
 
 use super::exec::{execute, Target};
-use super::{decode_request, read_line, write_message, AdminReply, REQUEST_LINE_BYTES_MAX};
+use super::{
+    decode_request, read_line, write_message, AdminReply, ProtocolError, REQUEST_LINE_BYTES_MAX,
+};
 
 /// Admin connections served at once; more are refused with an error.
 pub const ADMIN_CONNECTIONS_MAX: usize = 16;
@@ -72,11 +74,15 @@ fn handle_connection(stream: UnixStream, engine: &Engine, cache: PathBuf) -> std
         // Connected and left without asking: the "is a daemon there?" probe.
         Ok(None) => return Ok(()),
         Ok(Some(line)) => decode_request(&line),
+        Err(ProtocolError::Io(e)) if is_timeout(&e) => {
+            let msg = format!("no request line within {REQUEST_READ_TIMEOUT_MS} ms");
+            return write_message(&mut w, &AdminReply::error(msg));
+        }
         Err(e) => Err(e),
     };
     let request = match request {
         Ok(request) => request,
-        Err(super::ProtocolError::Io(e)) => return Err(e),
+        Err(ProtocolError::Io(e)) => return Err(e),
         Err(e) => {
             write_message(&mut w, &AdminReply::error(e.to_string()))?;
             return discard_input(&mut r, &w);
@@ -124,4 +130,11 @@ fn discard_input(r: &mut impl std::io::Read, w: &UnixStream) -> std::io::Result<
         &mut std::io::sink(),
     );
     Ok(())
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
