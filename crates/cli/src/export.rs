@@ -148,17 +148,9 @@ impl Export for EngineExport {
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError> {
         // Prefetch: reading the range promotes its blocks as clean copies.
         let t = Instant::now();
-        let chunk = 1u64 << 20;
-        let mut buf = vec![0u8; chunk.min(length) as usize];
-        let mut at = offset;
-        let end = offset + length;
-        while at < end {
-            let n = chunk.min(end - at) as usize;
-            self.engine.read_uncut(at, &mut buf[..n]).map_err(map_err)?;
-            at += n as u64;
-        }
+        let r = prefetch(&self.engine, offset, length).map_err(map_err);
         self.latencies.cache.record(t);
-        Ok(())
+        r
     }
 
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError> {
@@ -169,4 +161,19 @@ impl Export for EngineExport {
             kind: ExtentKind::Data,
         }])
     }
+}
+
+/// Read a range (clipped to the volume) so its blocks are promoted as
+/// clean copies: the NBD CACHE command and `cairn warm`.
+pub fn prefetch(engine: &Engine, offset: u64, length: u64) -> Result<(), EngineError> {
+    const CHUNK_BYTES: u64 = 1 << 20;
+    let end = offset.saturating_add(length).min(engine.size_bytes());
+    let mut buf = vec![0u8; CHUNK_BYTES.min(end.saturating_sub(offset)) as usize];
+    let mut at = offset;
+    while at < end {
+        let n = CHUNK_BYTES.min(end - at) as usize;
+        engine.read_uncut(at, &mut buf[..n])?;
+        at += n as u64;
+    }
+    Ok(())
 }

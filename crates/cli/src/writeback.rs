@@ -313,66 +313,46 @@ mod tests {
         let busy = Duration::from_millis(0);
         let idle = Duration::from_secs(1);
         let ms = |n| t0 + Duration::from_millis(n);
-        // No write rate known yet: clean.
-        assert_eq!(
-            p.decide(ms(0), writing(obs(60, 100, 0, 50, busy, false), 0)),
-            Decision::Watermark
-        );
-        // 100 MB in 100 ms: a 1 GB/s stream, and write-back never ran.
-        assert_eq!(
-            p.decide(
-                ms(100),
-                writing(obs(70, 100, 0, 50, busy, false), 100_000_000)
-            ),
-            Decision::Burst
-        );
-        // At the urgent watermark cleaning runs even during the burst.
-        assert_eq!(
-            p.decide(
-                ms(200),
-                writing(obs(90, 100, 0, 50, busy, false), 200_000_000)
-            ),
-            Decision::Watermark
+        // Dirty above the high watermark, `bytes` written by clients so far.
+        let at = |dirty, idle_for, bytes| writing(obs(dirty, 100, 0, 50, idle_for, false), bytes);
+        expect_decisions(
+            &mut p,
+            &[
+                // No write rate known yet: clean.
+                (ms(0), at(60, busy, 0), Decision::Watermark),
+                // 100 MB in 100 ms: a 1 GB/s stream, and write-back never ran.
+                (ms(100), at(70, busy, 100_000_000), Decision::Burst),
+                // At the urgent watermark cleaning runs even during the burst.
+                (ms(200), at(90, busy, 200_000_000), Decision::Watermark),
+            ],
         );
         // Write-back measured at 2 GB/s: faster than the stream, so it
         // cleans from the high watermark on.
         p.record_writeback(200_000_000, Duration::from_millis(100));
-        assert_eq!(
-            p.decide(
-                ms(300),
-                writing(obs(60, 100, 0, 50, busy, false), 300_000_000)
-            ),
-            Decision::Watermark
+        expect_decisions(
+            &mut p,
+            &[(ms(300), at(60, busy, 300_000_000), Decision::Watermark)],
         );
         // A slow write-back again, then the burst ends: idle cleans.
         let mut p = Planner::new(WritebackPolicy::default());
         p.record_writeback(1_000_000, Duration::from_secs(1));
-        assert_eq!(
-            p.decide(ms(0), writing(obs(60, 100, 0, 50, busy, false), 0)),
-            Decision::Watermark
+        expect_decisions(
+            &mut p,
+            &[
+                (ms(0), at(60, busy, 0), Decision::Watermark),
+                (ms(100), at(60, busy, 100_000_000), Decision::Burst),
+                (ms(400), at(60, idle, 100_000_000), Decision::Idle),
+                // No writes in the last second (reads keep it busy): cleaning runs.
+                (ms(2000), at(60, busy, 100_000_000), Decision::Watermark),
+            ],
         );
-        assert_eq!(
-            p.decide(
-                ms(100),
-                writing(obs(60, 100, 0, 50, busy, false), 100_000_000)
-            ),
-            Decision::Burst
-        );
-        assert_eq!(
-            p.decide(
-                ms(400),
-                writing(obs(60, 100, 0, 50, idle, false), 100_000_000)
-            ),
-            Decision::Idle
-        );
-        // No writes in the last second (reads keep it busy): cleaning runs.
-        assert_eq!(
-            p.decide(
-                ms(2000),
-                writing(obs(60, 100, 0, 50, busy, false), 100_000_000)
-            ),
-            Decision::Watermark
-        );
+    }
+
+    /// Feed the planner each observation in turn and check each decision.
+    fn expect_decisions(p: &mut Planner, steps: &[(Instant, Observation, Decision)]) {
+        for (i, &(at, o, want)) in steps.iter().enumerate() {
+            assert_eq!(p.decide(at, o), want, "step {i}: {o:?}");
+        }
     }
 
     #[test]
@@ -381,40 +361,21 @@ mod tests {
         let t0 = Instant::now();
         let busy = Duration::from_millis(0);
         let idle = Duration::from_secs(1);
-        assert_eq!(
-            p.decide(t0, obs(0, 100, 0, 0, busy, false)),
-            Decision::Clean
-        );
-        assert_eq!(
-            p.decide(t0, obs(10, 100, 0, 50, busy, false)),
-            Decision::Busy
-        );
-        assert_eq!(
-            p.decide(t0, obs(10, 100, 0, 50, idle, false)),
-            Decision::Idle
-        );
-        assert_eq!(
-            p.decide(t0, obs(10, 100, 0, 50, busy, true)),
-            Decision::Paused
-        );
-        // Above the high watermark: clean until the low one.
-        assert_eq!(
-            p.decide(t0, obs(60, 100, 0, 50, busy, false)),
-            Decision::Watermark
-        );
-        assert_eq!(
-            p.decide(t0, obs(30, 100, 0, 50, busy, false)),
-            Decision::Watermark
-        );
-        assert_eq!(
-            p.decide(t0, obs(5, 100, 0, 50, busy, false)),
-            Decision::Busy
-        );
         // Old dirty data is written back even when busy.
         let later = t0 + Duration::from_secs(31);
-        assert_eq!(
-            p.decide(later, obs(5, 100, 0, 50, busy, false)),
-            Decision::Age
+        expect_decisions(
+            &mut p,
+            &[
+                (t0, obs(0, 100, 0, 0, busy, false), Decision::Clean),
+                (t0, obs(10, 100, 0, 50, busy, false), Decision::Busy),
+                (t0, obs(10, 100, 0, 50, idle, false), Decision::Idle),
+                (t0, obs(10, 100, 0, 50, busy, true), Decision::Paused),
+                // Above the high watermark: clean until the low one.
+                (t0, obs(60, 100, 0, 50, busy, false), Decision::Watermark),
+                (t0, obs(30, 100, 0, 50, busy, false), Decision::Watermark),
+                (t0, obs(5, 100, 0, 50, busy, false), Decision::Busy),
+                (later, obs(5, 100, 0, 50, busy, false), Decision::Age),
+            ],
         );
     }
 }

@@ -592,3 +592,98 @@ fn mode_switch_and_warm_online_and_offline() {
     ctx.cairn_ok(&["mode", "--cache", &cache.to_string_lossy(), "writeback"]);
     assert_eq!(ctx.status(&cache)["mode"], "writeback");
 }
+
+/// The admin socket of the daemon serving `ctx`'s one cache.
+fn admin_socket(ctx: &Ctx) -> std::path::PathBuf {
+    let found: Vec<_> = std::fs::read_dir(&ctx.runtime)
+        .expect("runtime dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().contains("cairn-admin-"))
+        .collect();
+    assert_eq!(found.len(), 1, "admin sockets: {found:?}");
+    found[0].clone()
+}
+
+/// Send raw bytes to the admin socket; return what the daemon answers.
+fn admin_raw(socket: &Path, request: &[u8]) -> String {
+    let mut s = std::os::unix::net::UnixStream::connect(socket).expect("connect admin");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(request).expect("send");
+    // End of request: a daemon waiting for a newline sees the end instead.
+    s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read the reply");
+    out
+}
+
+/// Any local user can reach the admin socket: malformed, unknown, oversized
+/// or other-version requests each get one clear error reply, too many idle
+/// connections are refused, and the daemon keeps serving throughout.
+#[test]
+fn admin_socket_refuses_bad_requests_clearly() {
+    let ctx = Ctx::new("admin_bad");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let admin = admin_socket(&ctx);
+    let long = [vec![b'{'; 10_000], b"\n".to_vec()].concat();
+    let cases: [(&[u8], &str); 8] = [
+        (b"status\n", "malformed admin message"),
+        (b"\xff\xfe\n", "not UTF-8"),
+        (
+            b"{\"version\":9,\"command\":\"status\"}\n",
+            "version 9 is not supported",
+        ),
+        (b"{\"command\":\"status\"}\n", "version none"),
+        (
+            b"{\"version\":1,\"command\":\"format\"}\n",
+            "unknown admin command \\\"format\\\"",
+        ),
+        (
+            b"{\"version\":1,\"command\":\"mode\",\"mode\":\"fast\"}\n",
+            "unknown mode",
+        ),
+        (
+            b"{\"version\":1,\"command\":\"warm\",\"offset_bytes\":-4}\n",
+            "admin command warm",
+        ),
+        (&long, "longer than 4096 bytes"),
+    ];
+    for (request, needle) in cases {
+        let reply = admin_raw(&admin, request);
+        assert_eq!(reply.lines().count(), 1, "{reply}");
+        assert!(
+            reply.starts_with("{\"reply\":\"error\"") && reply.contains(needle),
+            "{:?} gave {reply}, not {needle:?}",
+            String::from_utf8_lossy(&request[..request.len().min(60)])
+        );
+    }
+    // A well-formed request past the end of the volume fails like offline.
+    let reply = admin_raw(
+        &admin,
+        b"{\"version\":1,\"command\":\"warm\",\"offset_bytes\":1073741824,\"length_bytes\":1}\n",
+    );
+    assert!(reply.contains("past the end of the"), "{reply}");
+
+    // Idle connections hold their slots (up to the request read timeout);
+    // one more than the limit is refused with an error.
+    let idle: Vec<_> = (0..16)
+        .map(|_| std::os::unix::net::UnixStream::connect(&admin).expect("connect"))
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(10), || admin_raw(&admin, b"")
+            .contains("busy with 16 admin requests")),
+        "the 17th connection was not refused"
+    );
+    drop(idle);
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let out = ctx.cairn(&["status", "--cache", &cache.to_string_lossy(), "--json"]);
+            out.status.success()
+        }),
+        "status does not answer after the idle connections closed"
+    );
+    assert_eq!(ctx.status(&cache)["served"], true);
+    assert!(server.proc.try_status().is_none(), "the daemon died");
+    assert!(server.terminate().success());
+}

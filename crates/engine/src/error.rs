@@ -4,12 +4,10 @@ use cairn_format::{DecodeError, LayoutError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
-    #[error(
-        "{device} is not a cairn cache (no valid superblock). Format it first: cairn format --cache {device} --origin ORIGIN"
-    )]
+    #[error("{device} is not a cairn cache (no valid superblock)")]
     NotFormatted { device: String },
     #[error(
-        "{device} already holds a cairn cache (formatted for origin {origin}). Formatting would destroy it; pass --force if that is what you want"
+        "{device} already holds a cairn cache (formatted for origin {origin}); refusing to format over it"
     )]
     AlreadyFormatted { device: String, origin: String },
     #[error("{device}: both superblock copies are damaged (copy A: {copy_a}; copy B: {copy_b}). The cache cannot be opened")]
@@ -19,11 +17,11 @@ pub enum EngineError {
         copy_b: DecodeError,
     },
     #[error(
-        "this cache was formatted for origin {recorded}, but it is being opened with origin {given}. Use the origin it was formatted for, or pass --force to adopt the new one (dirty data would be written to it)"
+        "this cache was formatted for origin {recorded}, but it is being opened with origin {given}"
     )]
     WrongOrigin { recorded: String, given: String },
     #[error(
-        "origin {origin} is {given_bytes} bytes, but the cache recorded {recorded_bytes} bytes. The origin changed size; use the original device, or reformat the cache"
+        "origin {origin} is {given_bytes} bytes, but the cache recorded {recorded_bytes} bytes: the origin changed size"
     )]
     OriginSizeChanged {
         origin: String,
@@ -84,7 +82,7 @@ pub enum EngineError {
     DegradeRequired,
     #[error("{0}. Refusing to touch the cache: report this CPU (see /proc/cpuinfo) as a bug")]
     ChecksumImplementation(String),
-    #[error("cache {device} is degraded (a cache write failed for good; every write goes straight to the origin), so {action} is not possible. Fix or replace the cache device, stop cairn and run `cairn format --force` on it")]
+    #[error("cache {device} is degraded (a cache write failed for good; every write goes straight to the origin), so {action} is not possible")]
     CacheDegraded { device: String, action: String },
 }
 

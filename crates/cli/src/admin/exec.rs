@@ -1,0 +1,180 @@
+//! What each admin request does to an engine. The daemon runs it for a
+//! client and sends the replies over the socket; with no daemon, the CLI
+//! opens the devices and runs the very same code, handling the replies
+//! itself. So online and offline are one algorithm with two transports.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cairn_engine::{Engine, EngineError, ScrubOptions};
+
+use super::{AdminReply, AdminRequest};
+
+/// The least time between two progress replies: a line per block would
+/// cost more than the work it reports.
+pub const PROGRESS_INTERVAL_MS: u64 = 200;
+
+/// The engine a request runs on, and what the replies need to know about it.
+pub struct Target<'a> {
+    pub engine: &'a Engine,
+    /// The cache path as the user named it, for messages.
+    pub cache: &'a Path,
+    /// Whether a daemon serves this engine (the `served` status field).
+    pub served: bool,
+}
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("cache {cache} was formatted without integrity tags, so the origin has no tags to check against")]
+    NoIntegrity { cache: String },
+    #[error("range starts at {offset_bytes}, past the end of the {size_bytes}-byte volume")]
+    RangePastEnd { offset_bytes: u64, size_bytes: u64 },
+}
+
+/// Run `request`, sending every reply but the final `Ok`/`Error` to `emit`.
+pub fn execute(
+    target: &Target,
+    request: &AdminRequest,
+    emit: &mut dyn FnMut(AdminReply),
+) -> Result<(), CommandError> {
+    let engine = target.engine;
+    match request {
+        AdminRequest::Status => emit(AdminReply::Status {
+            status: crate::status::status_json(
+                &engine.stats(),
+                &engine.superblock(),
+                target.served,
+            ),
+        }),
+        AdminRequest::Flush => {
+            let mut progress = Throttle::default();
+            let p = engine.drain_with_progress(|p| progress.drain(p, emit))?;
+            emit(drained(engine, p.blocks_written));
+        }
+        AdminRequest::Mode { mode } => {
+            let mut progress = Throttle::default();
+            let p = engine.set_mode(*mode, |p| progress.drain(p, emit))?;
+            emit(drained(engine, p.blocks_written));
+        }
+        AdminRequest::Check => {
+            let mut progress = Throttle::default();
+            let bad = engine.check(|done, total| progress.step(done, total, emit))?;
+            let bs = engine.block_size_bytes() as u64;
+            for lba in bad {
+                emit(AdminReply::BadBlock {
+                    lba,
+                    offset_bytes: lba * bs,
+                });
+            }
+        }
+        AdminRequest::CheckOrigin {
+            rate_bytes_per_s,
+            repair,
+        } => check_origin(target, *rate_bytes_per_s, *repair, emit)?,
+        AdminRequest::Warm {
+            offset_bytes,
+            length_bytes,
+        } => {
+            let size_bytes = engine.size_bytes();
+            if *offset_bytes >= size_bytes {
+                return Err(CommandError::RangePastEnd {
+                    offset_bytes: *offset_bytes,
+                    size_bytes,
+                });
+            }
+            let cached_blocks = warm(engine, *offset_bytes, *length_bytes)?;
+            emit(AdminReply::Warmed { cached_blocks });
+        }
+    }
+    Ok(())
+}
+
+fn drained(engine: &Engine, blocks_written: u64) -> AdminReply {
+    // Dirty blocks whose data failed its checksum cannot be written back.
+    let s = engine.stats();
+    AdminReply::Drained {
+        blocks_written,
+        unrecoverable_blocks: s.corrupt_blocks + s.lost_blocks,
+    }
+}
+
+fn check_origin(
+    target: &Target,
+    rate_bytes_per_s: u64,
+    repair: bool,
+    emit: &mut dyn FnMut(AdminReply),
+) -> Result<(), CommandError> {
+    let engine = target.engine;
+    if !engine.integrity() {
+        return Err(CommandError::NoIntegrity {
+            cache: target.cache.display().to_string(),
+        });
+    }
+    let opts = ScrubOptions {
+        repair,
+        rate_bytes_per_s: (rate_bytes_per_s > 0).then_some(rate_bytes_per_s),
+    };
+    let mut progress = Throttle::default();
+    let report = engine.scrub_origin(&opts, |done, total| progress.step(done, total, emit))?;
+    let bs = engine.block_size_bytes() as u64;
+    for &lba in &report.mismatches {
+        emit(AdminReply::OriginMismatch {
+            lba,
+            offset_bytes: lba * bs,
+        });
+    }
+    for &lba in &report.repaired {
+        emit(AdminReply::OriginRepaired {
+            lba,
+            offset_bytes: lba * bs,
+        });
+    }
+    emit(AdminReply::Scrubbed {
+        blocks_checked: report.blocks_checked,
+        blocks_verified: report.blocks_verified,
+        blocks_unverified: report.blocks_unverified,
+        blocks_skipped: report.blocks_skipped,
+    });
+    Ok(())
+}
+
+/// Read a range so its blocks are promoted into the cache (`cairn warm`).
+/// Returns the blocks of the range now cached.
+pub fn warm(engine: &Engine, offset_bytes: u64, length_bytes: u64) -> Result<u64, EngineError> {
+    crate::export::prefetch(engine, offset_bytes, length_bytes)?;
+    let end = offset_bytes
+        .saturating_add(length_bytes)
+        .min(engine.size_bytes());
+    let bs = engine.block_size_bytes() as u64;
+    Ok((offset_bytes / bs..end.div_ceil(bs))
+        .filter(|&b| engine.is_cached(b))
+        .count() as u64)
+}
+
+/// Emits a progress reply at most every [`PROGRESS_INTERVAL_MS`], plus the
+/// first and the last.
+#[derive(Default)]
+struct Throttle {
+    last: Option<Instant>,
+}
+
+impl Throttle {
+    fn step(&mut self, done: u64, total: u64, emit: &mut dyn FnMut(AdminReply)) {
+        let due = match self.last {
+            None => true,
+            Some(t) => t.elapsed() >= Duration::from_millis(PROGRESS_INTERVAL_MS),
+        };
+        if due || done >= total {
+            self.last = Some(Instant::now());
+            emit(AdminReply::Progress { done, total });
+        }
+    }
+
+    /// Write-back progress: blocks written out of written plus still dirty.
+    fn drain(&mut self, p: &cairn_engine::WritebackProgress, emit: &mut dyn FnMut(AdminReply)) {
+        self.step(p.blocks_written, p.blocks_written + p.dirty_blocks, emit);
+    }
+}

@@ -1,0 +1,123 @@
+//! The fix for an error, in terms of `cairn` commands. The engine says
+//! what happened; only the CLI knows its own commands and flags, so the
+//! advice is added here, printed after the error (`cairn: hint: ...`).
+
+use cairn_engine::EngineError;
+
+use crate::admin::client::ClientError;
+use crate::admin::exec::CommandError;
+
+/// The advice for an engine error, if there is a command that fixes it.
+pub fn for_engine(e: &EngineError) -> Option<String> {
+    match e {
+        EngineError::NotFormatted { device } => Some(format!(
+            "format it first: cairn format --cache {device} --origin ORIGIN"
+        )),
+        EngineError::AlreadyFormatted { device, .. } => Some(format!(
+            "formatting would destroy it; if that is what you want, pass --force: cairn format --force --cache {device} --origin ORIGIN"
+        )),
+        EngineError::WrongOrigin { given, .. } => Some(format!(
+            "use the origin it was formatted for (leave out --origin), or pass --force to adopt {given} (dirty data would be written to it)"
+        )),
+        EngineError::OriginSizeChanged { origin, .. } => Some(format!(
+            "use the original device, or reformat the cache for this origin (data only on the cache is lost): cairn format --force --cache CACHE --origin {origin}"
+        )),
+        EngineError::CacheDegraded { device, .. } => Some(format!(
+            "fix or replace the cache device, stop cairn and run `cairn format --force` on it: cairn format --force --cache {device} --origin ORIGIN"
+        )),
+        _ => None,
+    }
+}
+
+/// The advice for a failed admin request, online or offline.
+pub fn for_command(e: &CommandError) -> Option<String> {
+    match e {
+        CommandError::Engine(e) => for_engine(e),
+        CommandError::NoIntegrity { .. } => Some(
+            "to protect the origin, reformat with `cairn format --integrity` (after `cairn flush`)"
+                .into(),
+        ),
+        CommandError::RangePastEnd { .. } => None,
+    }
+}
+
+/// The advice for whatever error reached the CLI's edge: the first typed
+/// error in the chain that has one. A daemon's error carries the advice the
+/// daemon found for it.
+pub fn for_error(e: &anyhow::Error) -> Option<String> {
+    e.chain().find_map(|cause| {
+        if let Some(e) = cause.downcast_ref::<EngineError>() {
+            for_engine(e)
+        } else if let Some(e) = cause.downcast_ref::<CommandError>() {
+            for_command(e)
+        } else if let Some(ClientError::Daemon { advice, .. }) = cause.downcast_ref() {
+            advice.clone()
+        } else {
+            None
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advice_names_the_command_and_survives_anyhow_context() {
+        let e = anyhow::Error::new(EngineError::NotFormatted {
+            device: "/dev/x".into(),
+        })
+        .context("opening");
+        assert_eq!(
+            for_error(&e).as_deref(),
+            Some("format it first: cairn format --cache /dev/x --origin ORIGIN")
+        );
+        let e = anyhow::Error::new(CommandError::Engine(EngineError::CacheDegraded {
+            device: "/dev/x".into(),
+            action: "a mode change".into(),
+        }));
+        assert!(for_error(&e)
+            .unwrap()
+            .contains("cairn format --force --cache /dev/x"));
+        let e = anyhow::Error::new(ClientError::Daemon {
+            message: "m".into(),
+            advice: Some("do this".into()),
+        });
+        assert_eq!(for_error(&e).as_deref(), Some("do this"));
+        assert_eq!(for_error(&anyhow::anyhow!("plain")), None);
+    }
+
+    /// The engine's own messages no longer name CLI flags or commands;
+    /// the advice does.
+    #[test]
+    fn engine_messages_say_what_happened_only() {
+        let errors = [
+            EngineError::NotFormatted { device: "D".into() },
+            EngineError::AlreadyFormatted {
+                device: "D".into(),
+                origin: "O".into(),
+            },
+            EngineError::WrongOrigin {
+                recorded: "R".into(),
+                given: "G".into(),
+            },
+            EngineError::OriginSizeChanged {
+                origin: "O".into(),
+                recorded_bytes: 1,
+                given_bytes: 2,
+            },
+            EngineError::CacheDegraded {
+                device: "D".into(),
+                action: "a mode change".into(),
+            },
+        ];
+        for e in errors {
+            let msg = e.to_string();
+            assert!(
+                !msg.contains("--") && !msg.contains("cairn format"),
+                "the engine names a CLI command: {msg}"
+            );
+            assert!(for_engine(&e).is_some(), "no advice for: {msg}");
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Argument types and parsers shared by the commands.
+
+use clap::ValueEnum;
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum Mode {
+    /// Writes are acknowledged once on the cache and written back later (default).
+    Writeback,
+    /// Writes are acknowledged once the origin has them; the cache keeps a clean copy.
+    Writethrough,
+    /// Writes go to the origin and drop cached copies; reads are cached.
+    Writearound,
+    /// The cache is not used for new data; dirty data is still served until drained.
+    Passthrough,
+}
+
+impl Mode {
+    pub fn engine(self) -> cairn_engine::CacheMode {
+        match self {
+            Mode::Writeback => cairn_engine::CacheMode::WriteBack,
+            Mode::Writethrough => cairn_engine::CacheMode::WriteThrough,
+            Mode::Writearound => cairn_engine::CacheMode::WriteAround,
+            Mode::Passthrough => cairn_engine::CacheMode::PassThrough,
+        }
+    }
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let v: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 4096, 64K, 4M or 1G"))?;
+    v.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// OFFSET:LENGTH, each a size.
+pub fn parse_range(s: &str) -> Result<(u64, u64), String> {
+    let Some((a, b)) = s.split_once(':') else {
+        return Err(format!("range {s:?} must be OFFSET:LENGTH, e.g. 0:64M"));
+    };
+    Ok((parse_size(a)?, parse_size(b)?))
+}
+
+pub fn parse_block_size(s: &str) -> Result<u32, String> {
+    let t = s.trim();
+    let (num, mult) = match t.strip_suffix(['K', 'k']) {
+        Some(n) => (n, 1024u64),
+        None => (t, 1),
+    };
+    let v: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 4K, 8K or 65536"))?;
+    let bytes = v.saturating_mul(mult);
+    if !bytes.is_power_of_two() || !(4096..=65536).contains(&bytes) {
+        return Err(format!(
+            "block size {bytes} is not a power of two between 4K and 64K; use 4K, 8K, 16K, 32K or 64K"
+        ));
+    }
+    Ok(bytes as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_ranges() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("4m"), Ok(4 << 20));
+        assert!(parse_size("99999999999G").is_err());
+        assert!(parse_size("four").is_err());
+        assert_eq!(parse_range("4M:1M"), Ok((4 << 20, 1 << 20)));
+        assert!(parse_range("4M").unwrap_err().contains("OFFSET:LENGTH"));
+        assert_eq!(parse_block_size("8K"), Ok(8192));
+        assert!(parse_block_size("6K").unwrap_err().contains("power of two"));
+        assert!(parse_block_size("99999999999999999K").is_err());
+    }
+}

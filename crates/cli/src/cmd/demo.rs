@@ -1,0 +1,65 @@
+//! `cairn demo`: demo cache and origin files, formatted and served.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use cairn_device::OpenMode;
+use cairn_engine::{Engine, FormatOptions};
+
+use super::{open_cache, open_engine, open_origin};
+use crate::daemon::{serve_volume, ServeOptions};
+
+pub fn run(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let cache = dir.join("cache.img");
+    let origin = dir.join("origin.img");
+    let socket = dir.join("cairn.sock");
+    for (path, size) in [(&cache, 64u64 << 20), (&origin, 256u64 << 20)] {
+        if !path.exists() {
+            let f = std::fs::File::create(path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            f.set_len(size)?;
+        }
+    }
+    let cache_dev = open_cache(&cache, OpenMode::Exclusive)?;
+    if Engine::read_superblock(cache_dev.as_ref()).is_err() {
+        let origin_dev = open_origin(&origin.to_string_lossy())?;
+        Engine::format(cache_dev.clone(), origin_dev, &FormatOptions::default())?;
+        println!(
+            "formatted demo cache {} for origin {}",
+            cache.display(),
+            origin.display()
+        );
+    }
+    drop(cache_dev);
+    let engine = open_engine(&cache, Some(&origin.to_string_lossy()), false)?;
+    let socket_abs = std::fs::canonicalize(dir)?.join("cairn.sock");
+    let uri = format!("nbd+unix:///?socket={}", socket_abs.display());
+    let cache_abs = std::fs::canonicalize(&cache)?;
+    let on_ready = Box::new(move |_: &str| {
+        println!(
+            "\ncairn is serving a 256 MiB volume (64 MiB cache in front of a 256 MiB origin)."
+        );
+        println!("URI: {uri}\n");
+        println!("Try, in another terminal:");
+        println!("  nbdinfo '{uri}'");
+        println!("  qemu-io -f raw '{uri}' -c 'write -P 0x5a 0 1M' -c 'read -P 0x5a 0 1M'");
+        println!(
+            "  fio --name=demo --ioengine=nbd --uri='{uri}' --rw=randwrite --bs=4k --size=64M --fsync=1 --runtime=10 --time_based"
+        );
+        println!("  cairn status --cache {}", cache_abs.display());
+        println!("\nPress Ctrl-C to stop (in-flight I/O finishes, data is flushed).");
+    });
+    serve_volume(
+        engine,
+        ServeOptions {
+            cache,
+            writeback_policy: crate::writeback::WritebackPolicy::default(),
+            socket: Some(socket),
+            listen: None,
+            no_writeback: false,
+            metrics: None,
+            on_ready: Some(on_ready),
+        },
+    )
+}

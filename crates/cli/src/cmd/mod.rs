@@ -1,0 +1,135 @@
+//! One module per command; here, what they share: opening the devices and
+//! the engine, progress bars, and running an admin request online or
+//! offline.
+
+pub mod check;
+pub mod demo;
+pub mod flush;
+pub mod format;
+pub mod mode;
+pub mod serve;
+pub mod status;
+pub mod warm;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Result;
+use cairn_device::{open_local, open_path_or_uri, Device, DeviceError, OpenMode};
+use cairn_engine::{Engine, EngineConfig, OpenOptions};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::admin::exec::{execute, Target};
+use crate::admin::{client, AdminReply, AdminRequest};
+
+/// "cache PATH: why", naming the device once (device errors usually start
+/// with the device's name already).
+fn device_error(role: &str, spec: &str, e: DeviceError) -> anyhow::Error {
+    let msg = e.to_string();
+    if msg.starts_with(spec) {
+        anyhow::anyhow!("{role} {msg}")
+    } else {
+        anyhow::anyhow!("{role} {spec}: {msg}")
+    }
+}
+
+pub fn open_cache(path: &Path, mode: OpenMode) -> Result<Arc<dyn Device>> {
+    let dev = open_local(path, mode)
+        .map_err(|e| device_error("cache", &path.display().to_string(), e))?;
+    Ok(Arc::from(dev))
+}
+
+pub fn open_origin(spec: &str) -> Result<Arc<dyn Device>> {
+    let dev =
+        open_path_or_uri(spec, OpenMode::Exclusive).map_err(|e| device_error("origin", spec, e))?;
+    Ok(Arc::from(dev))
+}
+
+/// The origin recorded in the superblock, as something we can open.
+fn recorded_origin(cache: &dyn Device) -> Result<String> {
+    let sb = Engine::read_superblock(cache)?;
+    Ok(match sb.origin_identity.strip_prefix("file:") {
+        Some(path) => path.to_string(),
+        None => sb.origin_identity,
+    })
+}
+
+pub fn open_engine(cache_path: &Path, origin: Option<&str>, force: bool) -> Result<Arc<Engine>> {
+    open_engine_with(cache_path, origin, force, EngineConfig::default())
+}
+
+pub fn open_engine_with(
+    cache_path: &Path,
+    origin: Option<&str>,
+    force: bool,
+    config: EngineConfig,
+) -> Result<Arc<Engine>> {
+    let cache = open_cache(cache_path, OpenMode::Exclusive)?;
+    let origin_spec = match origin {
+        Some(o) => o.to_string(),
+        None => recorded_origin(cache.as_ref())?,
+    };
+    let origin = open_origin(&origin_spec)?;
+    tracing::info!(
+        cache_backend = cache.backend(),
+        origin_backend = origin.backend(),
+        page_cache_reads = config.page_cache_reads,
+        "devices opened"
+    );
+    let opts = OpenOptions {
+        force_origin: force,
+        config,
+    };
+    Ok(Arc::new(Engine::open(cache, origin, &opts)?))
+}
+
+/// Run `request` on `cache`: through the daemon serving it if one answers,
+/// else on the devices opened here. Both run `admin::exec::execute`; every
+/// reply before the final `Ok` goes to `on_reply`.
+pub fn run_request(
+    cache: &Path,
+    request: &AdminRequest,
+    mut on_reply: impl FnMut(AdminReply),
+) -> Result<()> {
+    if let Some(answer) = client::ask_daemon(cache, request, &mut on_reply) {
+        return Ok(answer?);
+    }
+    let engine = open_engine(cache, None, false)?;
+    let target = Target {
+        engine: &engine,
+        cache,
+        served: false,
+    };
+    let result = execute(&target, request, &mut on_reply);
+    // Closed after a failure too, as the daemon would keep serving; the
+    // request's own error is the one reported.
+    let closed = engine.close();
+    result?;
+    Ok(closed?)
+}
+
+/// A progress bar (drawn only on a terminal) fed by `Progress` replies.
+pub struct Progress(ProgressBar);
+
+impl Progress {
+    pub fn new(what: &str) -> Progress {
+        let pb = ProgressBar::new(0);
+        pb.set_style(
+            ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({eta})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        pb.set_message(what.to_string());
+        Progress(pb)
+    }
+
+    pub fn set(&self, done: u64, total: u64) {
+        self.0.set_length(total);
+        self.0.set_position(done);
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}

@@ -1,0 +1,131 @@
+//! `cairn serve`: the arguments, and the checks and mode switch before the
+//! daemon starts (see `daemon`).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use cairn_engine::{Engine, EngineConfig};
+
+use crate::admin::{client, AdminRequest};
+use crate::args::{parse_size, Mode};
+use crate::daemon::{serve_volume, ServeOptions};
+use crate::writeback::WritebackPolicy;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[arg(long)]
+    pub cache: PathBuf,
+    /// Override the origin recorded at format time (its identity is checked).
+    #[arg(long)]
+    pub origin: Option<String>,
+    /// Unix socket to listen on (default ./cairn.sock).
+    #[arg(long, conflicts_with = "listen")]
+    pub socket: Option<PathBuf>,
+    /// Listen on TCP instead, e.g. 127.0.0.1:10809. Use loopback unless you mean otherwise.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Switch to this cache mode at start (default: the mode recorded in the cache).
+    /// Leaving writeback drains dirty data first.
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
+    /// Keep dirty data on the cache until asked (write-back still runs when space runs out).
+    #[arg(long)]
+    pub no_writeback: bool,
+    /// Reads continuing a sequential stream longer than this bypass the cache
+    /// (not promoted, counted as bypassed). 0 disables. Suffixes K, M, G.
+    #[arg(long, default_value = "4M", value_parser = parse_size)]
+    pub sequential_cutoff: u64,
+    /// Promote a missed block on its Nth miss (1 = always; Open CAS "nhit").
+    #[arg(long, default_value_t = 1)]
+    pub promote_after: u32,
+    /// Read cache hits with O_DIRECT only. By default hits are read through
+    /// the host page cache, so the hottest blocks are served from RAM the
+    /// kernel reclaims under memory pressure (it is not counted in cairn's
+    /// RSS); writes always bypass it, and every hit is still checked
+    /// against its checksum. Use this when the host needs that RAM, or
+    /// when the NBD client caches the volume itself.
+    #[arg(long)]
+    pub no_page_cache_reads: bool,
+    /// Start cleaning when dirty data exceeds this share of the cache (percent).
+    #[arg(long, default_value_t = 50)]
+    pub writeback_high_pct: u64,
+    /// Stop cleaning (while busy) once dirty data is below this share (percent).
+    #[arg(long, default_value_t = 10)]
+    pub writeback_low_pct: u64,
+    /// Write back dirty data older than this even while foreground I/O is busy.
+    #[arg(long, default_value_t = 30)]
+    pub writeback_max_age_secs: u64,
+    /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no cap).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    pub writeback_rate: u64,
+    /// Serve Prometheus metrics over HTTP on HOST:PORT.
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// Accept an origin whose identity differs from the recorded one.
+    #[arg(long)]
+    pub force: bool,
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let (low, high) = (args.writeback_low_pct, args.writeback_high_pct);
+    if low > high || high > 100 {
+        bail!(
+            "--writeback-low-pct ({low}) must not exceed --writeback-high-pct ({high}), which must be at most 100"
+        );
+    }
+    if let Some(Ok(())) = client::ask_daemon(&args.cache, &AdminRequest::Status, &mut |_| {}) {
+        bail!(
+            "cache {} is already being served by another cairn. Stop that daemon first",
+            args.cache.display()
+        );
+    }
+    let config = EngineConfig {
+        sequential_cutoff_bytes: args.sequential_cutoff,
+        promote_after_misses: args.promote_after.max(1),
+        page_cache_reads: !args.no_page_cache_reads,
+        ..EngineConfig::default()
+    };
+    let engine = super::open_engine_with(&args.cache, args.origin.as_deref(), args.force, config)?;
+    if let Some(mode) = args.mode {
+        switch_mode_at_start(&engine, mode)?;
+    }
+    let writeback_policy = WritebackPolicy {
+        high_watermark_pct: high,
+        low_watermark_pct: low,
+        max_age_ms: args.writeback_max_age_secs.saturating_mul(1000),
+        rate_limit_bytes_per_sec: args.writeback_rate,
+        ..WritebackPolicy::default()
+    };
+    serve_volume(
+        engine,
+        ServeOptions {
+            cache: args.cache,
+            writeback_policy,
+            socket: args.socket,
+            listen: args.listen,
+            no_writeback: args.no_writeback,
+            metrics: args.metrics,
+            on_ready: None,
+        },
+    )
+}
+
+fn switch_mode_at_start(engine: &Engine, mode: Mode) -> Result<()> {
+    let target = mode.engine();
+    if engine.is_degraded() {
+        // Serving beats refusing to start: every write goes to the origin
+        // anyway.
+        tracing::warn!(
+            "the cache is degraded: --mode {} is ignored until it is reformatted",
+            target.name()
+        );
+    } else if engine.mode() != target {
+        let p = engine.set_mode(target, |_| {})?;
+        tracing::info!(
+            "mode set to {} ({} blocks written back first)",
+            target.name(),
+            p.blocks_written
+        );
+    }
+    Ok(())
+}

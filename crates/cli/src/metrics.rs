@@ -1,0 +1,91 @@
+//! The Prometheus endpoint (`serve --metrics HOST:PORT`): the engine's
+//! counters and gauges, and latency histograms per NBD operation.
+
+use std::io::Write as _;
+use std::net::TcpListener;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cairn_engine::Engine;
+
+use crate::export::{Latencies, LATENCY_BUCKETS_US};
+
+/// Answer every connection with the current metrics, whatever it asked.
+pub fn metrics_loop(listener: TcpListener, engine: &Engine, latencies: &Latencies) {
+    for conn in listener.incoming() {
+        let Ok(mut stream) = conn else { continue };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        // Read the whole request head before answering: closing a socket
+        // with unread request bytes resets the connection, and the client
+        // may lose the response.
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+            match std::io::Read::read(&mut stream, &mut buf) {
+                Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
+                _ => break,
+            }
+        }
+        let body = render_metrics(engine, latencies);
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = stream.write_all(response.as_bytes());
+    }
+}
+
+pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
+    use std::fmt::Write as _;
+    let s = engine.stats();
+    let mut out = String::new();
+    for (name, value) in s.counter_pairs() {
+        let _ = writeln!(
+            out,
+            "# TYPE cairn_{name}_total counter\ncairn_{name}_total {value}"
+        );
+    }
+    for (name, value) in [
+        ("dirty_blocks", s.dirty_blocks),
+        ("clean_blocks", s.clean_blocks),
+        ("free_blocks", s.free_blocks),
+        ("corrupt_blocks", s.corrupt_blocks),
+        ("cache_blocks", s.cache_blocks),
+        ("block_size_bytes", s.block_size_bytes),
+        ("volume_size_bytes", s.volume_size_bytes),
+        ("writeback_paused", s.writeback_paused as u64),
+        ("index_memory_bytes", s.index_memory_bytes),
+        ("integrity_enabled", s.integrity as u64),
+        ("integrity_recalc_position_blocks", s.recalc_position_blocks),
+        ("integrity_recalc_total_blocks", s.recalc_total_blocks),
+        ("integrity_tag_memory_bytes", s.tag_memory_bytes),
+        ("cache_degraded", s.degraded as u64),
+        ("cache_failed", s.failed as u64),
+        ("origin_failing", s.origin_failing as u64),
+    ] {
+        let _ = writeln!(out, "# TYPE cairn_{name} gauge\ncairn_{name} {value}");
+    }
+    let _ = writeln!(out, "# TYPE cairn_request_latency_seconds histogram");
+    for (op, h) in latencies.all() {
+        let mut cumulative = 0u64;
+        for (i, bound) in LATENCY_BUCKETS_US.iter().enumerate() {
+            cumulative += h.buckets[i].load(Ordering::Relaxed);
+            let le = if *bound == u64::MAX {
+                "+Inf".to_string()
+            } else {
+                format!("{}", *bound as f64 / 1e6)
+            };
+            let _ = writeln!(
+                out,
+                "cairn_request_latency_seconds_bucket{{op=\"{op}\",le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "cairn_request_latency_seconds_sum{{op=\"{op}\"}} {}\ncairn_request_latency_seconds_count{{op=\"{op}\"}} {}",
+            h.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            h.count.load(Ordering::Relaxed)
+        );
+    }
+    out
+}
