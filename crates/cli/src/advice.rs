@@ -29,6 +29,16 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
     }
 }
 
+/// What to do about a cache that went degraded (a cache write failed for
+/// good): logged when the daemon starts on one and when one goes degraded
+/// while serving.
+pub fn degraded_cache(cache: &std::path::Path, origin: &str) -> String {
+    format!(
+        "to cache again, fix or replace the cache device, stop cairn and run: cairn format --force --cache {} --origin {origin}",
+        cache.display()
+    )
+}
+
 /// The advice for a failed admin request, online or offline.
 pub fn for_command(e: &CommandError) -> Option<String> {
     match e {

@@ -214,7 +214,18 @@ pub fn writeback_loop(engine: &Engine, stop: &AtomicBool, policy: WritebackPolic
     let mut backoff_ms = 10u64;
     let mut budget_start = Instant::now();
     let mut budget_bytes = 0u64;
+    let mut degraded = engine.is_degraded();
     while !stop.load(Ordering::SeqCst) {
+        if !degraded && engine.is_degraded() {
+            degraded = true;
+            tracing::error!(
+                "the cache went degraded while serving; {}",
+                crate::advice::degraded_cache(
+                    std::path::Path::new(engine.cache_name()),
+                    &engine.superblock().origin_identity
+                )
+            );
+        }
         let s = engine.stats();
         let ops = s.reads + s.writes + s.flushes + s.discards + s.write_zeroes;
         let now = Instant::now();

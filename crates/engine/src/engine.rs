@@ -122,6 +122,11 @@ impl Engine {
         self.env.volume_blocks * self.env.block_size_bytes as u64
     }
 
+    /// The cache device's name (its path), for messages.
+    pub fn cache_name(&self) -> &str {
+        self.env.cache.name()
+    }
+
     pub fn superblock(&self) -> Superblock {
         self.state.unchecked().superblock.clone()
     }
@@ -304,14 +309,12 @@ impl Engine {
     /// origin: `drain` wrote every acknowledged write there).
     async fn flush_cached(&self) -> EngineResult<()> {
         match write::flush(self.parts()).await {
-            Err(e) if !self.is_degraded() => {
-                if self.env.health.wants_degraded_path()? {
-                    degrade::enter(self.parts())?;
-                    tracing::debug!("a flush switched to degraded mode after: {e}");
-                    Ok(())
-                } else {
-                    Err(e)
-                }
+            // Another thread may have finished the switch meanwhile:
+            // `enter` is idempotent.
+            Err(e) if self.env.health.wants_degraded_path()? => {
+                degrade::enter(self.parts())?;
+                tracing::debug!("a flush switched to degraded mode after: {e}");
+                Ok(())
             }
             result => result,
         }

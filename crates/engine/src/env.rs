@@ -7,12 +7,12 @@ use std::sync::Arc;
 use cairn_device::{Device, DeviceError};
 use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
 
-use cairn_device::BufPool;
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::options::EngineConfig;
 use crate::sealed::RecordIo;
 use crate::stats::Counters;
+use cairn_device::BufPool;
 
 pub(crate) struct Env {
     pub(crate) cache: Arc<dyn Device>,

@@ -86,6 +86,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..EngineConfig::default()
     };
     let engine = super::open_engine_with(&args.cache, args.origin.as_deref(), args.force, config)?;
+    if engine.is_degraded() {
+        tracing::error!(
+            "cache {} is degraded: serving the origin directly; {}",
+            args.cache.display(),
+            crate::advice::degraded_cache(&args.cache, &engine.superblock().origin_identity)
+        );
+    }
     if let Some(mode) = args.mode {
         switch_mode_at_start(&engine, mode)?;
     }

@@ -6,9 +6,9 @@ use std::sync::OnceLock;
 use cairn_device::DeviceError;
 use cairn_format::RecordHeader;
 
-use cairn_device::PooledBuf;
 use crate::env::Env;
 use crate::retry::retrying_cache_write;
+use cairn_device::PooledBuf;
 
 pub(crate) struct SealedRecord {
     pub(crate) sequence: u64,
