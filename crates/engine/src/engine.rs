@@ -559,8 +559,43 @@ impl Engine {
 
     // --------------------------------------------------------------- status
 
+    /// Every counter, and the gauges read from the state under its lock.
     pub fn stats(&self) -> StatsSnapshot {
+        let (env, writeback, policy) = (&self.env, &self.writeback, &self.policy);
         let st = self.state.unchecked();
-        StatsSnapshot::collect(&self.env, &st, &self.writeback, &self.policy)
+        let mut s = StatsSnapshot::default();
+        env.counters.fill(&mut s);
+        let index = &st.index;
+        let log = &st.log;
+        s.dirty_blocks = index.dirty_blocks();
+        s.clean_blocks = index.clean_blocks();
+        s.corrupt_blocks = index.corrupt_blocks();
+        s.lost_blocks = index.lost_blocks();
+        s.cache_blocks = log.slot_count();
+        s.free_blocks = log.slot_count() - index.live_blocks().min(log.slot_count());
+        s.block_size_bytes = env.block_size_bytes as u64;
+        s.volume_size_bytes = env.volume_blocks * env.block_size_bytes as u64;
+        s.pending_ranges = index.range_count() as u64;
+        s.writeback_offset = log.writeback_position();
+        s.head_offset = log.head();
+        s.writeback_limit_offset = log.writeback_limit();
+        s.tail_offset = log.tail();
+        s.index_memory_bytes = index.memory_bytes() as u64;
+        s.writeback_paused = writeback.paused();
+        s.origin_failing = writeback.origin_failing();
+        s.mode = policy.mode().name();
+        s.policy_memory_bytes = policy.memory_bytes() as u64;
+        s.failed = env.health.is_failed();
+        // A degraded cache keeps no tags (see `degrade`).
+        s.integrity = env.integrity && st.tags.is_some();
+        if let Some(tags) = &st.tags {
+            s.tag_algorithm = "crc32c(lba_le64 || block)";
+            s.recalc_position_blocks = tags.recalc_pos;
+            s.recalc_total_blocks = tags.origin_blocks();
+            s.tag_pages_dirty = tags.dirty_pages();
+            s.tag_memory_bytes = tags.memory_bytes() as u64;
+        }
+        s.degraded = env.health.is_degraded();
+        s
     }
 }

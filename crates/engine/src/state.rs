@@ -23,8 +23,10 @@ pub(crate) struct State {
 impl State {
     /// How to serve a read of `lba` (see [`Plan`]).
     pub(crate) fn plan(&mut self, env: &Env, lba: u64, block: &mut [u8]) -> EngineResult<Plan> {
+        let log = &self.log;
+        let in_memory = |slot| log.block_in_memory(slot, env.block_size_bytes);
         self.index
-            .plan(env, &self.log, self.tags.as_ref(), lba, block)
+            .plan(env, in_memory, self.tags.as_ref(), lba, block)
     }
 
     /// Seal and make durable everything acknowledged so far.

@@ -17,7 +17,6 @@ use cairn_format::{block_checksum, CheckpointEntry, PendingRange, RangeKind};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
-use crate::log::Log;
 use crate::stats::Counters;
 use crate::tags::TagTable;
 
@@ -134,19 +133,21 @@ impl Index {
     }
 
     /// How to serve a read of `lba` (see [`Plan`]), filling `block` when
-    /// the answer is already known (in memory, zeroed). A planned hit marks
-    /// the slot referenced (second-chance eviction).
-    pub(crate) fn plan(
+    /// the answer is already known (in memory, zeroed). `in_memory` gives
+    /// a slot's data when it is not on the device yet (the log's open or
+    /// sealed records). A planned hit marks the slot referenced
+    /// (second-chance eviction).
+    pub(crate) fn plan<'m>(
         &mut self,
         env: &Env,
-        log: &Log,
+        in_memory: impl Fn(u32) -> Option<&'m [u8]>,
         tags: Option<&TagTable>,
         lba: u64,
         block: &mut [u8],
     ) -> EngineResult<Plan> {
         if let Some(slot) = self.lookup(lba) {
             self.mark_referenced(slot);
-            if let Some(data) = log.block_in_memory(slot, env.block_size_bytes) {
+            if let Some(data) = in_memory(slot) {
                 block.copy_from_slice(data);
                 // Check data after copying it, as after every read.
                 assert_eq!(

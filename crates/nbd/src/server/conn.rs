@@ -327,6 +327,8 @@ struct Batches<'a> {
     fan_out: &'a FanOut,
 }
 
+// long: one loop that decodes, batches and dispatches requests; it goes
+// away with the event-loop transmission of issue 14.
 #[allow(clippy::too_many_arguments)]
 fn transmit_loop(
     shared: &Shared,
