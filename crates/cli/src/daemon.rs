@@ -47,10 +47,6 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     let description = listener.description().to_string();
     let config = ServerConfig {
         stop_when_idle: std::env::var_os("LISTEN_FDS").is_some(),
-        // Engine calls block in the kernel (device I/O), so the number of
-        // workers is the queue depth the devices see; they sleep, not spin.
-        // More than 8 bought no IOPS on 2 cores and cost memory.
-        worker_count: 8,
         ..ServerConfig::default()
     };
     let export = Arc::new(EngineExport {

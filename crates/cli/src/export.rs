@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cairn_engine::{Engine, EngineError};
-use cairn_nbd::{Export, ExportError, Extent, ExtentKind};
+use cairn_nbd::{Export, ExportError, ExportFuture, Extent, ExtentKind, ReadBuffer};
 
 /// Upper bounds of the latency buckets, in microseconds.
 pub const LATENCY_BUCKETS_US: [u64; 14] = [
@@ -90,24 +90,35 @@ impl Export for EngineExport {
         r
     }
 
-    fn has_quick_reads(&self) -> bool {
-        true
+    fn read_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ReadBuffer> {
+        Box::pin(async move {
+            let t = Instant::now();
+            let r = self.engine.read_async(offset, length as usize, false).await;
+            self.latencies.read.record(t);
+            r.map(|data| Box::new(data) as ReadBuffer).map_err(map_err)
+        })
     }
 
-    fn read_quick_many(
-        &self,
-        requests: &mut [(u64, &mut [u8])],
-        results: &mut [Option<Result<(), ExportError>>],
-    ) {
-        let t = Instant::now();
-        let served = self.engine.read_cached_many(requests);
-        for (slot, outcome) in results.iter_mut().zip(served) {
-            if let Some(outcome) = outcome {
-                // One sample per read served, each the batch's whole time.
-                self.latencies.read.record(t);
-                *slot = Some(outcome.map_err(map_err));
-            }
-        }
+    fn write_async<'a>(&'a self, offset: u64, data: &'a [u8], fua: bool) -> ExportFuture<'a, ()> {
+        Box::pin(async move {
+            let t = Instant::now();
+            let r = self
+                .engine
+                .write_async(offset, data, fua)
+                .await
+                .map_err(map_err);
+            self.latencies.write.record(t);
+            r
+        })
+    }
+
+    fn flush_async(&self) -> ExportFuture<'_, ()> {
+        Box::pin(async move {
+            let t = Instant::now();
+            let r = self.engine.flush_async().await.map_err(map_err);
+            self.latencies.flush.record(t);
+            r
+        })
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {

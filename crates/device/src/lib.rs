@@ -22,10 +22,11 @@ mod nbd;
 mod sim;
 mod uring;
 
-pub use buf::{Backing, BlockBuf, BufPool, PooledBuf};
+pub use buf::{Backing, BlockBuf, BufPool, BufSlice, PooledBuf, SharedBuf, SizeClassPool};
 pub use file::{FileDevice, OpenMode};
 pub use local::{
-    open_local, open_local_with, open_path_or_uri, IoBackend, LocalOptions, IO_BACKEND_ENV,
+    open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, IoBackend, LocalOptions,
+    IO_BACKEND_ENV,
 };
 pub use nbd::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 #[cfg(any(test, feature = "sim"))]
@@ -35,7 +36,9 @@ pub use sim::{
 };
 pub use uring::{UringDevice, UringOptions};
 
+use std::future::Future;
 use std::io;
+use std::pin::Pin;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
@@ -92,6 +95,10 @@ impl DeviceError {
 
 pub type DeviceResult<T> = Result<T, DeviceError>;
 
+/// An asynchronous device operation. It runs on the current thread's
+/// reactor (see `cairn_io::Reactor::current`), so it is not `Send`.
+pub type DeviceFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
 /// A thing with blocks. Offsets and lengths are in bytes; callers keep them
 /// aligned to the device's `alignment_bytes`.
 ///
@@ -122,6 +129,32 @@ pub trait Device: Send + Sync {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()>;
+
+    /// [`Device::read_at`] as a task: fill `slice` from `offset`. Inside a
+    /// reactor task a backend that can submits the read and returns at once
+    /// (io_uring on the reactor's own ring, a pipelined NBD command), so
+    /// one task waits for its read and others run meanwhile; elsewhere,
+    /// and by default, it reads synchronously. The slice comes back with
+    /// the result.
+    fn read_into<'a>(
+        &'a self,
+        offset: u64,
+        mut slice: BufSlice,
+    ) -> DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
+        let result = self.read_at(offset, slice.as_mut_slice());
+        Box::pin(std::future::ready((result, slice)))
+    }
+
+    /// [`Device::read_into`] for a read that may be served from the host's
+    /// page cache (see [`Device::read_many_cacheable`]).
+    fn read_into_cacheable<'a>(
+        &'a self,
+        offset: u64,
+        mut slice: BufSlice,
+    ) -> DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
+        let result = self.read_many_cacheable(&mut [(offset, slice.as_mut_slice())]);
+        Box::pin(std::future::ready((result, slice)))
+    }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()>;
 

@@ -102,9 +102,23 @@ pub fn open_local_with(
 /// `mode` only applies to local paths: a remote export cannot be locked from
 /// here, so exclusivity there is the operator's job.
 pub fn open_path_or_uri(spec: &str, mode: OpenMode) -> DeviceResult<Box<dyn Device>> {
+    open_path_or_uri_with(spec, mode, None)
+}
+
+/// [`open_path_or_uri`] with at most `queue_depth` requests in flight on a
+/// remote export's connection (`None`: [`crate::NbdOptions`]' default).
+pub fn open_path_or_uri_with(
+    spec: &str,
+    mode: OpenMode,
+    queue_depth: Option<usize>,
+) -> DeviceResult<Box<dyn Device>> {
     let lower = spec.to_ascii_lowercase();
     if lower.starts_with("nbd://") || lower.starts_with("nbd+") || lower.starts_with("nbds") {
-        return Ok(Box::new(NbdDevice::open(spec)?));
+        let mut options = crate::NbdOptions::default();
+        if let Some(depth) = queue_depth {
+            options.max_in_flight = depth.max(1);
+        }
+        return Ok(Box::new(NbdDevice::open_with(spec, options)?));
     }
     open_local(Path::new(spec), mode)
 }

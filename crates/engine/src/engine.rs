@@ -20,6 +20,7 @@ use crate::options::{FormatOptions, OpenOptions};
 use crate::parts::Parts;
 use crate::policy::{CacheMode, Policy};
 use crate::read::{self, Scope};
+use crate::read_data::ReadData;
 use crate::state_lock::StateLock;
 use crate::stats::{Counters, StatsSnapshot};
 use crate::superblocks;
@@ -146,43 +147,75 @@ impl Engine {
 
     /// Read `buf.len()` bytes at `offset`. Any alignment is accepted.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
-        self.read_with(offset, buf, false)
+        let data = cairn_io::block_on(self.read_async(offset, buf.len(), false))?;
+        buf.copy_from_slice(data.as_bytes());
+        Ok(())
     }
 
     /// Read and promote every missed block, ignoring the sequential cutoff
     /// and the n-hit policy: a prefetch (NBD CACHE, `cairn warm`).
     pub fn read_uncut(&self, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
-        self.read_with(offset, buf, true)
+        let data = cairn_io::block_on(self.read_async(offset, buf.len(), true))?;
+        buf.copy_from_slice(data.as_bytes());
+        Ok(())
     }
 
-    fn read_with(&self, offset: u64, buf: &mut [u8], prefetch: bool) -> EngineResult<()> {
-        self.check_range(offset, buf.len() as u64)?;
+    /// [`Engine::read`] as a task: the cache and origin reads are all in
+    /// flight together while other tasks run, and the data comes back in
+    /// a page-aligned buffer (an NBD reply is sent straight from it).
+    /// `prefetch` is [`Engine::read_uncut`].
+    pub async fn read_async(
+        &self,
+        offset: u64,
+        length_bytes: usize,
+        prefetch: bool,
+    ) -> EngineResult<ReadData> {
+        self.check_range(offset, length_bytes as u64)?;
         let c = &self.env.counters;
         Counters::add(&c.reads, 1);
-        Counters::add(&c.read_bytes, buf.len() as u64);
-        if buf.is_empty() {
-            return Ok(());
+        Counters::add(&c.read_bytes, length_bytes as u64);
+        let block_bytes = self.env.block_size_bytes as u64;
+        let first = offset / block_bytes * block_bytes;
+        let end = (offset + length_bytes as u64).div_ceil(block_bytes) * block_bytes;
+        let mut buf = self.env.read_bufs.lend((end - first) as usize);
+        buf.set_len((end - first) as usize);
+        let data = |buf| ReadData {
+            buf,
+            start: (offset - first) as usize,
+            len: length_bytes,
+        };
+        if length_bytes == 0 {
+            return Ok(data(buf));
         }
-        let bypassed = !prefetch && self.policy.observe_read(offset, buf.len() as u64);
+        let bypassed = !prefetch && self.policy.observe_read(offset, length_bytes as u64);
         let scope = Scope::All {
             promote: self.policy.promotes_misses(bypassed),
             bypassed,
             prefetch,
         };
-        read::on_whole_blocks(offset, buf, self.env.block_size_bytes, |first, blocks| {
-            // Reads take the same path in every state; only promotion (a
-            // cache write) stops once the cache is degraded. A promotion
-            // that hits a cache write failure re-runs the read after the
-            // switch.
-            self.with_degrade(|_| read::read_one(self.parts(), first, blocks, scope))
-        })
+        // Reads take the same path in every state; only promotion (a cache
+        // write) stops once the cache is degraded. A promotion that hits a
+        // cache write failure re-runs the read after the switch.
+        let was_degraded = self.is_degraded();
+        let (result, buf) = read::read_blocks(self.parts(), first, buf, scope).await;
+        match result.expect("a read of every scope is served") {
+            Ok(()) => Ok(data(buf)),
+            Err(e) if !was_degraded && self.env.health.wants_degraded_path()? => {
+                degrade::enter(self.parts())?;
+                tracing::debug!("re-running a read on the degraded path after: {e}");
+                let (result, buf) = read::read_blocks(self.parts(), first, buf, scope).await;
+                result
+                    .expect("a read of every scope is served")
+                    .map(|()| data(buf))
+            }
+            Err(e) => Err(e),
+        }
     }
 
-    /// Serve those of `requests` whose every block is cached, with one
-    /// cache-device submission for all of them: `result[i]` is the outcome
-    /// of `requests[i]` as [`Engine::read`] would give it, or `None` if the
-    /// request was left untouched (not wholly cached, unaligned or out of
-    /// range); serve those with [`Engine::read`].
+    /// Serve those of `requests` whose every block is cached: `result[i]`
+    /// is the outcome of `requests[i]` as [`Engine::read`] would give it,
+    /// or `None` if the request was left untouched (not wholly cached,
+    /// unaligned or out of range); serve those with [`Engine::read`].
     pub fn read_cached_many(
         &self,
         requests: &mut [(u64, &mut [u8])],
@@ -194,18 +227,27 @@ impl Engine {
                 && len.is_multiple_of(block_bytes)
                 && self.check_range(offset, len).is_ok()
         };
-        let count = requests.len();
-        let mut picked: Vec<usize> = Vec::with_capacity(count);
-        let mut batch: Vec<(u64, &mut [u8])> = Vec::with_capacity(count);
-        for (i, (offset, buf)) in requests.iter_mut().enumerate() {
-            if servable(*offset, buf.len() as u64) {
-                picked.push(i);
-                batch.push((*offset, &mut **buf));
+        let reads: Vec<_> = requests
+            .iter()
+            .map(|(offset, buf)| {
+                let servable = servable(*offset, buf.len() as u64);
+                let mut data = self.env.read_bufs.lend(buf.len());
+                data.set_len(buf.len());
+                let offset = *offset;
+                async move {
+                    if !servable {
+                        return (None, data);
+                    }
+                    read::read_blocks(self.parts(), offset, data, Scope::CachedOnly).await
+                }
+            })
+            .collect();
+        let served = cairn_io::block_on(cairn_io::join_all(reads));
+        let mut results = Vec::with_capacity(requests.len());
+        for ((offset, buf), (result, data)) in requests.iter_mut().zip(served) {
+            if let Some(Ok(())) = &result {
+                buf.copy_from_slice(&data);
             }
-        }
-        let served = read::read_batch(self.parts(), &mut batch, Scope::CachedOnly);
-        let mut results: Vec<Option<EngineResult<()>>> = (0..count).map(|_| None).collect();
-        for ((i, result), (offset, buf)) in picked.into_iter().zip(served).zip(&batch) {
             if result.is_some() {
                 // Counted like a single read, and seen by the sequential
                 // detector like one.
@@ -214,7 +256,7 @@ impl Engine {
                 Counters::add(&c.read_bytes, buf.len() as u64);
                 self.policy.observe_read(*offset, buf.len() as u64);
             }
-            results[i] = result;
+            results.push(result);
         }
         results
     }
@@ -596,6 +638,8 @@ impl Engine {
             s.tag_memory_bytes = tags.memory_bytes() as u64;
         }
         s.degraded = env.health.is_degraded();
+        s.origin_queue_depth = env.origin_slots.total();
+        s.origin_queue_in_flight = env.origin_slots.total() - env.origin_slots.available();
         s
     }
 }

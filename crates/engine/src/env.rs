@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cairn_device::{Device, DeviceError};
+use cairn_device::{Backing, Device, DeviceError, SizeClassPool};
 use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
 
 use crate::error::{EngineError, EngineResult};
@@ -13,6 +13,13 @@ use crate::options::EngineConfig;
 use crate::sealed::RecordIo;
 use crate::stats::Counters;
 use cairn_device::BufPool;
+
+/// Read buffers up to this size are pooled; larger ones come and go.
+const READ_BUF_CLASS_MAX_BYTES: usize = 1 << 20;
+/// Idle bytes each read buffer size class keeps at most...
+const READ_BUF_CLASS_IDLE_BYTES: usize = 1 << 20;
+/// ...but at least this many buffers (a queue depth of small reads).
+const READ_BUF_CLASS_IDLE_MIN: usize = 4;
 
 pub(crate) struct Env {
     pub(crate) cache: Arc<dyn Device>,
@@ -40,6 +47,11 @@ pub(crate) struct Env {
     /// mapped and unmapped a page (a TLB shootdown across the daemon's
     /// threads per fsync'd write).
     pub(crate) header_bufs: Arc<BufPool>,
+    /// Buffers reads fill and hand to the caller (an NBD reply goes out of
+    /// one without a copy): page aligned for O_DIRECT, by size class.
+    pub(crate) read_bufs: SizeClassPool,
+    /// Origin reads of misses in flight (`EngineConfig::origin_queue_depth`).
+    pub(crate) origin_slots: cairn_io::Semaphore,
 }
 
 impl Env {
@@ -54,7 +66,9 @@ impl Env {
         let block_size_bytes = superblock.block_size_bytes;
         let record_bytes_max =
             record_data_blocks_max(block_size_bytes) as usize * block_size_bytes as usize;
+        let origin_slots = cairn_io::Semaphore::new(config.origin_queue_depth.max(1) as u64);
         Env {
+            origin_slots,
             cache,
             origin,
             layout,
@@ -70,6 +84,13 @@ impl Env {
             record_io: RecordIo::default(),
             record_bufs: Arc::new(BufPool::new(record_bytes_max)),
             header_bufs: Arc::new(BufPool::new(block_size_bytes as usize)),
+            read_bufs: SizeClassPool::new(
+                Backing::Heap,
+                4096,
+                READ_BUF_CLASS_MAX_BYTES,
+                READ_BUF_CLASS_IDLE_BYTES,
+                READ_BUF_CLASS_IDLE_MIN,
+            ),
         }
     }
 
@@ -94,19 +115,6 @@ impl Env {
         self.cache
             .read_at(self.slot_offset_bytes(slot), block)
             .inspect_err(|_| Counters::add(&self.counters.cache_read_errors, 1))
-    }
-
-    /// Read cache hits (slot contents the caller verifies afterwards), from
-    /// the page cache when the configuration allows.
-    pub(crate) fn read_cache_hits(
-        &self,
-        requests: &mut [(u64, &mut [u8])],
-    ) -> Result<(), DeviceError> {
-        if self.config.page_cache_reads {
-            self.cache.read_many_cacheable(requests)
-        } else {
-            self.cache.read_many(requests)
-        }
     }
 }
 

@@ -36,6 +36,7 @@ mod origin_check;
 mod parts;
 mod policy;
 mod read;
+mod read_data;
 mod recovery;
 mod retry;
 mod sealed;
@@ -53,6 +54,7 @@ pub use error::{EngineError, EngineResult};
 pub use integrity::{RecalcProgress, ScrubOptions, ScrubReport};
 pub use options::{EngineConfig, FormatOptions, OpenOptions};
 pub use policy::CacheMode;
+pub use read_data::ReadData;
 pub use stats::StatsSnapshot;
 pub use writeback::WritebackProgress;
 

@@ -47,6 +47,9 @@ pub struct EngineConfig {
     /// is still verified against its checksum, and a mismatch is re-read
     /// from the device itself before anything is called corrupt.
     pub page_cache_reads: bool,
+    /// Most origin reads of client misses in flight at once; more wait
+    /// for one to finish (they never fail for it).
+    pub origin_queue_depth: usize,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +62,7 @@ impl Default for EngineConfig {
             cache_write_attempts: 4,
             cache_write_backoff_us: 5_000,
             page_cache_reads: true,
+            origin_queue_depth: 64,
         }
     }
 }

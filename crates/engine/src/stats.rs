@@ -49,6 +49,10 @@ macro_rules! counters {
             pub recalc_total_blocks: u64,
             pub tag_pages_dirty: u64,
             pub tag_memory_bytes: u64,
+            /// Origin reads of misses allowed in flight at once.
+            pub origin_queue_depth: u64,
+            /// Origin reads of misses in flight now.
+            pub origin_queue_in_flight: u64,
         }
 
         impl Counters {
@@ -85,6 +89,7 @@ counters!(
     repairs,
     promotions,
     promotions_skipped,
+    fills_superseded,
     bypassed,
     writethrough_waits,
     evictions,
@@ -93,6 +98,7 @@ counters!(
     cache_write_errors,
     cache_write_retries,
     origin_read_errors,
+    origin_queue_waits,
     origin_write_errors,
     writeback_blocks,
     writeback_bytes,

@@ -22,11 +22,15 @@
 
 mod block_on;
 mod buf;
+mod join;
 mod notify;
 pub mod oneshot;
 mod reactor;
+mod semaphore;
 
 pub use block_on::block_on;
 pub use buf::{StableBuf, StableBufMut};
+pub use join::{first_of, join_all, Either, FirstOf, JoinAll};
 pub use notify::LocalNotify;
 pub use reactor::{JoinHandle, Reactor, ReactorOptions, RemoteWaker};
+pub use semaphore::Semaphore;

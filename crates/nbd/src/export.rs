@@ -6,6 +6,8 @@
 //! and several connections.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
@@ -81,25 +83,6 @@ pub struct Extent {
 pub trait Export: Send + Sync + 'static {
     fn size_bytes(&self) -> u64;
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError>;
-    /// Whether [`Export::read_quick_many`] may serve anything. Only then
-    /// does the server gather pipelined reads into batches; otherwise every
-    /// read is its own call to [`Export::read`].
-    fn has_quick_reads(&self) -> bool {
-        false
-    }
-    /// Serve together those of `requests` that are quick (for a cache: the
-    /// ones wholly cached, with one device submission for all of them) and
-    /// leave the others untouched for [`Export::read`]: `results[i]` is set
-    /// to the outcome of each request served and left `None` for the rest.
-    /// `results` has one element per request, all `None` on entry. The
-    /// default serves none.
-    fn read_quick_many(
-        &self,
-        requests: &mut [(u64, &mut [u8])],
-        results: &mut [Option<Result<(), ExportError>>],
-    ) {
-        let _ = (requests, results);
-    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
     fn flush(&self) -> Result<(), ExportError>;
     fn trim(&self, offset: u64, length: u64) -> Result<(), ExportError>;
@@ -112,7 +95,37 @@ pub trait Export: Send + Sync + 'static {
     ) -> Result<(), ExportError>;
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError>;
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError>;
+
+    /// [`Export::read`] as a task on the connection's event loop: an
+    /// export that waits for devices returns at once and completes when
+    /// the data is there, so the connection keeps reading and starting
+    /// further requests meanwhile. The data comes back in a buffer of the
+    /// export's choosing, sent as it is. The default runs `read`.
+    fn read_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ReadBuffer> {
+        let mut buf = vec![0u8; length as usize];
+        let result = self
+            .read(offset, &mut buf)
+            .map(|()| Box::new(buf) as ReadBuffer);
+        Box::pin(std::future::ready(result))
+    }
+
+    /// [`Export::write`] as a task (a FUA write waits for durability
+    /// without holding the connection). The default runs `write`.
+    fn write_async<'a>(&'a self, offset: u64, data: &'a [u8], fua: bool) -> ExportFuture<'a, ()> {
+        Box::pin(std::future::ready(self.write(offset, data, fua)))
+    }
+
+    /// [`Export::flush`] as a task. The default runs `flush`.
+    fn flush_async(&self) -> ExportFuture<'_, ()> {
+        Box::pin(std::future::ready(self.flush()))
+    }
 }
+
+/// The data of a read, in whatever buffer the export filled.
+pub type ReadBuffer = Box<dyn AsRef<[u8]>>;
+
+/// An export operation running as a task on a connection's event loop.
+pub type ExportFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, ExportError>> + 'a>>;
 
 /// Which operation [`MemExport::fail_next`] should fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -28,6 +28,7 @@ pub mod server;
 pub use cairn_nbd_proto::{codec, proto};
 
 pub use export::{
-    Export, ExportError, Extent, ExtentKind, MemCounters, MemExport, MemOp, MEM_CHUNK_BYTES,
+    Export, ExportError, ExportFuture, Extent, ExtentKind, MemCounters, MemExport, MemOp,
+    ReadBuffer, MEM_CHUNK_BYTES,
 };
 pub use server::{serve, Listener, ServerConfig, ServerError, ServerHandle, ShutdownTrigger};

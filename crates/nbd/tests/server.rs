@@ -8,13 +8,14 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cairn_nbd::proto::*;
 use cairn_nbd::{
-    serve, Export, ExportError, Extent, Listener, MemExport, MemOp, ServerConfig, ServerError,
+    serve, Export, ExportError, ExportFuture, Extent, Listener, MemExport, MemOp, ReadBuffer,
+    ServerConfig, ServerError,
 };
 use common::*;
 
@@ -29,13 +30,8 @@ struct Instrumented {
     slow_read_ms: AtomicU64,
     current: AtomicUsize,
     peak: AtomicUsize,
-    /// Serve reads through `read_quick_many` (except the slow one).
-    quick_reads: AtomicBool,
-    /// A quick read at this offset fails with EIO.
-    quick_error_offset: AtomicU64,
-    /// Largest `read_quick_many` batch seen, and reads it served.
-    quick_batch_max: AtomicUsize,
-    quick_served: AtomicUsize,
+    /// A read at this offset fails with EIO.
+    read_error_offset: AtomicU64,
 }
 
 impl Instrumented {
@@ -47,10 +43,7 @@ impl Instrumented {
             slow_read_ms: AtomicU64::new(0),
             current: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
-            quick_reads: AtomicBool::new(false),
-            quick_error_offset: AtomicU64::new(u64::MAX),
-            quick_batch_max: AtomicUsize::new(0),
-            quick_served: AtomicUsize::new(0),
+            read_error_offset: AtomicU64::new(u64::MAX),
         })
     }
 
@@ -79,36 +72,25 @@ impl Export for Instrumented {
         self.inner.size_bytes()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
-        let _g = self.enter();
-        if offset == self.slow_read_offset.load(Ordering::SeqCst) {
-            sleep_ms(self.slow_read_ms.load(Ordering::SeqCst));
-        }
         self.inner.read(offset, buf)
     }
-    fn has_quick_reads(&self) -> bool {
-        self.quick_reads.load(Ordering::SeqCst)
-    }
-    fn read_quick_many(
-        &self,
-        requests: &mut [(u64, &mut [u8])],
-        results: &mut [Option<Result<(), ExportError>>],
-    ) {
-        let _g = self.enter();
-        self.quick_batch_max
-            .fetch_max(requests.len(), Ordering::SeqCst);
-        for ((offset, buf), result) in requests.iter_mut().zip(results.iter_mut()) {
-            if *offset == self.slow_read_offset.load(Ordering::SeqCst) {
-                continue; // left for `read`
+    /// As a task: a slow read waits on the connection's event loop (as a
+    /// device read would), so the requests after it keep being served.
+    fn read_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ReadBuffer> {
+        Box::pin(async move {
+            let _g = self.enter();
+            if offset == self.slow_read_offset.load(Ordering::SeqCst) {
+                let ms = self.slow_read_ms.load(Ordering::SeqCst);
+                let reactor = cairn_io::Reactor::current().expect("reads run on a reactor");
+                reactor.sleep(Duration::from_millis(ms)).await;
             }
-            self.quick_served.fetch_add(1, Ordering::SeqCst);
-            *result = Some(
-                if *offset == self.quick_error_offset.load(Ordering::SeqCst) {
-                    Err(ExportError::io("injected quick read failure"))
-                } else {
-                    self.inner.read(*offset, buf)
-                },
-            );
-        }
+            if offset == self.read_error_offset.load(Ordering::SeqCst) {
+                return Err(ExportError::io("injected read failure"));
+            }
+            let mut buf = vec![0u8; length as usize];
+            self.inner.read(offset, &mut buf)?;
+            Ok(Box::new(buf) as ReadBuffer)
+        })
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
         let _g = self.enter();
@@ -418,7 +400,6 @@ fn pipelined_requests_are_answered_out_of_order_within_the_in_flight_bound() {
     let export = Instrumented::new(SIZE);
     let config = ServerConfig {
         max_in_flight_per_connection: 3,
-        worker_count: 4,
         ..ServerConfig::default()
     };
     let server = TestServer::start(export.clone(), config);
@@ -452,17 +433,14 @@ fn pipelined_requests_are_answered_out_of_order_within_the_in_flight_bound() {
     );
 }
 
-/// With an export that serves quick reads in batches, pipelined reads are
-/// batched (one call for several), a slow read is left out of the batch and
-/// overtaken, a failed read of a batch fails alone, and every read is
+/// Pipelined reads are in flight together on the connection's event loop:
+/// a slow read is overtaken, a failed read fails alone, and every read is
 /// answered exactly once with its own data.
 #[test]
-fn pipelined_reads_are_batched_and_a_slow_one_does_not_hold_up_the_batch() {
+fn pipelined_reads_run_together_and_a_slow_one_does_not_hold_up_the_rest() {
     let export = Instrumented::new(SIZE);
-    export.quick_reads.store(true, Ordering::SeqCst);
     let config = ServerConfig {
         max_in_flight_per_connection: 16,
-        worker_count: 4,
         ..ServerConfig::default()
     };
     let server = TestServer::start(export.clone(), config);
@@ -473,7 +451,8 @@ fn pipelined_reads_are_batched_and_a_slow_one_does_not_hold_up_the_batch() {
         }
         export.slow_read_offset.store(0, Ordering::SeqCst);
         export.slow_read_ms.store(300, Ordering::SeqCst);
-        export.quick_error_offset.store(5 * 4096, Ordering::SeqCst);
+        export.read_error_offset.store(5 * 4096, Ordering::SeqCst);
+        export.peak.store(0, Ordering::SeqCst);
         let replies = c.pipelined_reads(64);
         for r in &replies {
             let i = r.cookie - 1000;
@@ -488,18 +467,18 @@ fn pipelined_reads_are_batched_and_a_slow_one_does_not_hold_up_the_batch() {
                 );
             }
         }
+        assert_eq!(replies.len(), 64, "every read answered once");
         assert_ne!(
             replies[0].cookie, 1000,
             "the slow read should have been overtaken"
         );
         assert!(
-            export.quick_batch_max.load(Ordering::SeqCst) > 1,
-            "pipelined reads were not batched"
+            export.peak.load(Ordering::SeqCst) > 1,
+            "pipelined reads were not in flight together"
         );
         export.slow_read_ms.store(0, Ordering::SeqCst);
         c.disconnect().unwrap();
     }
-    assert!(export.quick_served.load(Ordering::SeqCst) >= 2 * 63);
 }
 
 #[test]
@@ -820,7 +799,7 @@ fn tcp_listener_serves() {
 fn config_validation_rejects_inconsistent_limits() {
     let bad = [
         ServerConfig {
-            worker_count: 0,
+            max_in_flight_per_connection: 0,
             ..ServerConfig::default()
         },
         ServerConfig {

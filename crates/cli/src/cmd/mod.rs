@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Result;
-use cairn_device::{open_local, open_path_or_uri, Device, DeviceError, OpenMode};
+use cairn_device::{open_local, open_path_or_uri_with, Device, DeviceError, OpenMode};
 use cairn_engine::{Engine, EngineConfig, OpenOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -40,8 +40,14 @@ pub fn open_cache(path: &Path, mode: OpenMode) -> Result<Arc<dyn Device>> {
 }
 
 pub fn open_origin(spec: &str) -> Result<Arc<dyn Device>> {
-    let dev =
-        open_path_or_uri(spec, OpenMode::Exclusive).map_err(|e| device_error("origin", spec, e))?;
+    open_origin_with(spec, None)
+}
+
+/// The origin, with at most `queue_depth` requests in flight on a remote
+/// export (`serve --origin-queue-depth`).
+pub fn open_origin_with(spec: &str, queue_depth: Option<usize>) -> Result<Arc<dyn Device>> {
+    let dev = open_path_or_uri_with(spec, OpenMode::Exclusive, queue_depth)
+        .map_err(|e| device_error("origin", spec, e))?;
     Ok(Arc::from(dev))
 }
 
@@ -69,7 +75,7 @@ pub fn open_engine_with(
         Some(o) => o.to_string(),
         None => recorded_origin(cache.as_ref())?,
     };
-    let origin = open_origin(&origin_spec)?;
+    let origin = open_origin_with(&origin_spec, Some(config.origin_queue_depth))?;
     tracing::info!(
         cache_backend = cache.backend(),
         origin_backend = origin.backend(),

@@ -58,6 +58,13 @@ pub struct ServeArgs {
     /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no cap).
     #[arg(long, default_value = "0", value_parser = parse_size)]
     pub writeback_rate: u64,
+    /// Most origin reads of cache misses in flight at once (on a remote
+    /// origin, also the requests in flight on its connection). More wait
+    /// their turn; they never fail for it. Cold random reads over a slow
+    /// origin go as fast as the origin allows with at least the clients'
+    /// own queue depth here.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub origin_queue_depth: u32,
     /// Serve Prometheus metrics over HTTP on HOST:PORT.
     #[arg(long)]
     pub metrics: Option<String>,
@@ -83,6 +90,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         sequential_cutoff_bytes: args.sequential_cutoff,
         promote_after_misses: args.promote_after.max(1),
         page_cache_reads: !args.no_page_cache_reads,
+        origin_queue_depth: args.origin_queue_depth as usize,
         ..EngineConfig::default()
     };
     let engine = super::open_engine_with(&args.cache, args.origin.as_deref(), args.force, config)?;

@@ -84,8 +84,13 @@ impl BufPool {
         }
     }
 
-    #[cfg(test)]
-    pub(crate) fn idle_count(&self) -> usize {
+    /// The most idle buffers kept.
+    pub fn idle_max(&self) -> usize {
+        self.idle_max
+    }
+
+    /// Idle buffers kept now.
+    pub fn idle_count(&self) -> usize {
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

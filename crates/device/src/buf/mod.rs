@@ -23,10 +23,14 @@
 mod block_buf;
 mod buf_pool;
 mod pooled_buf;
+mod shared_buf;
+mod size_class_pool;
 
 pub use block_buf::{Backing, BlockBuf};
 pub use buf_pool::BufPool;
 pub use pooled_buf::PooledBuf;
+pub use shared_buf::{BufSlice, SharedBuf};
+pub use size_class_pool::SizeClassPool;
 
 #[cfg(test)]
 pub(crate) use block_buf::BLOCK_BUF_ALIGN_BYTES;

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 /// The replies of one caller's batch of requests.
@@ -18,6 +19,8 @@ pub(super) struct BatchState {
     /// Requests registered as in flight (sent or being sent).
     pub registered: usize,
     pub completed: usize,
+    /// A task waiting for the batch (the asynchronous read path).
+    pub waker: Option<Waker>,
 }
 
 impl Batch {
@@ -27,6 +30,7 @@ impl Batch {
                 results: (0..count).map(|_| None).collect(),
                 registered: 0,
                 completed: 0,
+                waker: None,
             }),
             done: Condvar::new(),
         }
@@ -48,6 +52,17 @@ impl Batch {
             .0
     }
 
+    /// Ready once every registered request completed; else the task is
+    /// woken when the last one does.
+    pub fn poll_done(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut state = self.lock();
+        if state.completed >= state.registered {
+            return Poll::Ready(());
+        }
+        state.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
     pub fn complete(&self, index: usize, result: io::Result<Option<Vec<u8>>>) {
         let mut state = self.lock();
         if let Some(slot) = state.results.get_mut(index) {
@@ -56,6 +71,9 @@ impl Batch {
                 state.completed += 1;
                 if state.completed == state.registered {
                     self.done.notify_all();
+                    if let Some(waker) = state.waker.take() {
+                        waker.wake();
+                    }
                 }
             }
         }

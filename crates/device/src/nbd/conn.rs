@@ -5,9 +5,11 @@
 use std::io::{self, Write};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use cairn_io::{first_of, Either, Reactor};
 use cairn_nbd_proto::codec::RequestHeader;
 use cairn_nbd_proto::proto::{CMD_DISC, CMD_READ};
 
@@ -107,7 +109,7 @@ impl Conn {
                 state.dead = Some(reason);
             }
         }
-        self.shared.window.notify_all();
+        self.shared.window_changed(true);
         self.control.shutdown();
     }
 
@@ -152,6 +154,26 @@ impl Conn {
         cookie: u64,
     ) -> Result<(), SendError> {
         self.register(batch, index, command, cookie)?;
+        self.write_command(command, cookie)
+    }
+
+    /// [`Conn::send`] as a task on the current reactor: waiting for a slot
+    /// in the window holds no thread.
+    pub async fn send_async(
+        &self,
+        reactor: &Reactor,
+        batch: &Arc<Batch>,
+        index: usize,
+        command: &Command<'_>,
+        cookie: u64,
+    ) -> Result<(), SendError> {
+        self.register_async(reactor, batch, index, command, cookie)
+            .await?;
+        self.write_command(command, cookie)
+    }
+
+    /// Write a registered command to the socket.
+    fn write_command(&self, command: &Command<'_>, cookie: u64) -> Result<(), SendError> {
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
         let header = RequestHeader {
             flags: 0,
@@ -181,48 +203,36 @@ impl Conn {
         Ok(())
     }
 
-    /// Wait for a slot in the window, then enter the command in the table
-    /// the reader completes.
-    fn register(
+    fn dead_error(reason: &str) -> SendError {
+        SendError {
+            error: io::Error::new(io::ErrorKind::ConnectionAborted, reason.to_string()),
+            retryable: true,
+        }
+    }
+
+    /// No slot freed within the request timeout: the server is stuck.
+    fn window_timeout(&self) -> SendError {
+        self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        let message = format!(
+            "no request slot freed within {} ms",
+            self.options.request_timeout_ms
+        );
+        self.kill(message.clone());
+        SendError {
+            error: io::Error::new(io::ErrorKind::TimedOut, message),
+            retryable: false,
+        }
+    }
+
+    /// Enter a command in the table the reader completes (a slot is free).
+    fn enter_pending(
         &self,
+        state: &mut super::reader::ConnState,
         batch: &Arc<Batch>,
         index: usize,
         command: &Command<'_>,
         cookie: u64,
-    ) -> Result<(), SendError> {
-        let deadline = Instant::now() + self.request_timeout();
-        let mut state = self.shared.lock();
-        loop {
-            if let Some(reason) = &state.dead {
-                return Err(SendError {
-                    error: io::Error::new(io::ErrorKind::ConnectionAborted, reason.clone()),
-                    retryable: true,
-                });
-            }
-            if state.in_flight < self.options.max_in_flight.max(1) {
-                break;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                drop(state);
-                self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
-                let message = format!(
-                    "no request slot freed within {} ms",
-                    self.options.request_timeout_ms
-                );
-                self.kill(message.clone());
-                return Err(SendError {
-                    error: io::Error::new(io::ErrorKind::TimedOut, message),
-                    retryable: false,
-                });
-            }
-            state = self
-                .shared
-                .window
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
+    ) {
         state.in_flight += 1;
         self.counters
             .peak_in_flight
@@ -241,6 +251,86 @@ impl Conn {
                 read_len,
             },
         );
+    }
+
+    /// [`Conn::register`] as a task.
+    async fn register_async(
+        &self,
+        reactor: &Reactor,
+        batch: &Arc<Batch>,
+        index: usize,
+        command: &Command<'_>,
+        cookie: u64,
+    ) -> Result<(), SendError> {
+        let max = self.options.max_in_flight.max(1);
+        let slot = std::future::poll_fn(|cx| {
+            let mut state = self.shared.lock();
+            if let Some(reason) = &state.dead {
+                return Poll::Ready(Err(Self::dead_error(reason)));
+            }
+            if state.in_flight < max {
+                self.enter_pending(&mut state, batch, index, command, cookie);
+                return Poll::Ready(Ok(()));
+            }
+            state.window_waiters.push(cx.waker().clone());
+            Poll::Pending
+        });
+        match first_of(slot, reactor.sleep(self.request_timeout())).await {
+            Either::Left(result) => result,
+            Either::Right(()) => Err(self.window_timeout()),
+        }
+    }
+
+    /// [`Conn::wait`] as a task: every registered request of `batch`
+    /// completed, or the oldest passed its deadline (which kills the
+    /// connection and fails the rest).
+    pub async fn wait_async(&self, reactor: &Reactor, batch: &Batch, sent_at: &[Instant]) {
+        let deadline =
+            sent_at.first().map_or_else(Instant::now, |sent| *sent) + self.request_timeout();
+        let left = deadline.saturating_duration_since(Instant::now());
+        let done = std::future::poll_fn(|cx| batch.poll_done(cx));
+        if let Either::Left(()) = first_of(done, reactor.sleep(left)).await {
+            return;
+        }
+        self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        self.kill(format!(
+            "no reply within {} ms",
+            self.options.request_timeout_ms
+        ));
+        self.wait_for_drain(batch);
+    }
+
+    /// Wait for a slot in the window, then enter the command in the table
+    /// the reader completes.
+    fn register(
+        &self,
+        batch: &Arc<Batch>,
+        index: usize,
+        command: &Command<'_>,
+        cookie: u64,
+    ) -> Result<(), SendError> {
+        let deadline = Instant::now() + self.request_timeout();
+        let mut state = self.shared.lock();
+        loop {
+            if let Some(reason) = &state.dead {
+                return Err(Self::dead_error(reason));
+            }
+            if state.in_flight < self.options.max_in_flight.max(1) {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(state);
+                return Err(self.window_timeout());
+            }
+            state = self
+                .shared
+                .window
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        self.enter_pending(&mut state, batch, index, command, cookie);
         Ok(())
     }
 

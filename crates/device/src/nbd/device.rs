@@ -20,7 +20,9 @@ use super::link::Link;
 use super::options::NbdOptions;
 use super::stats::{Counters, NbdStats};
 use super::uri::NbdUri;
-use crate::{check_range, Device, DeviceError, DeviceResult};
+use cairn_io::Reactor;
+
+use crate::{check_range, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult};
 
 /// TRIM and WRITE_ZEROES carry no payload but a 32-bit length: split at 1 GiB
 /// (a multiple of every legal minimum block size).
@@ -191,6 +193,112 @@ impl NbdDevice {
         self.collect(&batch, commands, send_error)
     }
 
+    /// [`NbdDevice::execute`] as a task on `reactor`: the commands are
+    /// pipelined on the connection and the task sleeps until their replies
+    /// are in (the reader thread wakes it), so many reads of many tasks
+    /// are in flight at once, up to the connection's window.
+    async fn execute_async(
+        &self,
+        reactor: &Reactor,
+        commands: &[Command<'_>],
+    ) -> DeviceResult<Vec<Option<Vec<u8>>>> {
+        if commands.is_empty() {
+            return Ok(Vec::new());
+        }
+        let first = &commands[0];
+        let mut attempt = 1;
+        loop {
+            // Reconnecting blocks this thread (rare: the link is down).
+            let conn = self
+                .link
+                .connection()
+                .map_err(|err| self.io_error(first.offset, first.len as u64, err))?;
+            match self.execute_on_async(reactor, &conn, commands).await {
+                Ok(results) => return Ok(results),
+                Err(Attempt::NotSent(err)) if attempt < MAX_BATCH_ATTEMPTS => {
+                    tracing::debug!(device = %self.name, "resending a batch that never reached the server: {err}");
+                    attempt += 1;
+                }
+                Err(Attempt::NotSent(err) | Attempt::Failed(err)) => return Err(err),
+            }
+        }
+    }
+
+    async fn execute_on_async(
+        &self,
+        reactor: &Reactor,
+        conn: &Conn,
+        commands: &[Command<'_>],
+    ) -> Result<Vec<Option<Vec<u8>>>, Attempt> {
+        let batch = Arc::new(Batch::new(commands.len()));
+        let mut sent_at: Vec<Instant> = Vec::with_capacity(commands.len());
+        let mut send_error: Option<(usize, SendError)> = None;
+        for (index, command) in commands.iter().enumerate() {
+            let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
+            if let Err(err) = conn
+                .send_async(reactor, &batch, index, command, cookie)
+                .await
+            {
+                send_error = Some((index, err));
+                break;
+            }
+            sent_at.push(Instant::now());
+        }
+        conn.wait_async(reactor, &batch, &sent_at).await;
+        if let Some((
+            0,
+            SendError {
+                error,
+                retryable: true,
+            },
+        )) = send_error
+        {
+            return Err(Attempt::NotSent(self.io_error(
+                first_offset(commands),
+                first_len(commands),
+                error,
+            )));
+        }
+        self.collect(&batch, commands, send_error)
+    }
+
+    /// The READ commands for `len` bytes at `offset`, after the checks.
+    fn read_commands(&self, offset: u64, len: u64) -> DeviceResult<Vec<Command<'static>>> {
+        check_range(&self.name, "read", offset, len, self.size_bytes)?;
+        self.check_aligned("read", offset, len)?;
+        let limit = self.info.max_payload_bytes as u64;
+        Ok(chunks(offset, len, limit)
+            .map(|(at, n)| Command::bare(CMD_READ, at, n as u32))
+            .collect())
+    }
+
+    /// Copy the replies of a read's commands into `buf`, in order.
+    fn fill_from_replies(
+        &self,
+        buf: &mut [u8],
+        replies: &mut impl Iterator<Item = Option<Vec<u8>>>,
+    ) -> DeviceResult<()> {
+        let mut filled = 0usize;
+        while filled < buf.len() {
+            let data = replies.next().flatten().ok_or_else(|| {
+                self.io_error(
+                    0,
+                    buf.len() as u64,
+                    io::Error::new(io::ErrorKind::InvalidData, "missing read reply"),
+                )
+            })?;
+            buf[filled..filled + data.len()].copy_from_slice(&data);
+            filled += data.len();
+        }
+        Ok(())
+    }
+
+    async fn read_async(&self, reactor: &Reactor, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        let commands = self.read_commands(offset, buf.len() as u64)?;
+        let results = self.execute_async(reactor, &commands).await?;
+        self.fill_from_replies(buf, &mut results.into_iter())
+    }
+
     /// The results of a finished batch, or its first error.
     fn collect(
         &self,
@@ -290,37 +398,34 @@ impl Device for NbdDevice {
         self.write_many_vectored(&[(offset, bufs)])
     }
 
+    /// Inside a reactor task, a pipelined command and a task that sleeps
+    /// until its reply is in; elsewhere, [`Device::read_at`].
+    fn read_into<'a>(
+        &'a self,
+        offset: u64,
+        mut slice: BufSlice,
+    ) -> DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
+        let Some(reactor) = Reactor::current() else {
+            let result = self.read_at(offset, slice.as_mut_slice());
+            return Box::pin(std::future::ready((result, slice)));
+        };
+        Box::pin(async move {
+            let result = self
+                .read_async(&reactor, offset, slice.as_mut_slice())
+                .await;
+            (result, slice)
+        })
+    }
+
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
-        let limit = self.info.max_payload_bytes as u64;
         let mut commands = Vec::new();
         for (offset, buf) in requests.iter() {
-            check_range(
-                &self.name,
-                "read",
-                *offset,
-                buf.len() as u64,
-                self.size_bytes,
-            )?;
-            self.check_aligned("read", *offset, buf.len() as u64)?;
-            for (at, n) in chunks(*offset, buf.len() as u64, limit) {
-                commands.push(Command::bare(CMD_READ, at, n as u32));
-            }
+            commands.extend(self.read_commands(*offset, buf.len() as u64)?);
         }
         let results = self.execute(&commands)?;
         let mut replies = results.into_iter();
         for (_, buf) in requests.iter_mut() {
-            let mut filled = 0usize;
-            while filled < buf.len() {
-                let data = replies.next().flatten().ok_or_else(|| {
-                    self.io_error(
-                        0,
-                        buf.len() as u64,
-                        io::Error::new(io::ErrorKind::InvalidData, "missing read reply"),
-                    )
-                })?;
-                buf[filled..filled + data.len()].copy_from_slice(&data);
-                filled += data.len();
-            }
+            self.fill_from_replies(buf, &mut replies)?;
         }
         Ok(())
     }

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::Waker;
 
 use cairn_nbd_proto::codec::reply::decode_simple_reply;
 use cairn_nbd_proto::codec::wire::SIMPLE_REPLY_BYTES;
@@ -27,6 +28,8 @@ pub(super) struct ConnState {
     pub dead: Option<String>,
     pub pending: HashMap<u64, Pending>,
     pub in_flight: usize,
+    /// Tasks waiting for a free slot in the window.
+    pub window_waiters: Vec<Waker>,
 }
 
 /// What the callers of a connection and its reader thread share.
@@ -43,6 +46,7 @@ impl ConnShared {
                 dead: None,
                 pending: HashMap::new(),
                 in_flight: 0,
+                window_waiters: Vec::new(),
             }),
             window: Condvar::new(),
         }
@@ -50,6 +54,20 @@ impl ConnShared {
 
     pub fn lock(&self) -> MutexGuard<'_, ConnState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A slot left the window (or the connection died): wake the threads
+    /// and the tasks waiting for one.
+    pub fn window_changed(&self, all: bool) {
+        let waiters = std::mem::take(&mut self.lock().window_waiters);
+        if all {
+            self.window.notify_all();
+        } else {
+            self.window.notify_one();
+        }
+        for waker in waiters {
+            waker.wake();
+        }
     }
 }
 
@@ -93,7 +111,7 @@ fn read_reply(stream: &mut Stream, shared: &ConnShared) -> Result<(), String> {
         }
         pending
     };
-    shared.window.notify_one();
+    shared.window_changed(false);
     let Some(pending) = pending else {
         // We cannot know how much data would follow: the stream is lost.
         return Err(format!("protocol error: reply for unknown cookie {cookie}"));
@@ -141,7 +159,7 @@ fn fail_in_flight(shared: &ConnShared, reason: String) {
         state.in_flight = 0;
         state.pending.drain().map(|(_, p)| p).collect()
     };
-    shared.window.notify_all();
+    shared.window_changed(true);
     let reason = shared.lock().dead.clone().unwrap_or_default();
     for pending in orphans {
         pending.batch.complete(

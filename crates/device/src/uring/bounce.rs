@@ -1,64 +1,50 @@
 //! [`BouncePool`]: bounce buffers for memory O_DIRECT cannot take as it is,
-//! one shared [`BufPool`] per size class.
+//! one shared [`crate::BufPool`] per size class.
 
-use std::sync::Arc;
-
-use crate::{Backing, BufPool, PooledBuf};
+use crate::{Backing, PooledBuf, SizeClassPool};
 
 /// Bounce buffers are at most this large; a larger unaligned I/O is split
 /// into several I/Os of this size (still one submission).
 pub(super) const BOUNCE_CHUNK_BYTES: usize = 1 << 20;
 /// Size classes of the pool: 4 KiB, 8 KiB, ... 1 MiB.
 const POOL_CLASS_MIN_BYTES: usize = 4096;
-const POOL_CLASS_COUNT: usize = 9;
 /// Each size class keeps at most this many bytes of idle buffers (and at
 /// least a few buffers), which bounds the pool at about 28 MiB.
 const POOL_CLASS_BUDGET_BYTES: usize = 4 << 20;
+/// Buffers each class keeps at least.
+const POOL_CLASS_IDLE_MIN: usize = 4;
 
 /// Reusable aligned bounce buffers, by power-of-two size class: a bounce
 /// buffer is taken per chunk of an I/O and goes back to its class when the
 /// batch is done, so a warm pool allocates nothing. From the heap: see
 /// [`Backing::Heap`].
 pub(super) struct BouncePool {
-    classes: [Arc<BufPool>; POOL_CLASS_COUNT],
+    classes: SizeClassPool,
 }
 
 impl BouncePool {
     pub(super) fn new() -> BouncePool {
         BouncePool {
-            classes: std::array::from_fn(|class| {
-                Arc::new(BufPool::with_backing(
-                    Backing::Heap,
-                    Self::class_bytes(class),
-                    Self::class_cap(class),
-                ))
-            }),
+            classes: SizeClassPool::new(
+                Backing::Heap,
+                POOL_CLASS_MIN_BYTES,
+                BOUNCE_CHUNK_BYTES,
+                POOL_CLASS_BUDGET_BYTES,
+                POOL_CLASS_IDLE_MIN,
+            ),
         }
-    }
-
-    fn class_of(len: usize) -> usize {
-        let rounded = len.max(POOL_CLASS_MIN_BYTES).next_power_of_two();
-        (rounded.trailing_zeros() - POOL_CLASS_MIN_BYTES.trailing_zeros()) as usize
-    }
-
-    fn class_bytes(class: usize) -> usize {
-        POOL_CLASS_MIN_BYTES << class
-    }
-
-    fn class_cap(class: usize) -> usize {
-        (POOL_CLASS_BUDGET_BYTES / Self::class_bytes(class)).clamp(4, 64)
     }
 
     /// An empty buffer of at least `len` bytes (`len <= BOUNCE_CHUNK_BYTES`)
     /// that goes back to the pool when dropped.
     pub(super) fn lend(&self, len: usize) -> PooledBuf {
         debug_assert!(len <= BOUNCE_CHUNK_BYTES);
-        self.classes[Self::class_of(len)].lend_full()
+        self.classes.lend(len)
     }
 
     #[cfg(test)]
     fn idle_count(&self) -> usize {
-        self.classes.iter().map(|class| class.idle_count()).sum()
+        self.classes.idle_count()
     }
 }
 
@@ -91,9 +77,12 @@ mod tests {
     #[test]
     fn pool_is_bounded() {
         let pool = BouncePool::new();
-        let class = BouncePool::class_of(BOUNCE_CHUNK_BYTES);
         let bufs: Vec<PooledBuf> = (0..20).map(|_| pool.lend(BOUNCE_CHUNK_BYTES)).collect();
         drop(bufs);
-        assert_eq!(pool.idle_count(), BouncePool::class_cap(class));
+        assert_eq!(
+            pool.idle_count(),
+            pool.classes.idle_max_for(BOUNCE_CHUNK_BYTES)
+        );
+        assert_eq!(pool.idle_count(), 4, "the 1 MiB class keeps 4");
     }
 }

@@ -73,8 +73,10 @@ use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
+use cairn_io::Reactor;
+
 use crate::file::{discard_range, pwritev_at, zero_range_in_kernel};
-use crate::{check_range, BlockBuf, Device, DeviceError, DeviceResult};
+use crate::{check_range, BlockBuf, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult};
 use bounce::{BouncePool, BOUNCE_CHUNK_BYTES};
 use ops::{for_each_piece_after, Op, OpKind, MAX_IOVECS};
 
@@ -143,6 +145,47 @@ impl UringDevice {
 
     fn mem_aligned(&self, ptr: *const u8) -> bool {
         (ptr as usize).is_multiple_of(self.mem_align_bytes)
+    }
+
+    /// A read on the current thread's reactor, when there is one and the
+    /// read can go to the kernel as it is (direct reads need an aligned
+    /// range and memory; cacheable reads go to the buffered descriptor);
+    /// otherwise `None`, and the caller reads synchronously.
+    fn reactor_read<'a>(
+        &'a self,
+        offset: u64,
+        slice: BufSlice,
+        cacheable: bool,
+    ) -> Result<DeviceFuture<'a, (DeviceResult<()>, BufSlice)>, BufSlice> {
+        let Some(reactor) = Reactor::current() else {
+            return Err(slice);
+        };
+        let len = slice.len();
+        if len == 0 || check_range(&self.name, "read", offset, len as u64, self.size_bytes).is_err()
+        {
+            return Err(slice);
+        }
+        let fd = match (&self.unaligned_file, cacheable) {
+            (Some(buffered), true) => {
+                self.cacheable_reads_seen.store(true, Ordering::Relaxed);
+                buffered.as_raw_fd()
+            }
+            _ if self.range_aligned(offset, len) && self.mem_aligned(slice.as_slice().as_ptr()) => {
+                self.file.as_raw_fd()
+            }
+            _ => return Err(slice),
+        };
+        Ok(Box::pin(async move {
+            let (result, mut slice) = reactor.read_at(fd, offset, slice).await;
+            let result = match result {
+                Ok(n) if n == len => Ok(()),
+                // A short transfer (never at the end: the range was
+                // checked): finish it outside the ring, like the sync path.
+                Ok(n) => self.sync_read(offset + n as u64, &mut slice.as_mut_slice()[n..]),
+                Err(e) => Err(self.io_error(offset, len as u64, e)),
+            };
+            (result, slice)
+        }))
     }
 
     /// The descriptor for I/O outside the rings: it takes any alignment.
@@ -305,6 +348,34 @@ impl Device for UringDevice {
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
         self.read_many(&mut [(offset, buf)])
+    }
+
+    fn read_into<'a>(
+        &'a self,
+        offset: u64,
+        slice: BufSlice,
+    ) -> DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
+        match self.reactor_read(offset, slice, false) {
+            Ok(future) => future,
+            Err(mut slice) => {
+                let result = self.read_at(offset, slice.as_mut_slice());
+                Box::pin(std::future::ready((result, slice)))
+            }
+        }
+    }
+
+    fn read_into_cacheable<'a>(
+        &'a self,
+        offset: u64,
+        slice: BufSlice,
+    ) -> DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
+        match self.reactor_read(offset, slice, true) {
+            Ok(future) => future,
+            Err(mut slice) => {
+                let result = self.read_many_cacheable(&mut [(offset, slice.as_mut_slice())]);
+                Box::pin(std::future::ready((result, slice)))
+            }
+        }
     }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {

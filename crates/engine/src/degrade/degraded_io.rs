@@ -64,7 +64,6 @@ pub(crate) fn degraded_zero_range(
     let full_end = end / block_bytes;
     {
         let mut st = p.state.running(p.env)?;
-        st.index.note_mutation();
         for (lba, _) in &edges {
             st.index.forget_range(*lba, *lba + 1);
         }
@@ -116,13 +115,16 @@ fn patched_edges<'a>(
     let block_bytes = p.env.block_size_bytes as u64;
     let mut edges = Vec::new();
     for (lba, within, n) in partial_edges(offset, end, block_bytes) {
-        let mut block = vec![0u8; block_bytes as usize];
         let scope = Scope::All {
             promote: false,
             bypassed: false,
             prefetch: false,
         };
-        read::read_one(p, lba * block_bytes, &mut block, scope)?;
+        let mut buf = p.env.read_bufs.lend(block_bytes as usize);
+        buf.set_len(block_bytes as usize);
+        let (result, buf) = cairn_io::block_on(read::read_blocks(p, lba * block_bytes, buf, scope));
+        result.expect("a read of every scope is served")?;
+        let mut block = buf.to_vec();
         let lo = lba * block_bytes + within as u64;
         let src = patch(lo, lo + n as u64);
         assert_eq!(src.len(), n);
@@ -137,7 +139,6 @@ fn patched_edges<'a>(
 /// old copy.
 fn forget_cached(p: Parts<'_>, first: u64, end: u64) -> EngineResult<()> {
     let mut st = p.state.running(p.env)?;
-    st.index.note_mutation();
     st.index.forget_range(first, end);
     Ok(())
 }

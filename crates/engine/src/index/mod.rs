@@ -10,6 +10,7 @@ mod forward_map;
 mod plan;
 mod ranges;
 mod slot_table;
+mod write_stamps;
 
 use std::collections::BTreeSet;
 
@@ -25,6 +26,8 @@ pub(crate) use plan::Plan;
 use ranges::RangeMap;
 pub(crate) use slot_table::state;
 use slot_table::SlotTable;
+pub(crate) use write_stamps::WriteStamp;
+use write_stamps::WriteStamps;
 
 /// Ranges up to this many blocks are dropped block by block through the
 /// forward map; larger ones by one pass over the slot table.
@@ -40,9 +43,8 @@ pub(crate) struct Index {
     dirty_blocks: u64,
     clean_blocks: u64,
     corrupt_blocks: u64,
-    /// Bumped by every write, zero and discard; a read fill is inserted
-    /// only if nothing changed since the origin read began.
-    mutations: u64,
+    /// Which blocks changed since a read planned its misses.
+    stamps: WriteStamps,
 }
 
 impl Index {
@@ -55,7 +57,7 @@ impl Index {
             dirty_blocks: 0,
             clean_blocks: 0,
             corrupt_blocks: 0,
-            mutations: 0,
+            stamps: WriteStamps::default(),
         }
     }
 
@@ -129,7 +131,7 @@ impl Index {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.slots.memory_bytes() + self.map.memory_bytes()
+        self.slots.memory_bytes() + self.map.memory_bytes() + self.stamps.memory_bytes()
     }
 
     /// How to serve a read of `lba` (see [`Plan`]), filling `block` when
@@ -181,7 +183,17 @@ impl Index {
             Counters::add(&env.counters.read_zero_hits, 1);
             return Ok(Plan::Done);
         }
-        Ok(Plan::Miss { tag })
+        Ok(Plan::Miss {
+            tag,
+            stamp: self.stamps.stamp(lba),
+        })
+    }
+
+    /// May a block read from the origin for a miss planned with `stamp` be
+    /// inserted as a clean copy? Only if `lba` is still not cached and
+    /// nothing wrote it since.
+    pub(crate) fn fill_allowed(&self, lba: u64, stamp: WriteStamp) -> bool {
+        !self.is_cached(lba) && self.stamps.unchanged(lba, stamp)
     }
 
     // ------------------------------------------------------------ changes
@@ -192,6 +204,7 @@ impl Index {
     /// readable again.
     pub(crate) fn insert(&mut self, slot: u32, lba: u64, crc: u32, clean: bool) {
         assert!(!self.is_live(slot), "insert into live slot {slot}");
+        self.stamps.bump(lba);
         self.lost.remove(&lba);
         if let Some(old) = self.lookup(lba) {
             assert!(!clean, "clean copies only go to unmapped blocks");
@@ -216,6 +229,7 @@ impl Index {
     /// record, not yet on the device): new checksum, dirty.
     pub(crate) fn rewrite_in_place(&mut self, slot: u32, lba: u64, crc: u32) {
         assert!(self.is_live(slot) && self.lba(slot) == lba);
+        self.stamps.bump(lba);
         self.lost.remove(&lba);
         let was_clean = !self.is_dirty(slot);
         assert!(
@@ -291,6 +305,7 @@ impl Index {
     /// range is being zeroed, discarded or written around the cache.
     pub(crate) fn forget_range(&mut self, first: u64, end: u64) {
         assert!(first < end);
+        self.stamps.bump_range(first, end);
         if end - first <= RANGE_LOOKUP_BLOCKS_MAX {
             for lba in first..end {
                 if let Some(slot) = self.lookup(lba) {
@@ -323,14 +338,6 @@ impl Index {
 
     pub(crate) fn lost_blocks(&self) -> u64 {
         self.lost.len() as u64
-    }
-
-    pub(crate) fn note_mutation(&mut self) {
-        self.mutations += 1;
-    }
-
-    pub(crate) fn mutations(&self) -> u64 {
-        self.mutations
     }
 
     // ------------------------------------------------------------- ranges

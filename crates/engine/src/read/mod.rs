@@ -1,26 +1,27 @@
-//! The read path, one algorithm for a single read and for a batch of
-//! pipelined reads:
+//! The read path, one algorithm for every read:
 //!
-//! 1. plan every block under one engine lock acquisition: from memory (the
-//!    open record, a sealed record in flight), zeroes (a pending range),
-//!    a cache slot, or the origin;
-//! 2. read every cache hit of the batch with one device submission, and
-//!    the misses from the origin (one read per run of consecutive blocks),
-//!    outside the lock;
-//! 3. verify every block (checksums for hits, integrity tags for origin
-//!    reads); a block that fails takes the slow path in `recheck`;
-//! 4. promote misses as clean copies, by policy, if nothing was written
-//!    meanwhile.
+//! 1. plan every block under the engine lock: from memory (the open record,
+//!    a sealed record in flight), zeroes (a pending range), a cache slot,
+//!    or the origin;
+//! 2. start every read at once, outside the lock: runs of hits in adjacent
+//!    slots as one cache read, runs of misses as one origin read; as a task
+//!    on a reactor they are all in flight together (one submission for the
+//!    whole loop turn) while other tasks run, and elsewhere they are done
+//!    one by one;
+//! 3. verify every block: checksums for hits, integrity tags for origin
+//!    reads; a block that fails takes the slow path in `recheck`;
+//! 4. promote misses as clean copies, by policy, unless the block was
+//!    written since it was planned (see `index::WriteStamp`).
 //!
-//! A batch may be limited to requests whose every block is cached
-//! ([`Scope::CachedOnly`]): the others are left untouched, so a slow origin
-//! read never holds up the cached reads it arrived with.
+//! A read may be limited to requests whose every block is cached
+//! ([`Scope::CachedOnly`]): the others are left untouched.
 
 mod recheck;
 
 pub(crate) use recheck::read_block_slow;
 pub(crate) use recheck::verify_origin_read;
 
+use cairn_device::{BufSlice, DeviceError, DeviceResult, PooledBuf, SharedBuf};
 use cairn_format::block_checksum;
 
 use crate::env::Env;
@@ -28,341 +29,293 @@ use crate::error::EngineResult;
 use crate::index::Plan;
 use crate::parts::Parts;
 use crate::space;
-use crate::state::State;
 use crate::stats::Counters;
 
-/// Which requests of a batch are served.
+/// Which reads are served, and how misses are treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Scope {
-    /// Every request; misses are promoted if `promote`, counted as
-    /// bypassed if `bypassed`; a prefetch promotes past the n-hit filter.
+    /// Every read; misses are promoted if `promote`, counted as bypassed
+    /// if `bypassed`; a prefetch promotes past the n-hit filter.
     All {
         promote: bool,
         bypassed: bool,
         prefetch: bool,
     },
-    /// Only requests whose every block is cached; the rest are untouched.
+    /// Only reads whose every block is cached; the rest are untouched.
     CachedOnly,
 }
 
-/// One batch of reads of whole blocks: `(offset_bytes, blocks)`.
-struct Batch {
-    scope: Scope,
-    /// Per request: the plan of each block, or `None` if left untouched.
-    plans: Vec<Option<Vec<Plan>>>,
-    /// Per request: `None` while untouched or in progress, else the outcome.
-    results: Vec<Option<EngineResult<()>>>,
-    /// `Index::mutations` when the batch was planned: fills are promoted
-    /// only if nothing was written since.
-    mutations_before: u64,
+/// One device read of a planned request: blocks `[first, end)` of it, from
+/// the cache (slot `slot`, then the adjacent slots) or from the origin.
+struct Io {
+    first: usize,
+    end: usize,
+    source: Source,
 }
 
-/// Serve a batch of aligned whole-block reads. `result[i]` is the outcome
-/// of `requests[i]`, or `None` if the scope left it untouched.
-pub(crate) fn read_batch(
+#[derive(Clone, Copy)]
+enum Source {
+    Cache { slot: u32 },
+    Origin,
+}
+
+/// Read whole blocks from `offset` into `buf` (`buf.len()` bytes, a
+/// multiple of the block size). `None` if `scope` left the read untouched.
+pub(crate) async fn read_blocks(
     p: Parts<'_>,
-    requests: &mut [(u64, &mut [u8])],
+    offset: u64,
+    mut buf: PooledBuf,
     scope: Scope,
-) -> Vec<Option<EngineResult<()>>> {
-    let mut batch = {
-        let mut st = match p.state.running(p.env) {
-            Ok(st) => st,
-            Err(e) => return fail_all(requests.len(), scope, e),
-        };
-        Batch::plan(p.env, &mut st, requests, scope)
+) -> (Option<EngineResult<()>>, PooledBuf) {
+    let env = p.env;
+    let block_bytes = env.block_size_bytes;
+    assert!(offset.is_multiple_of(block_bytes as u64));
+    assert!(buf.len().is_multiple_of(block_bytes));
+    let first_lba = offset / block_bytes as u64;
+    let plans = match plan(p, first_lba, &mut buf, scope) {
+        Ok(Some(plans)) => plans,
+        Ok(None) => return (None, buf),
+        Err(e) => return (Some(Err(e)), buf),
     };
-    batch.read_hits(p.env, requests);
-    batch.read_misses(p, requests);
-    batch.verify_hits(p, requests);
-    batch.promote(p, requests);
-    batch.finish()
+    let ios = ios(&plans);
+    let (buf, failures) = run_ios(env, first_lba, buf, &ios).await;
+    let mut buf = buf;
+    let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
+        .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
+    (Some(result), buf)
 }
 
-/// Every request fails alike (the engine stopped).
-fn fail_all(
-    count: usize,
-    scope: Scope,
-    e: crate::error::EngineError,
-) -> Vec<Option<EngineResult<()>>> {
-    match scope {
-        // Untouched: the caller's single-read path reports the error.
-        Scope::CachedOnly => (0..count).map(|_| None).collect(),
-        Scope::All { .. } => {
-            let mut results: Vec<_> = (0..count).map(|_| None).collect();
-            if let Some(first) = results.first_mut() {
-                *first = Some(Err(e));
-            }
-            for r in results.iter_mut().skip(1) {
-                *r = Some(Err(crate::error::EngineError::Failed(
-                    "the engine stopped".into(),
-                )));
-            }
-            results
-        }
-    }
-}
-
-impl Batch {
-    /// Step 1: plan every block of every request under the engine lock.
-    fn plan(env: &Env, st: &mut State, requests: &mut [(u64, &mut [u8])], scope: Scope) -> Batch {
-        let block_bytes = env.block_size_bytes;
-        let mut batch = Batch {
-            scope,
-            plans: Vec::with_capacity(requests.len()),
-            results: (0..requests.len()).map(|_| None).collect(),
-            mutations_before: st.index.mutations(),
-        };
-        for (i, (offset, buf)) in requests.iter_mut().enumerate() {
-            assert!(offset.is_multiple_of(block_bytes as u64));
-            assert!(buf.len().is_multiple_of(block_bytes));
-            let first = *offset / block_bytes as u64;
-            let count = (buf.len() / block_bytes) as u64;
-            // A request that fails this check is served as if it had
-            // never been looked at: the check has no side effects.
-            if scope == Scope::CachedOnly
-                && !(first..first + count).all(|lba| st.index.is_cached(lba))
-            {
-                batch.plans.push(None);
-                continue;
-            }
-            let mut plans = Vec::with_capacity(count as usize);
-            for (k, block) in buf.chunks_mut(block_bytes).enumerate() {
-                match st.plan(env, first + k as u64, block) {
-                    Ok(plan) => plans.push(plan),
-                    Err(e) => {
-                        batch.results[i] = Some(Err(e));
-                        break;
-                    }
-                }
-            }
-            batch.plans.push(Some(plans));
-        }
-        batch
-    }
-
-    /// Is request `i` still being served (touched, no error yet)?
-    fn active(&self, i: usize) -> bool {
-        self.plans[i].is_some() && self.results[i].is_none()
-    }
-
-    /// Step 2a: every cache hit of the batch in one submission, outside the
-    /// lock. Blocks of a failed submission are zeroed: they fail their
-    /// checksum and take the slow path.
-    fn read_hits(&mut self, env: &Env, requests: &mut [(u64, &mut [u8])]) {
-        let block_bytes = env.block_size_bytes;
-        let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
-        for (i, (_, buf)) in requests.iter_mut().enumerate() {
-            if !self.active(i) {
-                continue;
-            }
-            let plans = self.plans[i].as_ref().expect("active");
-            for (plan, block) in plans.iter().zip(buf.chunks_mut(block_bytes)) {
-                if let Plan::Cache { slot, .. } = *plan {
-                    reads.push((env.slot_offset_bytes(slot), block));
-                }
-            }
-        }
-        if reads.is_empty() {
-            return;
-        }
-        if let Err(e) = env.read_cache_hits(&mut reads) {
-            Counters::add(&env.counters.cache_read_errors, 1);
-            tracing::warn!("cache read failed, retrying block by block: {e}");
-            for (_, block) in reads.iter_mut() {
-                block.fill(0);
-            }
-        }
-    }
-
-    /// Step 2b and 3 for misses: one origin read per run of consecutive
-    /// missed blocks, each block checked against its integrity tag.
-    fn read_misses(&mut self, p: Parts<'_>, requests: &mut [(u64, &mut [u8])]) {
-        let block_bytes = p.env.block_size_bytes;
-        for (i, (offset, buf)) in requests.iter_mut().enumerate() {
-            if !self.active(i) {
-                continue;
-            }
-            let first = *offset / block_bytes as u64;
-            let plans = self.plans[i].as_ref().expect("active");
-            let result = miss_runs(plans).try_for_each(|(start, end)| {
-                let run = &mut buf[start * block_bytes..end * block_bytes];
-                p.env.read_origin(first + start as u64, run)?;
-                Counters::add(&p.env.counters.read_misses, (end - start) as u64);
-                for k in start..end {
-                    let Plan::Miss { tag } = plans[k] else {
-                        unreachable!("miss runs hold misses only")
-                    };
-                    let block = &mut buf[k * block_bytes..(k + 1) * block_bytes];
-                    verify_origin_read(p.env, p.state, first + k as u64, tag, block)?;
-                }
-                Ok(())
-            });
-            if let Err(e) = result {
-                self.results[i] = Some(Err(e));
-            }
-        }
-    }
-
-    /// Step 3 for hits: check every block read against the checksum taken
-    /// before it was written; a mismatch takes the slow path.
-    fn verify_hits(&mut self, p: Parts<'_>, requests: &mut [(u64, &mut [u8])]) {
-        let block_bytes = p.env.block_size_bytes;
-        for (i, (offset, buf)) in requests.iter_mut().enumerate() {
-            if !self.active(i) {
-                continue;
-            }
-            let first = *offset / block_bytes as u64;
-            let plans = self.plans[i].as_ref().expect("active");
-            for (k, block) in buf.chunks_mut(block_bytes).enumerate() {
-                let Plan::Cache { slot, crc } = plans[k] else {
-                    continue;
-                };
-                let lba = first + k as u64;
-                if block_checksum(lba, block) == crc {
-                    Counters::add(&p.env.counters.read_hits, 1);
-                    continue;
-                }
-                if let Err(e) = read_block_slow(p.env, p.state, lba, slot, crc, block) {
-                    self.results[i] = Some(Err(e));
-                    break;
-                }
-            }
-        }
-    }
-
-    /// Step 4: promote the misses as clean copies, by policy, if nothing
-    /// was written since the batch was planned (a fill must never replace
-    /// newer data).
-    fn promote(&mut self, p: Parts<'_>, requests: &[(u64, &mut [u8])]) {
-        let Scope::All {
-            promote,
-            bypassed,
-            prefetch,
-        } = self.scope
-        else {
-            return;
-        };
-        let c = &p.env.counters;
-        let block_bytes = p.env.block_size_bytes;
-        let missed = |plans: &[Plan]| {
-            plans
-                .iter()
-                .filter(|p| matches!(p, Plan::Miss { .. }))
-                .count()
-        };
-        if bypassed {
-            for (i, plans) in self.plans.iter().enumerate() {
-                if let (Some(plans), None) = (plans, &self.results[i]) {
-                    Counters::add(&c.bypassed, missed(plans) as u64);
-                }
-            }
-        }
-        if !promote {
-            return;
-        }
-        for (i, (offset, buf)) in requests.iter().enumerate() {
-            if !self.active(i) || missed(self.plans[i].as_ref().expect("active")) == 0 {
-                continue;
-            }
-            let mut st = match p.state.running(p.env) {
-                Ok(st) => st,
-                Err(e) => {
-                    self.results[i] = Some(Err(e));
-                    continue;
-                }
-            };
-            if st.index.mutations() != self.mutations_before {
-                continue;
-            }
-            let first = *offset / block_bytes as u64;
-            let plans = self.plans[i].as_ref().expect("active");
-            for (k, plan) in plans.iter().enumerate() {
-                if !matches!(plan, Plan::Miss { .. }) {
-                    continue;
-                }
-                let lba = first + k as u64;
-                if st.index.is_cached(lba) {
-                    continue;
-                }
-                if !prefetch && !p.policy.miss_due(lba) {
-                    Counters::add(&c.promotions_skipped, 1);
-                    continue;
-                }
-                let block = &buf[k * block_bytes..(k + 1) * block_bytes];
-                match space::promote(p.env, &mut st, lba, block) {
-                    Ok(true) => Counters::add(&c.promotions, 1),
-                    // No room without evicting dirty data: stop here.
-                    Ok(false) => break,
-                    Err(e) => {
-                        self.results[i] = Some(Err(e));
-                        break;
-                    }
-                }
-            }
-        }
-    }
-
-    /// The outcome of every request the scope touched.
-    fn finish(self) -> Vec<Option<EngineResult<()>>> {
-        self.plans
-            .iter()
-            .zip(self.results)
-            .map(|(plans, result)| plans.as_ref().map(|_| result.unwrap_or(Ok(()))))
-            .collect()
-    }
-}
-
-/// The runs `[start, end)` of consecutive missed blocks of one request.
-fn miss_runs(plans: &[Plan]) -> impl Iterator<Item = (usize, usize)> + '_ {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        while i < plans.len() && !matches!(plans[i], Plan::Miss { .. }) {
-            i += 1;
-        }
-        if i == plans.len() {
-            return None;
-        }
-        let start = i;
-        while i < plans.len() && matches!(plans[i], Plan::Miss { .. }) {
-            i += 1;
-        }
-        Some((start, i))
-    })
-}
-
-/// Serve one aligned read of whole blocks.
-pub(crate) fn read_one(
+/// Step 1: plan every block under the engine lock; `None` if the scope
+/// leaves this read untouched.
+fn plan(
     p: Parts<'_>,
-    offset: u64,
-    blocks: &mut [u8],
+    first_lba: u64,
+    buf: &mut [u8],
     scope: Scope,
-) -> EngineResult<()> {
-    let mut requests = [(offset, blocks)];
-    read_batch(p, &mut requests, scope)
-        .pop()
-        .flatten()
-        .unwrap_or(Ok(()))
+) -> EngineResult<Option<Vec<Plan>>> {
+    let env = p.env;
+    let block_bytes = env.block_size_bytes;
+    let count = (buf.len() / block_bytes) as u64;
+    let mut st = p.state.running(env)?;
+    // A read that fails this check is served as if it had never been
+    // looked at: the check has no side effects.
+    if scope == Scope::CachedOnly
+        && !(first_lba..first_lba + count).all(|lba| st.index.is_cached(lba))
+    {
+        return Ok(None);
+    }
+    let mut plans = Vec::with_capacity(count as usize);
+    for (k, block) in buf.chunks_mut(block_bytes).enumerate() {
+        plans.push(st.plan(env, first_lba + k as u64, block)?);
+    }
+    Ok(Some(plans))
 }
 
-/// Run `op` on the whole blocks covering `[offset, offset + buf.len())`:
-/// on `buf` itself when the request is aligned, else on a staging buffer
-/// whose covered bytes are copied out afterwards.
-pub(crate) fn on_whole_blocks(
-    offset: u64,
-    buf: &mut [u8],
-    block_bytes: usize,
-    op: impl FnOnce(u64, &mut [u8]) -> EngineResult<()>,
-) -> EngineResult<()> {
-    let bs = block_bytes as u64;
-    let aligned = offset.is_multiple_of(bs) && (buf.len() as u64).is_multiple_of(bs);
-    if aligned {
-        return op(offset, buf);
+/// The device reads the plans need: a run of hits in adjacent slots, or of
+/// misses, is one read.
+fn ios(plans: &[Plan]) -> Vec<Io> {
+    let mut ios: Vec<Io> = Vec::new();
+    for (k, plan) in plans.iter().enumerate() {
+        let source = match *plan {
+            Plan::Done => continue,
+            Plan::Cache { slot, .. } => Source::Cache { slot },
+            Plan::Miss { .. } => Source::Origin,
+        };
+        if let Some(last) = ios.last_mut() {
+            let extends = last.end == k
+                && match (last.source, source) {
+                    (Source::Cache { slot: a }, Source::Cache { slot: b }) => {
+                        a as u64 + (k - last.first) as u64 == b as u64
+                    }
+                    (Source::Origin, Source::Origin) => true,
+                    _ => false,
+                };
+            if extends {
+                last.end = k + 1;
+                continue;
+            }
+        }
+        ios.push(Io {
+            first: k,
+            end: k + 1,
+            source,
+        });
     }
-    let first = offset / bs;
-    let last = (offset + buf.len() as u64 - 1) / bs;
-    let mut staging = vec![0u8; ((last - first + 1) * bs) as usize];
-    op(first * bs, &mut staging)?;
-    let skip = (offset - first * bs) as usize;
-    buf.copy_from_slice(&staging[skip..skip + buf.len()]);
+    ios
+}
+
+/// Step 2: every read at once; the buffer back, and the reads that failed
+/// (by index into `ios`).
+async fn run_ios(
+    env: &Env,
+    first_lba: u64,
+    buf: PooledBuf,
+    ios: &[Io],
+) -> (PooledBuf, Vec<Option<DeviceError>>) {
+    if ios.is_empty() {
+        return (buf, Vec::new());
+    }
+    let block_bytes = env.block_size_bytes;
+    let shared = SharedBuf::new(buf);
+    let reads: Vec<_> = ios
+        .iter()
+        .map(|io| {
+            let slice = shared.slice(io.first * block_bytes..io.end * block_bytes);
+            start_read(env, first_lba, io, slice)
+        })
+        .collect();
+    let results = cairn_io::join_all(reads).await;
+    let failures = results
+        .into_iter()
+        .map(|(result, slice)| {
+            drop(slice);
+            result.err()
+        })
+        .collect();
+    let buf = match shared.into_inner() {
+        Ok(buf) => buf,
+        Err(_) => unreachable!("every slice came back with its read"),
+    };
+    (buf, failures)
+}
+
+fn start_read<'a>(
+    env: &'a Env,
+    first_lba: u64,
+    io: &Io,
+    slice: BufSlice,
+) -> cairn_device::DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
+    match io.source {
+        Source::Cache { slot } => {
+            let at = env.slot_offset_bytes(slot);
+            if env.config.page_cache_reads {
+                env.cache.read_into_cacheable(at, slice)
+            } else {
+                env.cache.read_into(at, slice)
+            }
+        }
+        Source::Origin => {
+            let at = (first_lba + io.first as u64) * env.block_size_bytes as u64;
+            Box::pin(async move {
+                // Bounded origin concurrency: a miss beyond it waits here.
+                if env.origin_slots.acquire(1).await {
+                    Counters::add(&env.counters.origin_queue_waits, 1);
+                }
+                let _slot = OriginSlot(env);
+                env.origin.read_into(at, slice).await
+            })
+        }
+    }
+}
+
+/// An origin read's slot, given back when the read ends (or is dropped).
+struct OriginSlot<'a>(&'a Env);
+
+impl Drop for OriginSlot<'_> {
+    fn drop(&mut self) {
+        self.0.origin_slots.release(1);
+    }
+}
+
+/// Step 3: check every block read against its checksum or integrity tag.
+/// A failed cache read leaves its blocks to the slow path; a failed origin
+/// read fails the request.
+fn verify(
+    p: Parts<'_>,
+    first_lba: u64,
+    plans: &[Plan],
+    ios: &[Io],
+    failures: Vec<Option<DeviceError>>,
+    buf: &mut [u8],
+) -> EngineResult<()> {
+    let env = p.env;
+    let c = &env.counters;
+    let block_bytes = env.block_size_bytes;
+    for (io, failure) in ios.iter().zip(failures) {
+        match (io.source, failure) {
+            (Source::Origin, Some(e)) => {
+                Counters::add(&c.origin_read_errors, 1);
+                return Err(crate::error::EngineError::Origin(e));
+            }
+            (Source::Origin, None) => {
+                Counters::add(&c.read_misses, (io.end - io.first) as u64);
+            }
+            (Source::Cache { .. }, Some(e)) => {
+                Counters::add(&c.cache_read_errors, 1);
+                tracing::warn!("cache read failed, retrying block by block: {e}");
+                // Zeroed blocks fail their checksum: the slow path re-reads.
+                buf[io.first * block_bytes..io.end * block_bytes].fill(0);
+            }
+            (Source::Cache { .. }, None) => {}
+        }
+    }
+    for (k, plan) in plans.iter().enumerate() {
+        let lba = first_lba + k as u64;
+        let block = &mut buf[k * block_bytes..(k + 1) * block_bytes];
+        match *plan {
+            Plan::Done => {}
+            Plan::Cache { slot, crc } => {
+                if block_checksum(lba, block) == crc {
+                    Counters::add(&c.read_hits, 1);
+                } else {
+                    read_block_slow(env, p.state, lba, slot, crc, block)?;
+                }
+            }
+            Plan::Miss { tag, .. } => verify_origin_read(env, p.state, lba, tag, block)?,
+        }
+    }
+    Ok(())
+}
+
+/// Step 4: promote the misses as clean copies, by policy, unless written
+/// since they were planned (a fill must never replace newer data).
+fn promote(
+    p: Parts<'_>,
+    first_lba: u64,
+    plans: &[Plan],
+    buf: &[u8],
+    scope: Scope,
+) -> EngineResult<()> {
+    let Scope::All {
+        promote,
+        bypassed,
+        prefetch,
+    } = scope
+    else {
+        return Ok(());
+    };
+    let c = &p.env.counters;
+    let block_bytes = p.env.block_size_bytes;
+    let missed = plans
+        .iter()
+        .filter(|p| matches!(p, Plan::Miss { .. }))
+        .count();
+    if bypassed {
+        Counters::add(&c.bypassed, missed as u64);
+    }
+    if !promote || missed == 0 {
+        return Ok(());
+    }
+    let mut st = p.state.running(p.env)?;
+    for (k, plan) in plans.iter().enumerate() {
+        let Plan::Miss { stamp, .. } = *plan else {
+            continue;
+        };
+        let lba = first_lba + k as u64;
+        if !st.index.fill_allowed(lba, stamp) {
+            Counters::add(&c.fills_superseded, 1);
+            continue;
+        }
+        if !prefetch && !p.policy.miss_due(lba) {
+            Counters::add(&c.promotions_skipped, 1);
+            continue;
+        }
+        let block = &buf[k * block_bytes..(k + 1) * block_bytes];
+        if !space::promote(p.env, &mut st, lba, block)? {
+            // No room without evicting dirty data: stop here.
+            break;
+        }
+        Counters::add(&c.promotions, 1);
+    }
     Ok(())
 }

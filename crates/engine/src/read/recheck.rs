@@ -33,7 +33,7 @@ pub(crate) fn read_block_slow(
     // Re-plan under the lock: nothing can move now.
     let (now_slot, now_crc) = match st.plan(env, lba, block)? {
         Plan::Done => return Ok(()),
-        Plan::Miss { tag } => {
+        Plan::Miss { tag, .. } => {
             drop(st);
             env.read_origin(lba, block)?;
             return verify_origin_read(env, state, lba, tag, block);
@@ -109,8 +109,8 @@ pub(crate) fn verify_origin_read(
         match plan {
             Plan::Done => return Ok(()),
             Plan::Cache { slot, crc } => return read_block_slow(env, state, lba, slot, crc, block),
-            Plan::Miss { tag: now } if now == tag => break,
-            Plan::Miss { tag: now } => {
+            Plan::Miss { tag: now, .. } if now == tag => break,
+            Plan::Miss { tag: now, .. } => {
                 env.read_origin(lba, block)?;
                 if judge(env, lba, block, now).is_ok() {
                     return Ok(());

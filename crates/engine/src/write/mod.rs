@@ -45,7 +45,6 @@ pub(crate) fn write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineResult<()> 
         let chunk_end = ((first + chunk_blocks) * block_bytes).min(end);
         let blocks = (chunk_end - first * block_bytes).div_ceil(block_bytes);
         st = reserve(p, st, blocks, 0)?;
-        st.index.note_mutation();
         while at < chunk_end {
             let lba = at / block_bytes;
             let within = (at % block_bytes) as usize;
@@ -88,7 +87,6 @@ pub(crate) fn zero_range(
     let first_full = offset.div_ceil(block_bytes);
     let end_full = end / block_bytes;
     let mut st = p.state.normal(env)?;
-    st.index.note_mutation();
     if kind == RangeKind::Zero {
         let zeroes = vec![0u8; block_bytes as usize];
         for (lba, within, n) in partial_edges(offset, end, block_bytes) {

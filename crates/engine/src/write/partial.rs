@@ -35,7 +35,7 @@ pub(crate) fn write_partial(
                 Counters::add(&env.counters.repairs, 1);
             }
         }
-        Plan::Miss { tag } => {
+        Plan::Miss { tag, .. } => {
             env.read_origin(lba, &mut block)?;
             // The engine lock is held, so the tag is current: a mismatch is
             // real, and merging into bad data would bless it.

@@ -38,6 +38,7 @@ pub fn config() -> EngineConfig {
         // Deterministic and fast: retries do not wait.
         cache_write_backoff_us: 0,
         page_cache_reads: true,
+        origin_queue_depth: 64,
     }
 }
 

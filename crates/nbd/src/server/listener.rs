@@ -358,10 +358,24 @@ impl Stream {
     /// Append up to `limit` bytes to `out`, stopping early only at end of
     /// stream. Goes through the socket's own `read_to_end`, which receives
     /// into the vector's spare capacity without zeroing it first.
-    pub(crate) fn read_into_vec(&mut self, out: &mut Vec<u8>, limit: u64) -> io::Result<usize> {
+    pub(crate) fn read_into_vec(&self, out: &mut Vec<u8>, limit: u64) -> io::Result<usize> {
         match self {
             Stream::Unix(s) => Read::take(s, limit).read_to_end(out),
             Stream::Tcp(s) => Read::take(s, limit).read_to_end(out),
+        }
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    pub(crate) fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(nonblocking),
+            Stream::Tcp(s) => s.set_nonblocking(nonblocking),
         }
     }
 
@@ -394,25 +408,6 @@ impl Stream {
         }
     }
 
-    /// Bytes the client has sent that we have not read yet (FIONREAD), 0
-    /// if the kernel will not say. Tells a client that pipelines (more
-    /// requests already on their way) from one waiting for a reply.
-    pub(crate) fn pending_bytes(&self) -> usize {
-        let fd = match self {
-            Stream::Unix(s) => s.as_raw_fd(),
-            Stream::Tcp(s) => s.as_raw_fd(),
-        };
-        let mut pending: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one int through the pointer, which points
-        // at a live int; the descriptor is owned by `self`.
-        let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut pending as *mut libc::c_int) };
-        if rc == 0 && pending > 0 {
-            pending as usize
-        } else {
-            0
-        }
-    }
-
     pub(crate) fn peer(&self) -> String {
         match self {
             Stream::Unix(_) => "unix".to_string(),
@@ -430,6 +425,35 @@ impl Read for Stream {
             Stream::Unix(s) => s.read(buf),
             Stream::Tcp(s) => s.read(buf),
         }
+    }
+}
+
+impl Read for &Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => (&*s).read(buf),
+            Stream::Tcp(s) => (&*s).read(buf),
+        }
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => (&*s).write(buf),
+            Stream::Tcp(s) => (&*s).write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => (&*s).write_vectored(bufs),
+            Stream::Tcp(s) => (&*s).write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

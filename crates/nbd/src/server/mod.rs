@@ -1,19 +1,20 @@
-//! The NBD connection loop over std threads.
+//! The NBD server.
 //!
-//! Threads: one acceptor; one reader per connection (negotiates, then
-//! parses requests and reads write payloads); a small worker pool shared by
-//! every connection that runs export calls and writes replies under the
-//! connection's writer lock. Nothing spins: every thread blocks in a
-//! syscall, a channel or a condvar.
+//! Threads: one acceptor, and one thread per connection that negotiates
+//! with blocking reads and then runs the connection as an event loop of
+//! its own (a `cairn_io::Reactor` with its own io_uring): a reader task
+//! parses requests and starts a task for each, a writer task sends the
+//! replies. A request waiting for I/O is a suspended task, not a blocked
+//! thread. Nothing spins: an idle connection sleeps in the kernel.
 //!
 //! Memory is bounded: each connection has at most
-//! `max_in_flight_per_connection` requests queued or running (the reader
-//! stops reading when full), and all connections together hold at most
+//! `max_in_flight_per_connection` requests in flight (the reader stops
+//! taking requests when full), and all connections together hold at most
 //! `max_buffered_bytes` of read/write payload buffers.
 
+mod budget;
 mod conn;
 mod listener;
-mod pool;
 
 pub use listener::Listener;
 
@@ -28,8 +29,8 @@ use std::time::Duration;
 
 use crate::codec::{BlockSizes, ExportInfo, Limits};
 use crate::export::{Export, ExportError};
+use budget::ByteBudget;
 use listener::Stream;
-use pool::{ByteBudget, Pool};
 
 /// Server limits and behaviour. `Default` suits a 2-core machine.
 #[derive(Debug, Clone)]
@@ -50,8 +51,6 @@ pub struct ServerConfig {
     pub max_name_bytes: u32,
     /// Options per connection before the server hangs up.
     pub max_options_per_connection: u32,
-    /// Worker threads shared by all connections.
-    pub worker_count: usize,
     /// Read/write payload bytes buffered across all connections.
     pub max_buffered_bytes: u64,
     /// Advertised block sizes: minimum, preferred, maximum payload.
@@ -88,7 +87,6 @@ impl Default for ServerConfig {
             max_option_bytes: limits.max_option_bytes,
             max_name_bytes: limits.max_name_bytes,
             max_options_per_connection: limits.max_options,
-            worker_count: 4,
             max_buffered_bytes: 256 * 1024 * 1024,
             min_block_bytes: sizes.min_bytes,
             preferred_block_bytes: sizes.preferred_bytes,
@@ -107,13 +105,9 @@ impl ServerConfig {
     /// Check the limits are consistent with each other and the spec.
     pub fn validate(&self) -> Result<(), ServerError> {
         let bad = |m: String| Err(ServerError::Config(m));
-        if self.max_connections == 0
-            || self.max_in_flight_per_connection == 0
-            || self.worker_count == 0
-        {
+        if self.max_connections == 0 || self.max_in_flight_per_connection == 0 {
             return bad(
-                "max_connections, max_in_flight_per_connection and worker_count must be at least 1"
-                    .into(),
+                "max_connections and max_in_flight_per_connection must be at least 1".into(),
             );
         }
         if !self.min_block_bytes.is_power_of_two()
@@ -301,14 +295,12 @@ pub fn serve(
         export,
         config,
     });
-    let pool =
-        Pool::start(shared.config.worker_count, shared.clone()).map_err(ServerError::Spawn)?;
     let description = listener.description().to_string();
     tracing::info!(listen = %description, size_bytes = shared.export_info.size_bytes, "NBD server listening");
     let acceptor_shared = shared.clone();
     let acceptor = std::thread::Builder::new()
         .name("nbd-accept".to_string())
-        .spawn(move || accept_loop(acceptor_shared, listener, wake_rx, pool))
+        .spawn(move || accept_loop(acceptor_shared, listener, wake_rx))
         .map_err(ServerError::Spawn)?;
     Ok(ServerHandle {
         shared,
@@ -399,7 +391,6 @@ fn accept_loop(
     shared: Arc<Shared>,
     listener: Listener,
     wake_rx: UnixStream,
-    pool: Pool,
 ) -> Result<(), ServerError> {
     let mut next_id = 0u64;
     let mut failure = None;
@@ -444,19 +435,19 @@ fn accept_loop(
             }
         };
         next_id += 1;
-        start_connection(&shared, &pool, next_id, stream);
+        start_connection(&shared, next_id, stream);
     }
     // Stop accepting before anything else; this also removes our unix
     // socket file.
     drop(listener);
-    drain(&shared, pool)?;
+    drain(&shared)?;
     match failure {
         Some(e) => Err(ServerError::Listener(e)),
         None => Ok(()),
     }
 }
 
-fn start_connection(shared: &Arc<Shared>, pool: &Pool, id: u64, stream: Stream) {
+fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
     let mut conns = lock(&shared.connections);
     if conns.len() >= shared.config.max_connections {
         drop(conns);
@@ -485,11 +476,10 @@ fn start_connection(shared: &Arc<Shared>, pool: &Pool, id: u64, stream: Stream) 
         .connections_accepted
         .fetch_add(1, Ordering::Relaxed);
     let conn_shared = shared.clone();
-    let jobs = pool.sender();
     let spawned = std::thread::Builder::new()
         .name(format!("nbd-conn-{id}"))
         .spawn(move || {
-            conn::run(&conn_shared, id, stream, jobs);
+            conn::run(&conn_shared, id, stream);
             conn_shared.connection_finished(id);
         });
     if let Err(e) = spawned {
@@ -499,8 +489,8 @@ fn start_connection(shared: &Arc<Shared>, pool: &Pool, id: u64, stream: Stream) 
 }
 
 /// Shut every connection's reading side, wait for them to finish their
-/// in-flight requests, stop the workers and flush the export.
-fn drain(shared: &Arc<Shared>, pool: Pool) -> Result<(), ServerError> {
+/// in-flight requests and flush the export.
+fn drain(shared: &Arc<Shared>) -> Result<(), ServerError> {
     {
         let conns = lock(&shared.connections);
         if !conns.is_empty() {
@@ -523,7 +513,6 @@ fn drain(shared: &Arc<Shared>, pool: Pool) -> Result<(), ServerError> {
             .unwrap_or_else(|e| e.into_inner());
     }
     drop(conns);
-    pool.stop();
     shared.export.flush().map_err(ServerError::FinalFlush)?;
     tracing::info!("server stopped");
     Ok(())

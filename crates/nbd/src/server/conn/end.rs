@@ -1,0 +1,21 @@
+//! Why a connection ended.
+
+use std::io;
+
+use crate::codec::ProtocolError;
+
+#[derive(Debug)]
+pub(super) enum End {
+    /// EOF between messages.
+    ClientClosed,
+    /// NBD_CMD_DISC.
+    Disconnect,
+    /// NBD_OPT_ABORT.
+    Aborted,
+    /// EOF inside a message (header or payload).
+    MidMessage,
+    Protocol(ProtocolError),
+    HandshakeTimeout,
+    WriteFailed,
+    Io(io::Error),
+}

@@ -1,0 +1,160 @@
+//! One connection: the handshake, with blocking reads on the connection's
+//! own thread, then transmission on an event loop of its own (a
+//! `cairn_io::Reactor`): every request is a task, so a read waiting for a
+//! slow origin or a flush waiting for its barrier holds no thread, and the
+//! connection keeps taking requests meanwhile (up to its in-flight limit).
+//! Replies leave in the order the requests finish.
+
+mod end;
+mod input;
+mod negotiate;
+mod output;
+mod request;
+mod transmit;
+
+use std::cell::Cell;
+use std::net::Shutdown;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cairn_io::{LocalNotify, Reactor, ReactorOptions};
+
+use super::listener::Stream;
+use super::Shared;
+use crate::codec::Session;
+use end::End;
+use input::InBuf;
+use output::Output;
+
+/// What the tasks of one connection share (they all run on its thread).
+pub(super) struct Conn {
+    id: u64,
+    shared: Arc<Shared>,
+    session: Session,
+    /// Non-blocking once transmission starts.
+    stream: Stream,
+    reactor: Reactor,
+    in_flight: Cell<usize>,
+    slot_freed: LocalNotify,
+    output: Output,
+}
+
+impl Conn {
+    /// Wait until the client's socket has bytes (or its end).
+    async fn readable(&self) -> Result<(), End> {
+        self.reactor
+            .poll(self.stream.raw_fd(), libc::POLLIN as u32)
+            .await
+            .map(|_| ())
+            .map_err(End::Io)
+    }
+
+    /// Wait until the socket takes more bytes; false after `timeout`.
+    async fn writable(&self, timeout: Option<Duration>) -> bool {
+        let ready = self
+            .reactor
+            .poll(self.stream.raw_fd(), libc::POLLOUT as u32);
+        match timeout {
+            None => ready.await.is_ok(),
+            Some(t) => match cairn_io::first_of(ready, self.reactor.sleep(t)).await {
+                cairn_io::Either::Left(result) => result.is_ok(),
+                cairn_io::Either::Right(()) => false,
+            },
+        }
+    }
+
+    /// Take an in-flight slot, waiting (as a task) while the connection is
+    /// at its limit: that is the backpressure on the client.
+    async fn acquire_slot(&self) {
+        let max = self.shared.config.max_in_flight_per_connection;
+        while self.in_flight.get() >= max {
+            self.slot_freed.notified().await;
+        }
+        self.in_flight.set(self.in_flight.get() + 1);
+    }
+
+    fn release_slot(&self) {
+        debug_assert!(self.in_flight.get() > 0);
+        self.in_flight.set(self.in_flight.get().saturating_sub(1));
+        self.slot_freed.notify_all();
+    }
+}
+
+/// Serve one client until it leaves, misbehaves, or the server stops.
+pub(crate) fn run(shared: &Arc<Shared>, id: u64, mut stream: Stream) {
+    let peer = stream.peer();
+    if shared.config.write_timeout_ms > 0 {
+        let t = Duration::from_millis(shared.config.write_timeout_ms);
+        if let Err(e) = stream.set_write_timeout(Some(t)) {
+            tracing::warn!(conn = id, error = %e, "cannot set write timeout");
+        }
+    }
+    tracing::info!(conn = id, %peer, "client connected");
+    let mut input = InBuf::new();
+    let end = match negotiate::negotiate(shared, &mut stream, &mut input) {
+        Ok(session) => {
+            tracing::debug!(conn = id, ?session, "entered transmission");
+            input.shrink();
+            serve_transmission(shared, id, stream.try_clone(), session, input)
+        }
+        Err(end) => end,
+    };
+    report_end(shared, id, &peer, &end);
+    stream.shutdown(Shutdown::Both);
+}
+
+/// Run the transmission phase on a reactor created for this connection.
+fn serve_transmission(
+    shared: &Arc<Shared>,
+    id: u64,
+    stream: std::io::Result<Stream>,
+    session: Session,
+    input: InBuf,
+) -> End {
+    let setup = stream.and_then(|stream| {
+        stream.set_read_timeout(None)?;
+        stream.set_nonblocking(true)?;
+        let reactor = Reactor::new(&ReactorOptions::default())?;
+        Ok((stream, reactor))
+    });
+    let (stream, reactor) = match setup {
+        Ok(parts) => parts,
+        Err(e) => {
+            tracing::error!(conn = id, error = %e, "cannot set up the connection's event loop");
+            return End::Io(e);
+        }
+    };
+    let conn = Rc::new(Conn {
+        id,
+        shared: shared.clone(),
+        session,
+        stream,
+        reactor: reactor.clone(),
+        in_flight: Cell::new(0),
+        slot_freed: LocalNotify::default(),
+        output: Output::default(),
+    });
+    reactor.run(transmit::transmit(conn, input))
+}
+
+fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
+    match end {
+        End::Protocol(e) => {
+            shared
+                .counters
+                .protocol_errors
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(conn = id, %peer, error = %e, "protocol violation; disconnecting client");
+        }
+        End::HandshakeTimeout => {
+            tracing::warn!(conn = id, %peer, "handshake timed out; disconnecting client");
+        }
+        End::Io(e) => tracing::warn!(conn = id, %peer, error = %e, "connection I/O error"),
+        End::MidMessage => {
+            tracing::info!(conn = id, "client disconnected in the middle of a message")
+        }
+        other => tracing::info!(conn = id, reason = ?other, "client disconnected"),
+    }
+}
