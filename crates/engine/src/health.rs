@@ -93,11 +93,15 @@ impl Health {
         e: cairn_device::DeviceError,
     ) -> EngineError {
         let reason = format!("{what}: {e}");
-        // Degraded mode never writes the cache device.
-        assert!(
-            !self.is_degraded(),
-            "cache write in degraded mode: {reason}"
-        );
+        if self.is_degraded() {
+            // A write that started before the switch finished after it
+            // (the switch took its record over from memory): nothing more
+            // to do, but the request learns its write failed.
+            tracing::debug!(
+                "a cache write started before the switch to degraded mode failed: {reason}"
+            );
+            return EngineError::Cache(e);
+        }
         let mut reasons = self.reasons();
         if reasons.degrade_pending.is_none() {
             tracing::error!(

@@ -58,3 +58,13 @@ unsafe impl StableBufMut for Box<[u8]> {
         self.as_mut_ptr()
     }
 }
+
+/// Several buffers sent back to back by one `sendmsg`, owned by one value
+/// (a batch of NBD replies: headers and the read buffers they carry).
+///
+/// # Safety
+/// Every slice `iovecs` describes must stay valid, unmoved and unmutated
+/// for as long as `self` is alive.
+pub unsafe trait StableBufs: 'static {
+    fn iovecs(&self) -> Vec<libc::iovec>;
+}

@@ -29,7 +29,7 @@ mod reactor;
 mod semaphore;
 
 pub use block_on::block_on;
-pub use buf::{StableBuf, StableBufMut};
+pub use buf::{StableBuf, StableBufMut, StableBufs};
 pub use join::{first_of, join_all, Either, FirstOf, JoinAll};
 pub use notify::LocalNotify;
 pub use reactor::{JoinHandle, Reactor, ReactorOptions, RemoteWaker};

@@ -247,3 +247,25 @@ fn direct_io_with_aligned_buffers() {
     });
     assert!(ok);
 }
+
+#[test]
+fn an_abandoned_long_timeout_gives_its_slot_back() {
+    // A ring of 8: were the dropped 60 s sleeps left in flight, the ring
+    // would be full after a few and every later operation would wait.
+    let r = reactor(8);
+    let r2 = r.clone();
+    let done = r.run(async move {
+        for _ in 0..100 {
+            let long = r2.sleep(Duration::from_secs(60));
+            let short = r2.sleep(Duration::from_millis(1));
+            match cairn_io::first_of(long, short).await {
+                cairn_io::Either::Left(()) => panic!("the long sleep cannot win"),
+                cairn_io::Either::Right(()) => {}
+            }
+        }
+        // Cancellations complete at the next turns.
+        r2.sleep(Duration::from_millis(5)).await;
+        r2.ops_in_flight()
+    });
+    assert!(done <= 2, "{done} operations still in flight");
+}

@@ -204,7 +204,11 @@ impl Index {
     /// readable again.
     pub(crate) fn insert(&mut self, slot: u32, lba: u64, crc: u32, clean: bool) {
         assert!(!self.is_live(slot), "insert into live slot {slot}");
-        self.stamps.bump(lba);
+        // A clean copy changes nothing a fill could miss: another fill of
+        // the same block then finds it cached.
+        if !clean {
+            self.stamps.bump(lba);
+        }
         self.lost.remove(&lba);
         if let Some(old) = self.lookup(lba) {
             assert!(!clean, "clean copies only go to unmapped blocks");

@@ -82,6 +82,11 @@ pub(crate) async fn read_blocks(
     let mut buf = buf;
     let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
+    let result = match result {
+        // Records the fills completed are written outside the lock.
+        Ok(sealed) => crate::sealed::write_claimed(env, sealed),
+        Err(e) => Err(e),
+    };
     (Some(result), buf)
 }
 
@@ -275,14 +280,14 @@ fn promote(
     plans: &[Plan],
     buf: &[u8],
     scope: Scope,
-) -> EngineResult<()> {
+) -> EngineResult<Vec<std::sync::Arc<crate::sealed::SealedRecord>>> {
     let Scope::All {
         promote,
         bypassed,
         prefetch,
     } = scope
     else {
-        return Ok(());
+        return Ok(Vec::new());
     };
     let c = &p.env.counters;
     let block_bytes = p.env.block_size_bytes;
@@ -294,7 +299,7 @@ fn promote(
         Counters::add(&c.bypassed, missed as u64);
     }
     if !promote || missed == 0 {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let mut st = p.state.running(p.env)?;
     for (k, plan) in plans.iter().enumerate() {
@@ -317,5 +322,5 @@ fn promote(
         }
         Counters::add(&c.promotions, 1);
     }
-    Ok(())
+    Ok(st.log.claim_sealed())
 }

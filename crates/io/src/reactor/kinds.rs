@@ -5,7 +5,7 @@ use std::io;
 use io_uring::{opcode, squeue, types};
 
 use super::op::OpKind;
-use crate::buf::{StableBuf, StableBufMut};
+use crate::buf::{StableBuf, StableBufMut, StableBufs};
 
 /// Most bytes one read or write asks for: the kernel caps a single
 /// transfer near 2 GiB anyway, and a u32 length must hold it.
@@ -147,5 +147,53 @@ impl OpKind for Sleep {
 
     fn finish(self: Box<Self>, _res: i32) {
         // -ETIME is the normal end of a timeout.
+    }
+}
+
+/// Receive into `buf` from a socket.
+pub(crate) struct Recv<B> {
+    pub(crate) fd: i32,
+    pub(crate) buf: B,
+}
+
+impl<B: StableBufMut> OpKind for Recv<B> {
+    type Output = (io::Result<usize>, B);
+
+    fn entry(&mut self) -> squeue::Entry {
+        let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX) as u32;
+        opcode::Recv::new(types::Fd(self.fd), self.buf.stable_mut_ptr(), len).build()
+    }
+
+    fn finish(self: Box<Self>, res: i32) -> Self::Output {
+        (result(res), self.buf)
+    }
+}
+
+/// Send the buffers `owner` holds on a socket, in order, with
+/// `MSG_NOSIGNAL` (a vanished client is an error, not a SIGPIPE).
+pub(crate) struct SendOwned<B> {
+    pub(crate) fd: i32,
+    pub(crate) owner: B,
+    pub(crate) iovecs: Vec<libc::iovec>,
+    pub(crate) header: Box<libc::msghdr>,
+}
+
+impl<B: StableBufs> OpKind for SendOwned<B> {
+    type Output = (io::Result<usize>, B);
+
+    fn entry(&mut self) -> squeue::Entry {
+        self.iovecs = self.owner.iovecs();
+        // SAFETY: an all-zero msghdr is a valid empty header.
+        let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+        header.msg_iov = self.iovecs.as_mut_ptr();
+        header.msg_iovlen = self.iovecs.len() as _;
+        *self.header = header;
+        opcode::SendMsg::new(types::Fd(self.fd), &*self.header as *const libc::msghdr)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+    }
+
+    fn finish(self: Box<Self>, res: i32) -> Self::Output {
+        (result(res), self.owner)
     }
 }

@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
-use kinds::{Fsync, PollFd, ReadAt, Sleep, WriteAt, WritevAt};
+use kinds::{Fsync, PollFd, ReadAt, Recv, SendOwned, Sleep, WriteAt, WritevAt};
 use op::{Op, OpKind, OpTable};
 use shared::Shared;
 use tasks::{with_join, Tasks};
 
-use crate::buf::{StableBuf, StableBufMut};
+use crate::buf::{StableBuf, StableBufMut, StableBufs};
 
 /// User data of the eventfd read (remote wake-ups).
 const EVENTFD_USER_DATA: u64 = u64::MAX - 1;
@@ -317,6 +317,17 @@ impl Reactor {
 
     fn op_slot_freed(&self) {}
 
+    /// Ask the kernel to end operation `key` early (its future is gone);
+    /// it completes with -ECANCELED, or normally if it was already done.
+    fn cancel(&self, key: usize) {
+        let entry = opcode::AsyncCancel::new(key as u64)
+            .build()
+            .user_data(CANCEL_USER_DATA);
+        if !self.push_entry(entry) {
+            tracing::warn!(key, "no room to cancel an abandoned operation");
+        }
+    }
+
     fn ops_mut(&self) -> RefMut<'_, OpTable> {
         self.inner.ops.borrow_mut()
     }
@@ -373,6 +384,36 @@ impl Reactor {
                 offset,
                 bufs,
                 iovecs: Vec::new(),
+            },
+        )
+    }
+
+    /// Receive into `buf` from socket `fd`: the bytes received (0 at the
+    /// end of the stream) and the buffer. The wait for data happens in the
+    /// kernel, with no readiness poll and no extra system call.
+    pub fn recv<B: StableBufMut>(
+        &self,
+        fd: i32,
+        buf: B,
+    ) -> impl Future<Output = (io::Result<usize>, B)> {
+        Op::new(self.clone(), Recv { fd, buf })
+    }
+
+    /// Send the buffers `owner` holds on socket `fd`, in order; resolves to
+    /// the bytes sent (possibly fewer than all) and the owner.
+    pub fn send_owned<B: StableBufs>(
+        &self,
+        fd: i32,
+        owner: B,
+    ) -> impl Future<Output = (io::Result<usize>, B)> {
+        Op::new(
+            self.clone(),
+            SendOwned {
+                fd,
+                owner,
+                iovecs: Vec::new(),
+                // SAFETY: an all-zero msghdr is a valid empty header.
+                header: Box::new(unsafe { std::mem::zeroed() }),
             },
         )
     }

@@ -119,16 +119,23 @@ impl OpTable {
         }
     }
 
-    /// The future of `key` was dropped.
-    fn abandon(&mut self, key: usize) {
+    /// The future of `key` was dropped. True if the operation is still in
+    /// flight: the caller cancels it, so its slot (and its place in the
+    /// ring) comes back soon, not when a long timeout or a socket poll
+    /// would end on its own.
+    fn abandon(&mut self, key: usize) -> bool {
         let slot = &mut self.slots[key];
         match slot {
-            SlotState::InFlight { orphaned, .. } => *orphaned = true,
+            SlotState::InFlight { orphaned, .. } => {
+                *orphaned = true;
+                true
+            }
             SlotState::Done { .. } => {
                 *slot = SlotState::Free;
                 self.free.push(key);
+                false
             }
-            SlotState::Free => {}
+            SlotState::Free => false,
         }
     }
 
@@ -206,7 +213,10 @@ impl<K: OpKind> Future for Op<K> {
 impl<K: OpKind> Drop for Op<K> {
     fn drop(&mut self) {
         if let OpState::Submitted(key) = self.state {
-            self.reactor.ops_mut().abandon(key);
+            let in_flight = self.reactor.ops_mut().abandon(key);
+            if in_flight {
+                self.reactor.cancel(key);
+            }
         }
     }
 }

@@ -355,27 +355,10 @@ pub(crate) enum Stream {
 }
 
 impl Stream {
-    /// Append up to `limit` bytes to `out`, stopping early only at end of
-    /// stream. Goes through the socket's own `read_to_end`, which receives
-    /// into the vector's spare capacity without zeroing it first.
-    pub(crate) fn read_into_vec(&self, out: &mut Vec<u8>, limit: u64) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => Read::take(s, limit).read_to_end(out),
-            Stream::Tcp(s) => Read::take(s, limit).read_to_end(out),
-        }
-    }
-
     pub(crate) fn raw_fd(&self) -> RawFd {
         match self {
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tcp(s) => s.as_raw_fd(),
-        }
-    }
-
-    pub(crate) fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
-        match self {
-            Stream::Unix(s) => s.set_nonblocking(nonblocking),
-            Stream::Tcp(s) => s.set_nonblocking(nonblocking),
         }
     }
 

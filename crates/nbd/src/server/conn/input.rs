@@ -121,17 +121,26 @@ impl InBuf {
         Ok(())
     }
 
-    /// Non-blocking, on the event loop: read until at least `min_total`
-    /// bytes are buffered, waiting for the socket to be readable.
+    /// On the event loop: receive until at least `min_total` bytes are
+    /// buffered. The receive is a ring operation: the task sleeps until
+    /// the client's bytes are in, and they arrive with the completion.
     pub(super) async fn fill_async(&mut self, conn: &Conn, min_total: usize) -> Result<(), End> {
         while self.len() < min_total {
             self.make_room(min_total);
-            let read = (&conn.stream).read(&mut self.data[self.end..]);
-            match read {
+            let tail = Tail {
+                data: std::mem::take(&mut self.data),
+                start: self.end,
+            };
+            let (received, tail) = conn.reactor.recv(conn.stream.raw_fd(), tail).await;
+            self.data = tail.data;
+            match received {
                 Ok(0) => return Err(self.eof()),
                 Ok(n) => self.end += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => conn.readable().await?,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                    ) => {}
                 Err(e) => return Err(End::Io(e)),
             }
         }
@@ -153,13 +162,25 @@ impl InBuf {
         payload.extend_from_slice(&self.filled()[..have]);
         self.consume(have);
         while payload.len() < length {
-            let limit = (length - payload.len()) as u64;
-            match conn.stream.read_into_vec(&mut payload, limit) {
-                // `read_to_end` stops early only at end of stream.
-                Ok(_) if payload.len() < length => return Err(End::MidMessage),
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => conn.readable().await?,
+            let spare = Spare {
+                vec: payload,
+                want: length,
+            };
+            let (received, spare) = conn.reactor.recv(conn.stream.raw_fd(), spare).await;
+            payload = spare.vec;
+            match received {
+                Ok(0) => return Err(End::MidMessage),
+                Ok(n) => {
+                    assert!(payload.len() + n <= length, "received past the request");
+                    // SAFETY: the kernel wrote `n` bytes into the spare
+                    // capacity right after the initialised prefix.
+                    unsafe { payload.set_len(payload.len() + n) };
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                    ) => {}
                 Err(e) => return Err(End::Io(e)),
             }
         }
@@ -180,5 +201,57 @@ impl InBuf {
             length -= take as u64;
         }
         Ok(())
+    }
+}
+
+/// The free end of the input buffer, lent to a receive.
+struct Tail {
+    data: Vec<u8>,
+    start: usize,
+}
+
+// SAFETY: the bytes live on the heap (the Vec's buffer, not moved while
+// lent); the range starts inside it.
+unsafe impl cairn_io::StableBuf for Tail {
+    fn stable_ptr(&self) -> *const u8 {
+        self.data[self.start..].as_ptr()
+    }
+    fn stable_len(&self) -> usize {
+        self.data.len() - self.start
+    }
+}
+
+// SAFETY: as above, and the range is writable (initialised bytes of the Vec).
+unsafe impl cairn_io::StableBufMut for Tail {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.data[self.start..].as_mut_ptr()
+    }
+}
+
+/// The spare capacity of a payload being received, up to `want` bytes.
+struct Spare {
+    vec: Vec<u8>,
+    want: usize,
+}
+
+// SAFETY: the spare capacity is on the heap and not moved while lent;
+// `want <= capacity` (the Vec was made with that capacity).
+unsafe impl cairn_io::StableBuf for Spare {
+    fn stable_ptr(&self) -> *const u8 {
+        // SAFETY: `len <= capacity`, so the pointer stays in the allocation.
+        unsafe { self.vec.as_ptr().add(self.vec.len()) }
+    }
+    fn stable_len(&self) -> usize {
+        debug_assert!(self.want <= self.vec.capacity());
+        self.want - self.vec.len()
+    }
+}
+
+// SAFETY: the spare capacity may be written (it is uninitialised memory
+// of the allocation; the receive only writes, never reads it).
+unsafe impl cairn_io::StableBufMut for Spare {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: as above.
+        unsafe { self.vec.as_mut_ptr().add(self.vec.len()) }
     }
 }

@@ -33,7 +33,7 @@ pub(super) struct Conn {
     id: u64,
     shared: Arc<Shared>,
     session: Session,
-    /// Non-blocking once transmission starts.
+    /// Receives and sends go through the reactor's ring.
     stream: Stream,
     reactor: Reactor,
     in_flight: Cell<usize>,
@@ -42,29 +42,6 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    /// Wait until the client's socket has bytes (or its end).
-    async fn readable(&self) -> Result<(), End> {
-        self.reactor
-            .poll(self.stream.raw_fd(), libc::POLLIN as u32)
-            .await
-            .map(|_| ())
-            .map_err(End::Io)
-    }
-
-    /// Wait until the socket takes more bytes; false after `timeout`.
-    async fn writable(&self, timeout: Option<Duration>) -> bool {
-        let ready = self
-            .reactor
-            .poll(self.stream.raw_fd(), libc::POLLOUT as u32);
-        match timeout {
-            None => ready.await.is_ok(),
-            Some(t) => match cairn_io::first_of(ready, self.reactor.sleep(t)).await {
-                cairn_io::Either::Left(result) => result.is_ok(),
-                cairn_io::Either::Right(()) => false,
-            },
-        }
-    }
-
     /// Take an in-flight slot, waiting (as a task) while the connection is
     /// at its limit: that is the backpressure on the client.
     async fn acquire_slot(&self) {
@@ -114,8 +91,11 @@ fn serve_transmission(
     input: InBuf,
 ) -> End {
     let setup = stream.and_then(|stream| {
+        // Blocking: every receive and send from here on is a ring
+        // operation, which never blocks the thread (the kernel waits for
+        // the socket itself).
         stream.set_read_timeout(None)?;
-        stream.set_nonblocking(true)?;
+        stream.set_write_timeout(None)?;
         let reactor = Reactor::new(&ReactorOptions::default())?;
         Ok((stream, reactor))
     });

@@ -6,7 +6,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::io::{self, Write};
+use std::io;
 use std::net::Shutdown;
 use std::rc::Rc;
 use std::time::Duration;
@@ -77,65 +77,68 @@ impl Output {
         conn.stream.shutdown(Shutdown::Both);
     }
 
-    /// Write what is queued, as much as the socket takes; `Ok(false)` when
-    /// it is full.
-    fn write_some(&self, conn: &Conn) -> io::Result<bool> {
-        let written = {
-            let queue = self.queue.borrow();
-            self.write_queued(conn, &queue)
-        };
-        match written {
-            Ok(Some(n)) => {
-                self.advance(n);
-                Ok(true)
-            }
-            Ok(None) => Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
-            Err(e) => Err(e),
+    /// Take the queued replies (up to what one `sendmsg` carries) to send.
+    fn take_batch(&self) -> ReplyBatch {
+        let mut queue = self.queue.borrow_mut();
+        let count = queue.len().min(IOVECS_MAX / 2);
+        ReplyBatch {
+            replies: queue.drain(..count).collect(),
+            skip: self.front_written.replace(0),
         }
     }
 
-    /// One `writev` of what is queued: the bytes it took, or `None` when
-    /// the socket is full.
-    fn write_queued(&self, conn: &Conn, queue: &VecDeque<Reply>) -> io::Result<Option<usize>> {
-        let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(queue.len().min(IOVECS_MAX) * 2);
-        let mut skip = self.front_written.get();
-        'gather: for reply in queue.iter() {
+    /// `sent` bytes of `batch` left: put back the replies not fully sent,
+    /// in order, at the front of the queue.
+    fn requeue(&self, batch: ReplyBatch, sent: usize) {
+        let mut left = sent + batch.skip;
+        let mut queue = self.queue.borrow_mut();
+        let mut unsent = Vec::new();
+        let mut front_written = 0;
+        for reply in batch.replies {
+            let len = reply.len();
+            if left >= len {
+                left -= len;
+                continue;
+            }
+            if unsent.is_empty() {
+                front_written = left;
+                left = 0;
+            }
+            unsent.push(reply);
+        }
+        for reply in unsent.into_iter().rev() {
+            queue.push_front(reply);
+        }
+        self.front_written.set(front_written);
+    }
+}
+
+/// Replies being sent together; the first `skip` bytes went out already.
+struct ReplyBatch {
+    replies: Vec<Reply>,
+    skip: usize,
+}
+
+// SAFETY: every piece is heap memory owned by the batch (a reply's header
+// Vec, its data buffer's allocation), not moved or changed while it lives.
+unsafe impl cairn_io::StableBufs for ReplyBatch {
+    fn iovecs(&self) -> Vec<libc::iovec> {
+        let mut skip = self.skip;
+        let mut iovecs = Vec::with_capacity(self.replies.len() * 2);
+        for reply in &self.replies {
             for piece in reply.pieces() {
                 if skip >= piece.len() {
                     skip -= piece.len();
                     continue;
                 }
-                slices.push(io::IoSlice::new(&piece[skip..]));
+                iovecs.push(libc::iovec {
+                    iov_base: piece[skip..].as_ptr() as *mut libc::c_void,
+                    iov_len: piece.len() - skip,
+                });
                 skip = 0;
-                if slices.len() == IOVECS_MAX {
-                    break 'gather;
-                }
             }
         }
-        match (&conn.stream).write_vectored(&slices) {
-            Ok(0) => Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => Ok(Some(n)),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// `written` more bytes left: drop the replies fully written.
-    fn advance(&self, mut written: usize) {
-        let mut queue = self.queue.borrow_mut();
-        let mut front = self.front_written.get();
-        while let Some(reply) = queue.front() {
-            let left = reply.len() - front;
-            if written < left {
-                front += written;
-                break;
-            }
-            written -= left;
-            front = 0;
-            queue.pop_front();
-        }
-        self.front_written.set(front);
+        iovecs
     }
 }
 
@@ -158,15 +161,37 @@ pub(super) async fn writer(conn: Rc<Conn>) {
             output.changed.notified().await;
             continue;
         }
-        match output.write_some(&conn) {
-            Ok(true) => {}
-            Ok(false) => {
-                if !conn.writable(timeout).await {
-                    output.fail(&conn, "the client stopped reading replies (write timeout)");
-                    return;
-                }
+        // One ring send of everything queued; it goes down with the next
+        // submission, together with the device reads of this loop turn.
+        let batch = output.take_batch();
+        let total: usize = batch.replies.iter().map(Reply::len).sum::<usize>() - batch.skip;
+        let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
+        let outcome = match timeout {
+            None => Some(send.await),
+            Some(t) => match cairn_io::first_of(send, conn.reactor.sleep(t)).await {
+                cairn_io::Either::Left(done) => Some(done),
+                cairn_io::Either::Right(()) => None,
+            },
+        };
+        match outcome {
+            None => {
+                output.fail(&conn, "the client stopped reading replies (write timeout)");
+                return;
             }
-            Err(e) => {
+            Some((Ok(0), _)) if total > 0 => {
+                output.fail(&conn, "the client's socket took no bytes");
+                return;
+            }
+            Some((Ok(sent), batch)) => output.requeue(batch, sent),
+            Some((Err(e), batch))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                output.requeue(batch, 0)
+            }
+            Some((Err(e), _)) => {
                 output.fail(&conn, &format!("reply write failed: {e}"));
                 return;
             }
