@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use cairn_engine::Engine;
-use cairn_nbd::{serve, Listener, ServerConfig};
+use cairn_nbd::{serve, Listener, ServerConfig, StatsReader};
 
 use crate::export::{EngineExport, Latencies};
 
@@ -56,13 +56,14 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     let server = serve(export, listener, config).context("starting the NBD server")?;
     tracing::info!("serving {} on {description}", opts.cache.display());
 
-    let workers = Workers::spawn(&engine, &opts, &stop, admin)?;
+    let workers = Workers::spawn(&engine, &opts, &stop, admin, server.stats_reader())?;
     if let Some(l) = metrics_listener {
         let m_engine = engine.clone();
         let m_lat = latencies.clone();
+        let m_server = server.stats_reader();
         std::thread::Builder::new()
             .name("metrics".into())
-            .spawn(move || crate::metrics::metrics_loop(l, &m_engine, &m_lat))?;
+            .spawn(move || crate::metrics::metrics_loop(l, &m_engine, &m_lat, &m_server))?;
     }
 
     if let Some(ready) = opts.on_ready {
@@ -149,6 +150,7 @@ impl Workers {
         opts: &ServeOptions,
         stop: &Arc<AtomicBool>,
         admin: UnixListener,
+        server: StatsReader,
     ) -> Result<Workers> {
         // Write-back: one epoch group at a time; idle waits short.
         let wb_engine = engine.clone();
@@ -178,7 +180,13 @@ impl Workers {
         let admin = std::thread::Builder::new()
             .name("admin".into())
             .spawn(move || {
-                crate::admin::server::admin_loop(admin, &admin_engine, &admin_cache, &admin_stop)
+                crate::admin::server::admin_loop(
+                    admin,
+                    &admin_engine,
+                    &admin_cache,
+                    &admin_stop,
+                    &server,
+                )
             })?;
         Ok(Workers {
             writeback,

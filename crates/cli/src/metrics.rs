@@ -11,7 +11,12 @@ use cairn_engine::Engine;
 use crate::export::{Latencies, LATENCY_BUCKETS_US};
 
 /// Answer every connection with the current metrics, whatever it asked.
-pub fn metrics_loop(listener: TcpListener, engine: &Engine, latencies: &Latencies) {
+pub fn metrics_loop(
+    listener: TcpListener,
+    engine: &Engine,
+    latencies: &Latencies,
+    server: &cairn_nbd::StatsReader,
+) {
     for conn in listener.incoming() {
         let Ok(mut stream) = conn else { continue };
         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
@@ -26,7 +31,7 @@ pub fn metrics_loop(listener: TcpListener, engine: &Engine, latencies: &Latencie
                 _ => break,
             }
         }
-        let body = render_metrics(engine, latencies);
+        let body = render_metrics(engine, latencies, Some(&server.stats()));
         let response = format!(
             "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
@@ -35,7 +40,11 @@ pub fn metrics_loop(listener: TcpListener, engine: &Engine, latencies: &Latencie
     }
 }
 
-pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
+pub fn render_metrics(
+    engine: &Engine,
+    latencies: &Latencies,
+    server: Option<&cairn_nbd::ServerStats>,
+) -> String {
     use std::fmt::Write as _;
     let s = engine.stats();
     let mut out = String::new();
@@ -64,6 +73,24 @@ pub fn render_metrics(engine: &Engine, latencies: &Latencies) -> String {
         ("origin_failing", s.origin_failing as u64),
     ] {
         let _ = writeln!(out, "# TYPE cairn_{name} gauge\ncairn_{name} {value}");
+    }
+    if let Some(n) = server {
+        for (name, value) in crate::status::server_pairs(n) {
+            // Limits and levels are gauges; the rest only ever grow.
+            let gauge =
+                name.starts_with("max_") || name.ends_with("_active") || name.ends_with("_bytes");
+            if gauge {
+                let _ = writeln!(
+                    out,
+                    "# TYPE cairn_nbd_{name} gauge\ncairn_nbd_{name} {value}"
+                );
+            } else {
+                let _ = writeln!(
+                    out,
+                    "# TYPE cairn_nbd_{name}_total counter\ncairn_nbd_{name}_total {value}"
+                );
+            }
+        }
     }
     let _ = writeln!(out, "# TYPE cairn_request_latency_seconds histogram");
     for (op, h) in latencies.all() {

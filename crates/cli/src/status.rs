@@ -1,9 +1,15 @@
 //! Status output: stable JSON (snake_case keys) and a human table.
 
 use cairn_engine::{StatsSnapshot, Superblock};
+use cairn_nbd::ServerStats;
 use serde_json::{json, Map, Value};
 
-pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
+pub fn status_json(
+    s: &StatsSnapshot,
+    sb: &Superblock,
+    served: bool,
+    server: Option<&ServerStats>,
+) -> Value {
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
     m.insert("mode".into(), json!(s.mode));
@@ -34,6 +40,11 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
     m.insert("corrupt_blocks".into(), json!(s.corrupt_blocks));
     m.insert("lost_blocks".into(), json!(s.lost_blocks));
     m.insert("pending_ranges".into(), json!(s.pending_ranges));
+    m.insert("origin_queue_depth".into(), json!(s.origin_queue_depth));
+    m.insert(
+        "origin_queue_in_flight".into(),
+        json!(s.origin_queue_in_flight),
+    );
     m.insert("writeback_paused".into(), json!(s.writeback_paused));
     m.insert("writeback_offset".into(), json!(s.writeback_offset));
     m.insert("head_offset".into(), json!(s.head_offset));
@@ -69,10 +80,45 @@ pub fn status_json(s: &StatsSnapshot, sb: &Superblock, served: bool) -> Value {
             s.read_hits as f64 / lookups as f64
         }),
     );
+    // Group commit: how many client flushes one cache barrier answered on
+    // average (a flush with nothing new to make durable needs none).
+    m.insert(
+        "flushes_per_barrier".into(),
+        json!(if s.flush_barriers == 0 {
+            0.0
+        } else {
+            s.flushes as f64 / s.flush_barriers as f64
+        }),
+    );
     for (name, value) in s.counter_pairs() {
         m.insert(name.into(), json!(value));
     }
+    if let Some(n) = server {
+        for (name, value) in server_pairs(n) {
+            m.insert(format!("nbd_{name}"), json!(value));
+        }
+    }
     Value::Object(m)
+}
+
+/// The NBD server's counters and limits, by name (status and metrics).
+pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 11] {
+    [
+        ("connections_active", n.connections_active),
+        ("connections_accepted", n.connections_accepted),
+        ("connections_refused", n.connections_refused),
+        ("protocol_errors", n.protocol_errors),
+        ("requests", n.requests),
+        ("in_flight_limit_waits", n.in_flight_limit_waits),
+        ("buffer_budget_waits", n.buffer_budget_waits),
+        ("buffered_bytes", n.buffered_bytes),
+        ("max_connections", n.max_connections),
+        (
+            "max_in_flight_per_connection",
+            n.max_in_flight_per_connection,
+        ),
+        ("max_buffered_bytes", n.max_buffered_bytes),
+    ]
 }
 
 /// The human table. A closed stdout (`cairn status | head -1`) is an
@@ -114,19 +160,29 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("write_hits"),
         get("bypassed")
     )?;
+    let flushes_per_barrier = v
+        .get("flushes_per_barrier")
+        .and_then(|x| x.as_f64())
+        .unwrap_or(0.0);
     writeln!(
         out,
-        "  flushes {}, discards {}, checksum mismatches {}, repairs {}",
+        "  flushes {} ({} barriers, {:.2} flushes per barrier, {} joined one in progress), discards {}, checksum mismatches {}, repairs {}",
         get("flushes"),
+        get("flush_barriers"),
+        flushes_per_barrier,
+        get("group_commit_joins"),
         get("discards"),
         get("checksum_mismatches"),
         get("repairs")
     )?;
     writeln!(
         out,
-        "  cache device: {}, origin: {}",
+        "  cache device: {}, origin: {} (queue depth {}, {} reads in flight, {} waited for a slot)",
         get("cache_state"),
-        get("origin_state")
+        get("origin_state"),
+        get("origin_queue_depth"),
+        get("origin_queue_in_flight"),
+        get("origin_queue_waits")
     )?;
     if v.get("integrity").and_then(|x| x.as_bool()) == Some(true) {
         writeln!(
@@ -151,6 +207,27 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("origin_read_errors"),
         get("origin_write_errors")
     )?;
+    if v.get("nbd_requests").is_some() {
+        writeln!(
+            out,
+            "  nbd: {} connections ({} accepted, {} refused at the limit of {}), {} requests, {} protocol errors",
+            get("nbd_connections_active"),
+            get("nbd_connections_accepted"),
+            get("nbd_connections_refused"),
+            get("nbd_max_connections"),
+            get("nbd_requests"),
+            get("nbd_protocol_errors")
+        )?;
+        writeln!(
+            out,
+            "  limits hit: in-flight per connection {} times (max {}), buffer budget {} times (max {} bytes, {} in use)",
+            get("nbd_in_flight_limit_waits"),
+            get("nbd_max_in_flight_per_connection"),
+            get("nbd_buffer_budget_waits"),
+            get("nbd_max_buffered_bytes"),
+            get("nbd_buffered_bytes")
+        )?;
+    }
     writeln!(
         out,
         "  write-back: {} blocks in {} groups, paused {}, position {} of {}",

@@ -283,14 +283,34 @@ impl Engine {
         if fua {
             Counters::add(&c.fua_writes, 1);
         }
-        let degraded = self.with_degrade(|degraded| {
+        let (degraded, sealed) = self.with_degrade(|degraded| {
             if degraded {
                 degrade::degraded_write(self.parts(), offset, data)?;
+                Ok((true, Vec::new()))
             } else {
-                write::write(self.parts(), offset, data)?;
+                Ok((false, write::write(self.parts(), offset, data)?))
             }
-            Ok(degraded)
         })?;
+        if let Err(e) = crate::sealed::write_claimed(&self.env, sealed).await {
+            // A record of this write failed for good: its data is still in
+            // memory, and the degraded path writes the origin instead.
+            if !self.env.health.wants_degraded_path()? {
+                return Err(e);
+            }
+            degrade::enter(self.parts())?;
+            return degrade::degraded_write(self.parts(), offset, data);
+        }
+        let mode = self.policy.mode();
+        if !degraded && mode != CacheMode::WriteBack {
+            let block_bytes = self.env.block_size_bytes as u64;
+            let end = (offset + data.len() as u64).div_ceil(block_bytes);
+            self.with_degrade(|degraded| {
+                if degraded {
+                    return Ok(());
+                }
+                write::write_through(self.parts(), mode, offset / block_bytes, end)
+            })?;
+        }
         // A degraded write is durable on the origin already.
         if fua && !degraded {
             self.flush_cached().await?;

@@ -10,7 +10,7 @@ use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::options::EngineConfig;
-use crate::sealed::RecordIo;
+use crate::sealed::{RecordIo, RecordWriters};
 use crate::stats::Counters;
 use cairn_device::BufPool;
 
@@ -25,7 +25,8 @@ pub(crate) struct Env {
     pub(crate) cache: Arc<dyn Device>,
     pub(crate) origin: Arc<dyn Device>,
     pub(crate) layout: Layout,
-    pub(crate) counters: Counters,
+    /// Shared with the record writer threads.
+    pub(crate) counters: Arc<Counters>,
     pub(crate) block_size_bytes: usize,
     pub(crate) volume_blocks: u64,
     pub(crate) config: EngineConfig,
@@ -40,7 +41,9 @@ pub(crate) struct Env {
     pub(crate) integrity: bool,
     pub(crate) health: Health,
     /// Where barriers wait for sealed records written outside the lock.
-    pub(crate) record_io: RecordIo,
+    pub(crate) record_io: Arc<RecordIo>,
+    /// Threads that write sealed records for reactor tasks.
+    pub(crate) record_writers: RecordWriters,
     /// Reused record buffers.
     pub(crate) record_bufs: Arc<BufPool>,
     /// One-block buffers for record headers: without them every flush
@@ -72,7 +75,7 @@ impl Env {
             cache,
             origin,
             layout,
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
             block_size_bytes: block_size_bytes as usize,
             volume_blocks: superblock.origin_size_bytes / block_size_bytes as u64,
             config,
@@ -81,7 +84,8 @@ impl Env {
             format_tag: chain_seed(&superblock.uuid),
             integrity: superblock.features & cairn_format::FEATURE_INTEGRITY != 0,
             health,
-            record_io: RecordIo::default(),
+            record_io: Arc::new(RecordIo::default()),
+            record_writers: RecordWriters::default(),
             record_bufs: Arc::new(BufPool::new(record_bytes_max)),
             header_bufs: Arc::new(BufPool::new(block_size_bytes as usize)),
             read_bufs: SizeClassPool::new(

@@ -17,35 +17,60 @@ pub(crate) fn retrying_cache_write<T>(
     env: &Env,
     what: &str,
     retry_safe: bool,
-    mut op: impl FnMut() -> Result<T, DeviceError>,
+    op: impl FnMut() -> Result<T, DeviceError>,
 ) -> Result<T, DeviceError> {
-    let attempts = if retry_safe {
-        env.config.cache_write_attempts.max(1)
-    } else {
-        1
+    let policy = RetryPolicy {
+        attempts: if retry_safe {
+            env.config.cache_write_attempts.max(1)
+        } else {
+            1
+        },
+        backoff_us: env.config.cache_write_backoff_us,
     };
-    let mut backoff_us = env.config.cache_write_backoff_us;
-    // Bounded: at most `attempts` rounds.
-    for attempt in 1..=attempts {
-        match op() {
-            Ok(value) => {
-                if attempt > 1 {
-                    tracing::warn!("{what}: succeeded on attempt {attempt} of {attempts}");
+    policy.run(&env.counters, what, op)
+}
+
+/// How often and how patiently a cache write is retried; a value, so a
+/// thread without the engine's `Env` (a record writer) retries alike.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RetryPolicy {
+    pub(crate) attempts: u32,
+    pub(crate) backoff_us: u64,
+}
+
+impl RetryPolicy {
+    pub(crate) fn run<T>(
+        self,
+        counters: &Counters,
+        what: &str,
+        mut op: impl FnMut() -> Result<T, DeviceError>,
+    ) -> Result<T, DeviceError> {
+        let attempts = self.attempts.max(1);
+        let mut backoff_us = self.backoff_us;
+        // Bounded: at most `attempts` rounds.
+        for attempt in 1..=attempts {
+            match op() {
+                Ok(value) => {
+                    if attempt > 1 {
+                        tracing::warn!("{what}: succeeded on attempt {attempt} of {attempts}");
+                    }
+                    return Ok(value);
                 }
-                return Ok(value);
-            }
-            Err(e) => {
-                Counters::add(&env.counters.cache_write_errors, 1);
-                if attempt >= attempts {
-                    return Err(e);
+                Err(e) => {
+                    Counters::add(&counters.cache_write_errors, 1);
+                    if attempt >= attempts {
+                        return Err(e);
+                    }
+                    tracing::warn!(
+                        "{what} failed (attempt {attempt} of {attempts}), retrying: {e}"
+                    );
+                    Counters::add(&counters.cache_write_retries, 1);
+                    backoff(&mut backoff_us);
                 }
-                tracing::warn!("{what} failed (attempt {attempt} of {attempts}), retrying: {e}");
-                Counters::add(&env.counters.cache_write_retries, 1);
-                backoff(&mut backoff_us);
             }
         }
+        unreachable!("the last attempt returns")
     }
-    unreachable!("the last attempt returns")
 }
 
 /// Sleep for the current backoff and double it. The engine owns no clock:

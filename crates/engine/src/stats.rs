@@ -104,6 +104,7 @@ counters!(
     writeback_bytes,
     writeback_groups,
     writeback_skipped_corrupt,
+    writeback_reads_skipped,
     writeback_stalls,
     cache_barriers,
     flush_barriers,

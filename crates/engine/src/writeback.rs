@@ -132,7 +132,7 @@ impl Writeback {
                 ..Default::default()
             });
         }
-        let (records, end) = group::read(env, start, limit, slot_count)?;
+        let (records, end) = group::read_for_writeback(env, start, limit, slot_count)?;
         let applied = group::apply(env, &records)?;
         let mut st = state.normal(env)?;
         group::commit(env, &mut st, start, end, &records, &applied);

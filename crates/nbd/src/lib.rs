@@ -31,4 +31,7 @@ pub use export::{
     Export, ExportError, ExportFuture, Extent, ExtentKind, MemCounters, MemExport, MemOp,
     ReadBuffer, MEM_CHUNK_BYTES,
 };
-pub use server::{serve, Listener, ServerConfig, ServerError, ServerHandle, ShutdownTrigger};
+pub use server::{
+    serve, Listener, ServerConfig, ServerError, ServerHandle, ServerStats, ShutdownTrigger,
+    StatsReader,
+};

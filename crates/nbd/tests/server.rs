@@ -431,6 +431,17 @@ fn pipelined_requests_are_answered_out_of_order_within_the_in_flight_bound() {
         (2..=3).contains(&peak),
         "in-flight bound not respected: {peak} concurrent calls"
     );
+    // The reader paused at the bound, and the counter says so.
+    let stats = server.handle().stats();
+    assert!(
+        stats.in_flight_limit_waits >= 1,
+        "hitting the in-flight bound is counted: {stats:?}"
+    );
+    assert_eq!(stats.max_in_flight_per_connection, 3);
+    assert_eq!(
+        stats.buffered_bytes, 0,
+        "every request gave its budget back"
+    );
 }
 
 /// Pipelined reads are in flight together on the connection's event loop:

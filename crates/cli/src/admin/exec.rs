@@ -21,6 +21,8 @@ pub struct Target<'a> {
     pub cache: &'a Path,
     /// Whether a daemon serves this engine (the `served` status field).
     pub served: bool,
+    /// The NBD server's counters, when a daemon serves it.
+    pub server: Option<cairn_nbd::ServerStats>,
 }
 
 /// Why a request failed.
@@ -47,6 +49,7 @@ pub fn execute(
                 &engine.stats(),
                 &engine.superblock(),
                 target.served,
+                target.server.as_ref(),
             ),
         }),
         AdminRequest::Flush => {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cairn_engine::Engine;
+use cairn_nbd::StatsReader;
 
 use super::exec::{execute, Target};
 use super::{
@@ -37,7 +38,13 @@ impl Drop for AdminSlot {
 /// One thread per admin connection, so `cairn status` answers while a
 /// `cairn flush` drains for minutes on another connection. Returns once
 /// `stop` is set and a connection wakes it.
-pub fn admin_loop(listener: UnixListener, engine: &Arc<Engine>, cache: &Path, stop: &AtomicBool) {
+pub fn admin_loop(
+    listener: UnixListener,
+    engine: &Arc<Engine>,
+    cache: &Path,
+    stop: &AtomicBool,
+    server: &StatsReader,
+) {
     let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
@@ -55,18 +62,24 @@ pub fn admin_loop(listener: UnixListener, engine: &Arc<Engine>, cache: &Path, st
         let slot = AdminSlot(active.clone());
         let engine = engine.clone();
         let cache = cache.to_path_buf();
+        let server = server.clone();
         let _ = std::thread::Builder::new()
             .name("admin-conn".into())
             .spawn(move || {
                 let _slot = slot;
-                if let Err(e) = handle_connection(stream, &engine, cache) {
+                if let Err(e) = handle_connection(stream, &engine, cache, &server) {
                     tracing::debug!("admin connection: {e}");
                 }
             });
     }
 }
 
-fn handle_connection(stream: UnixStream, engine: &Engine, cache: PathBuf) -> std::io::Result<()> {
+fn handle_connection(
+    stream: UnixStream,
+    engine: &Engine,
+    cache: PathBuf,
+    server: &StatsReader,
+) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_millis(REQUEST_READ_TIMEOUT_MS)))?;
     let mut w = stream.try_clone()?;
     let mut r = BufReader::new(stream);
@@ -93,6 +106,7 @@ fn handle_connection(stream: UnixStream, engine: &Engine, cache: PathBuf) -> std
         engine,
         cache: &cache,
         served: true,
+        server: Some(server.stats()),
     };
     // A client that went away mid-request does not stop the work (a drain
     // runs to its end); the first failed write is reported at the end.

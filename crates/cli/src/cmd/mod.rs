@@ -105,6 +105,7 @@ pub fn run_request(
         engine: &engine,
         cache,
         served: false,
+        server: None,
     };
     let result = execute(&target, request, &mut on_reply);
     // Closed after a failure too, as the daemon would keep serving; the

@@ -129,7 +129,8 @@ fn drain_flushed_groups(env: &Env, st: &mut State) -> EngineResult<u64> {
             break;
         }
         let start = st.log.writeback_position();
-        let (records, end) = group::read(env, start, st.log.writeback_limit(), slot_count)?;
+        let (records, end) =
+            group::read_for_writeback(env, start, st.log.writeback_limit(), slot_count)?;
         let applied = group::apply(env, &records)?;
         group::commit(env, st, start, end, &records, &applied);
         drained_blocks += applied.blocks_written;

@@ -49,9 +49,61 @@ pub(crate) fn record_from_memory(
 }
 
 /// Read the records from `start` to the next epoch end, or until `limit`
-/// (exclusive) if no epoch end comes first. Returns them and where the next
-/// record starts.
+/// (exclusive) if no epoch end comes first, with all their data. Returns
+/// them and where the next record starts.
 pub(crate) fn read(
+    env: &Env,
+    start: u64,
+    limit: u64,
+    slot_count: u64,
+) -> EngineResult<(Vec<GroupRecord>, u64)> {
+    let (records, position) = read_headers(env, start, limit, slot_count)?;
+    let wanted: Vec<(usize, usize, usize)> = records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.header.data_count() > 0)
+        .map(|(ri, r)| (ri, 0, r.header.data_count()))
+        .collect();
+    let records = fill(env, records, &wanted, slot_count)?;
+    Ok((records, position))
+}
+
+/// [`read`] for write-back: only the blocks it copies to the origin (the
+/// last version of each block in the group) are read; superseded versions
+/// and clean copies are not. The other blocks' bytes are unspecified and
+/// never used.
+pub(crate) fn read_for_writeback(
+    env: &Env,
+    start: u64,
+    limit: u64,
+    slot_count: u64,
+) -> EngineResult<(Vec<GroupRecord>, u64)> {
+    let (records, position) = read_headers(env, start, limit, slot_count)?;
+    let fin = final_choice(env, &records);
+    // Runs of adjacent blocks of one record, in log order.
+    let mut chosen: Vec<(usize, usize)> = fin.blocks.values().map(|&(ri, k, _)| (ri, k)).collect();
+    chosen.sort_unstable();
+    let mut wanted: Vec<(usize, usize, usize)> = Vec::new();
+    for (ri, k) in chosen {
+        match wanted.last_mut() {
+            Some((r, _, end)) if *r == ri && *end == k => *end = k + 1,
+            _ => wanted.push((ri, k, k + 1)),
+        }
+    }
+    let read_blocks: usize = wanted.iter().map(|(_, first, end)| end - first).sum();
+    let total_blocks: usize = records.iter().map(|r| r.header.data_count()).sum();
+    assert!(read_blocks <= total_blocks);
+    Counters::add(
+        &env.counters.writeback_reads_skipped,
+        (total_blocks - read_blocks) as u64,
+    );
+    let records = fill(env, records, &wanted, slot_count)?;
+    Ok((records, position))
+}
+
+/// The headers of the records from `start` (see [`read`]), each with a data
+/// buffer of its size, not read yet.
+fn read_headers(
     env: &Env,
     start: u64,
     limit: u64,
@@ -67,12 +119,7 @@ pub(crate) fn read(
                 detail: format!("no valid record at write-back position {position}"),
             }
         })?;
-        let data_count = header.data_count();
-        let mut data = data_for_read(env, data_count * block_bytes);
-        if data_count > 0 {
-            env.read_slot(((at + 1) % slot_count) as u32, &mut data)
-                .map_err(EngineError::Cache)?;
-        }
+        let data = data_for_read(env, header.data_count() * block_bytes);
         position = at + header.length_blocks();
         let epoch_end = header.epoch_end();
         records.push(GroupRecord { at, header, data });
@@ -84,18 +131,63 @@ pub(crate) fn read(
     Ok((records, position))
 }
 
+/// Read data blocks `[first, end)` of record `ri`, for each `(ri, first,
+/// end)` of `wanted` (in log order, not overlapping), all at once. A
+/// record's data blocks follow its header on the device without wrapping.
+fn fill(
+    env: &Env,
+    mut records: Vec<GroupRecord>,
+    wanted: &[(usize, usize, usize)],
+    slot_count: u64,
+) -> EngineResult<Vec<GroupRecord>> {
+    if wanted.is_empty() {
+        return Ok(records);
+    }
+    let block_bytes = env.block_size_bytes;
+    let starts: Vec<u64> = records.iter().map(|r| r.at).collect();
+    // Each record's buffer, minus the pieces already handed out, and the
+    // first block that remainder holds.
+    let mut rest: Vec<(usize, &mut [u8])> =
+        records.iter_mut().map(|r| (0, &mut r.data[..])).collect();
+    let mut requests: Vec<(u64, &mut [u8])> = Vec::with_capacity(wanted.len());
+    for &(ri, first, end) in wanted {
+        let (consumed, buf) = std::mem::take(&mut rest[ri]);
+        assert!(
+            first >= consumed && first < end,
+            "pieces in order, not overlapping"
+        );
+        assert!(
+            (end - consumed) * block_bytes <= buf.len(),
+            "a piece inside its record"
+        );
+        let (_, tail) = buf.split_at_mut((first - consumed) * block_bytes);
+        let (piece, after) = tail.split_at_mut((end - first) * block_bytes);
+        rest[ri] = (end, after);
+        let slot = ((starts[ri] + 1 + first as u64) % slot_count) as u32;
+        requests.push((env.slot_offset_bytes(slot), piece));
+    }
+    env.cache.read_many(&mut requests).map_err(|e| {
+        Counters::add(&env.counters.cache_read_errors, 1);
+        EngineError::Cache(e)
+    })?;
+    drop(requests);
+    drop(rest);
+    Ok(records)
+}
+
 /// Where each block of a group's final state comes from.
 struct Final {
-    /// lba → (record, data block, crc) of its last valid version.
+    /// lba → (record, data block, crc) of its last version.
     blocks: BTreeMap<u64, (usize, usize, u32)>,
     /// Zero/discard ranges, in log order.
     ranges: Vec<(RangeKind, u64, u64)>,
+    /// (lba, logical offset) of final versions that failed their checksum.
     bad: Vec<(u64, u64)>,
 }
 
-/// The group's final state: ranges in order, then the last valid version
-/// of each block. A block that fails its checksum is never copied.
-fn final_state(env: &Env, records: &[GroupRecord]) -> Final {
+/// The group's final state, from its headers alone: ranges in order, then
+/// the last version of each block (not checked yet: see [`verify_final`]).
+fn final_choice(env: &Env, records: &[GroupRecord]) -> Final {
     let block_bytes = env.block_size_bytes;
     let mut fin = Final {
         blocks: BTreeMap::new(),
@@ -108,19 +200,10 @@ fn final_state(env: &Env, records: &[GroupRecord]) -> Final {
         for entry in &record.header.entries {
             match *entry {
                 RecordEntry::Data { lba, crc, clean } => {
-                    let block = &record.data[k * block_bytes..(k + 1) * block_bytes];
-                    let logical = record.at + 1 + k as u64;
                     k += 1;
-                    if clean {
-                        continue;
+                    if !clean {
+                        fin.blocks.insert(lba, (ri, k - 1, crc));
                     }
-                    // Check data before writing it to the origin.
-                    if block_checksum(lba, block) != crc {
-                        fin.blocks.remove(&lba);
-                        fin.bad.push((lba, logical));
-                        continue;
-                    }
-                    fin.blocks.insert(lba, (ri, k - 1, crc));
                 }
                 RecordEntry::Range {
                     kind,
@@ -138,6 +221,26 @@ fn final_state(env: &Env, records: &[GroupRecord]) -> Final {
         }
     }
     fin
+}
+
+/// Check data before writing it to the origin: a final block that fails
+/// its checksum is never copied (nor is an older version of it: the
+/// block's newest acknowledged state is lost, and reads say so).
+fn verify_final(env: &Env, records: &[GroupRecord], fin: &mut Final) {
+    let block_bytes = env.block_size_bytes;
+    let failed: Vec<(u64, u64)> = fin
+        .blocks
+        .iter()
+        .filter_map(|(&lba, &(ri, k, crc))| {
+            let record = &records[ri];
+            let block = &record.data[k * block_bytes..(k + 1) * block_bytes];
+            (block_checksum(lba, block) != crc).then_some((lba, record.at + 1 + k as u64))
+        })
+        .collect();
+    for &(lba, _) in &failed {
+        fin.blocks.remove(&lba);
+    }
+    fin.bad = failed;
 }
 
 /// Runs of consecutive addresses, up to 1 MiB each, as slices of the
@@ -179,7 +282,8 @@ fn runs<'a>(env: &Env, records: &'a [GroupRecord], fin: &Final) -> Vec<(u64, Vec
 /// then one origin flush.
 pub(crate) fn apply(env: &Env, records: &[GroupRecord]) -> EngineResult<Applied> {
     let block_bytes = env.block_size_bytes as u64;
-    let fin = final_state(env, records);
+    let mut fin = final_choice(env, records);
+    verify_final(env, records, &mut fin);
     let origin = env.origin.as_ref();
     let origin_err = |e| {
         Counters::add(&env.counters.origin_write_errors, 1);

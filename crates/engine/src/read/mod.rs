@@ -84,7 +84,7 @@ pub(crate) async fn read_blocks(
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
     let result = match result {
         // Records the fills completed are written outside the lock.
-        Ok(sealed) => crate::sealed::write_claimed(env, sealed),
+        Ok(sealed) => crate::sealed::write_claimed(env, sealed).await,
         Err(e) => Err(e),
     };
     (Some(result), buf)

@@ -26,23 +26,71 @@
 mod queue;
 mod record;
 mod record_io;
+mod writers;
 
 pub(crate) use queue::SealedQueue;
 pub(crate) use record::SealedRecord;
 pub(crate) use record_io::RecordIo;
+pub(crate) use writers::RecordWriters;
+
+use writers::RecordJob;
 
 use std::sync::Arc;
 
 use crate::env::Env;
 use crate::error::EngineResult;
+use crate::retry::RetryPolicy;
+use cairn_device::DeviceError;
 
-/// Write records this call claimed, outside the engine lock. A failure
-/// marks the cache failed, as a failed seal always did.
-pub(crate) fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) -> EngineResult<()> {
-    for record in records {
-        if let Err(e) = record.write(env) {
-            return Err(env.health.cache_write_failed("sealing a log record", e));
+/// Write records this call claimed, outside the engine lock. Inside a
+/// reactor task the record writer threads write them (all at once) while
+/// the task waits and its loop goes on; elsewhere they are written here,
+/// in order. A failure marks the cache failed, as a failed seal always did
+/// (the record stays queued with its data, for degraded mode).
+pub(crate) async fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) -> EngineResult<()> {
+    if records.is_empty() {
+        return Ok(());
+    }
+    if cairn_io::Reactor::current().is_none() {
+        for record in records {
+            if let Err(e) = record.write(env) {
+                return Err(env.health.cache_write_failed("sealing a log record", e));
+            }
+        }
+        return Ok(());
+    }
+    let policy = RetryPolicy {
+        attempts: env.config.cache_write_attempts.max(1),
+        backoff_us: env.config.cache_write_backoff_us,
+    };
+    // Handed off at once, before anything can wait: whoever waits for
+    // one of these records (holding the engine lock or not) only waits
+    // for a writer thread.
+    for record in &records {
+        env.record_writers.submit(RecordJob {
+            record: record.clone(),
+            cache: env.cache.clone(),
+            counters: env.counters.clone(),
+            record_io: env.record_io.clone(),
+            policy,
+        });
+    }
+    for record in &records {
+        record.written().await;
+    }
+    match records
+        .iter()
+        .find_map(|r| r.failure().map(|f| (r, f.to_string())))
+    {
+        None => Ok(()),
+        Some((record, reason)) => {
+            let e = DeviceError::Io {
+                device: env.cache.name().to_string(),
+                offset: record.at_bytes,
+                len: record.length_bytes(),
+                source: std::io::Error::other(reason),
+            };
+            Err(env.health.cache_write_failed("sealing a log record", e))
         }
     }
-    Ok(())
 }

@@ -1,11 +1,14 @@
 //! One record sealed but not yet known to be written.
 
+use std::future::poll_fn;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
+use std::task::{Poll, Waker};
 
 use cairn_device::DeviceError;
 use cairn_format::RecordHeader;
 
+use super::record_io::RecordIo;
 use crate::env::Env;
 use crate::retry::retrying_cache_write;
 use cairn_device::PooledBuf;
@@ -25,6 +28,8 @@ pub(crate) struct SealedRecord {
     /// Set once the write completed (successfully or not); `outcome` says.
     done: AtomicBool,
     outcome: OnceLock<Result<(), String>>,
+    /// Tasks waiting for the write (see [`SealedRecord::written`]).
+    wakers: Mutex<Vec<Waker>>,
 }
 
 impl SealedRecord {
@@ -48,6 +53,7 @@ impl SealedRecord {
             data,
             done: AtomicBool::new(false),
             outcome: OnceLock::new(),
+            wakers: Mutex::new(Vec::new()),
         }
     }
 
@@ -109,11 +115,46 @@ impl SealedRecord {
     /// Publish the outcome of its write (made by [`SealedRecord::write`] or
     /// as part of a barrier's) and wake whoever waits for it.
     pub(crate) fn publish(&self, env: &Env, outcome: Result<(), String>) {
+        self.publish_to(&env.record_io, outcome);
+    }
+
+    /// [`SealedRecord::publish`] for a thread without the engine's `Env`.
+    pub(crate) fn publish_to(&self, record_io: &RecordIo, outcome: Result<(), String>) {
         assert!(!self.is_done(), "record {} written twice", self.sequence);
         assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
-        let _guard = env.record_io.lock();
-        self.done.store(true, Ordering::Release);
-        env.record_io.notify();
+        {
+            let _guard = record_io.lock();
+            self.done.store(true, Ordering::Release);
+            record_io.notify();
+        }
+        let wakers = std::mem::take(&mut *self.lock_wakers());
+        for waker in wakers {
+            waker.wake();
+        }
+    }
+
+    fn lock_wakers(&self) -> std::sync::MutexGuard<'_, Vec<Waker>> {
+        self.wakers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wait as a task until its write completed (successfully or not).
+    pub(crate) async fn written(&self) {
+        poll_fn(|cx| {
+            if self.is_done() {
+                return Poll::Ready(());
+            }
+            let mut wakers = self.lock_wakers();
+            // Checked again under the lock `publish_to` takes after it set
+            // `done`: a completion in between is never missed.
+            if self.is_done() {
+                return Poll::Ready(());
+            }
+            if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                wakers.push(cx.waker().clone());
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     /// Wait (without the engine lock) until its write completed.

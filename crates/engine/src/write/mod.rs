@@ -14,7 +14,6 @@ use crate::checkpoint;
 use crate::error::{EngineError, EngineResult};
 use crate::parts::Parts;
 use crate::policy::CacheMode;
-use crate::sealed::write_claimed;
 use crate::space::{self, Space};
 use crate::state::State;
 use crate::stats::Counters;
@@ -28,10 +27,16 @@ const CHECKPOINT_EVERY_LOG_FRACTION: u64 = 4;
 /// most before giving up with an error.
 const SPACE_RETRIES_MAX: usize = 100_000;
 
-/// Write `data` at `offset` into the log (then through to the origin in
-/// the modes other than write-back). Not durable until a flush (a FUA
-/// write is this and then a flush: see `Engine::write_async`).
-pub(crate) fn write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineResult<()> {
+/// Write `data` at `offset` into the log. Returns the records the write
+/// filled, claimed: the caller writes them outside the lock
+/// (`sealed::write_claimed`), then writes through to the origin in the
+/// modes other than write-back ([`write_through`]). Not durable until a
+/// flush (a FUA write is this and then a flush: see `Engine::write_async`).
+pub(crate) fn write(
+    p: Parts<'_>,
+    offset: u64,
+    data: &[u8],
+) -> EngineResult<Vec<std::sync::Arc<crate::sealed::SealedRecord>>> {
     let env = p.env;
     let block_bytes = env.block_size_bytes as u64;
     let end = offset + data.len() as u64;
@@ -62,14 +67,7 @@ pub(crate) fn write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineResult<()> 
     }
     // Records this write filled are written outside the lock, so other
     // writers keep going and several records are in flight at once.
-    let sealed = st.log.claim_sealed();
-    drop(st);
-    write_claimed(env, sealed)?;
-    let mode = p.policy.mode();
-    if mode != CacheMode::WriteBack {
-        write_through(p, mode, offset / block_bytes, end.div_ceil(block_bytes))?;
-    }
-    Ok(())
+    Ok(st.log.claim_sealed())
 }
 
 /// Zero or discard a range. Whole blocks become a logged range (no data is
@@ -187,7 +185,12 @@ fn reserve<'a>(
 /// origin has it: the write goes through the log as usual (so ordering and
 /// crash safety are the same), is made durable, and is written back before
 /// the reply. Write-around and pass-through then drop the new cached copy.
-fn write_through(p: Parts<'_>, mode: CacheMode, first: u64, end: u64) -> EngineResult<()> {
+pub(crate) fn write_through(
+    p: Parts<'_>,
+    mode: CacheMode,
+    first: u64,
+    end: u64,
+) -> EngineResult<()> {
     let env = p.env;
     Counters::add(&env.counters.writethrough_waits, 1);
     p.state.normal(env)?.flush(env)?;

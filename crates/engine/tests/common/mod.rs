@@ -13,6 +13,8 @@ macro_rules! report {
     }};
 }
 
+pub mod crash_check;
+
 use std::sync::Arc;
 
 use cairn_device::{Device, SimDevice};

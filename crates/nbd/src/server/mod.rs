@@ -210,21 +210,48 @@ pub enum ServerError {
     Panicked,
 }
 
-/// Counters for tests and status output.
+/// Counters for tests and status output. Each `*_waits` counts the times
+/// a named limit was hit (the request waited; nothing failed).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ServerStats {
+    pub connections_active: u64,
     pub connections_accepted: u64,
+    /// Turned away at `max_connections`.
     pub connections_refused: u64,
     pub protocol_errors: u64,
     pub requests: u64,
+    /// A connection's reader paused at `max_in_flight_per_connection`.
+    pub in_flight_limit_waits: u64,
+    /// A request waited for `max_buffered_bytes` of payload budget.
+    pub buffer_budget_waits: u64,
+    /// Payload bytes buffered right now, across connections.
+    pub buffered_bytes: u64,
+    /// The limits themselves (`ServerConfig`).
+    pub max_connections: u64,
+    pub max_in_flight_per_connection: u64,
+    pub max_buffered_bytes: u64,
 }
 
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
     connections_accepted: AtomicU64,
     connections_refused: AtomicU64,
     protocol_errors: AtomicU64,
     requests: AtomicU64,
+    pub(crate) in_flight_limit_waits: AtomicU64,
+}
+
+/// Reads a running server's counters from any thread (status, metrics),
+/// also after it stopped.
+#[derive(Clone)]
+pub struct StatsReader {
+    shared: Arc<Shared>,
+}
+
+impl StatsReader {
+    pub fn stats(&self) -> ServerStats {
+        self.shared.stats()
+    }
 }
 
 /// State shared by the acceptor, readers and workers.
@@ -244,6 +271,23 @@ struct Shared {
 }
 
 impl Shared {
+    fn stats(&self) -> ServerStats {
+        let c = &self.counters;
+        ServerStats {
+            connections_active: lock(&self.connections).len() as u64,
+            connections_accepted: c.connections_accepted.load(Ordering::Relaxed),
+            connections_refused: c.connections_refused.load(Ordering::Relaxed),
+            protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
+            requests: c.requests.load(Ordering::Relaxed),
+            in_flight_limit_waits: c.in_flight_limit_waits.load(Ordering::Relaxed),
+            buffer_budget_waits: self.budget.waits(),
+            buffered_bytes: self.budget.total() - self.budget.available(),
+            max_connections: self.config.max_connections as u64,
+            max_in_flight_per_connection: self.config.max_in_flight_per_connection as u64,
+            max_buffered_bytes: self.config.max_buffered_bytes,
+        }
+    }
+
     fn trigger_stop(&self) {
         if !self.stopping.swap(true, Ordering::SeqCst) {
             tracing::info!("server stopping");
@@ -359,12 +403,13 @@ impl ServerHandle {
     }
 
     pub fn stats(&self) -> ServerStats {
-        let c = &self.shared.counters;
-        ServerStats {
-            connections_accepted: c.connections_accepted.load(Ordering::Relaxed),
-            connections_refused: c.connections_refused.load(Ordering::Relaxed),
-            protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
-            requests: c.requests.load(Ordering::Relaxed),
+        self.shared.stats()
+    }
+
+    /// A handle that reads the counters from another thread.
+    pub fn stats_reader(&self) -> StatsReader {
+        StatsReader {
+            shared: self.shared.clone(),
         }
     }
 

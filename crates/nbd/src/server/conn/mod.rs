@@ -46,6 +46,12 @@ impl Conn {
     /// at its limit: that is the backpressure on the client.
     async fn acquire_slot(&self) {
         let max = self.shared.config.max_in_flight_per_connection;
+        if self.in_flight.get() >= max {
+            self.shared
+                .counters
+                .in_flight_limit_waits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         while self.in_flight.get() >= max {
             self.slot_freed.notified().await;
         }

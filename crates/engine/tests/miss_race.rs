@@ -1,0 +1,163 @@
+//! A read miss whose origin read returns old data after a newer write to
+//! the same block was acknowledged (and reached the origin, and left the
+//! cache) must not install that old data: the classic cache fill race. The
+//! origin here holds a read inside the device until the test lets it go,
+//! so the race happens every time, not by luck.
+
+mod common;
+use common::*;
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use cairn_device::{Device, DeviceResult, SimDevice};
+use cairn_engine::{CacheMode, Engine, FormatOptions};
+
+#[derive(Default)]
+struct GateState {
+    /// The next read covering this byte offset waits at the gate.
+    armed_at: Option<u64>,
+    entered: bool,
+    released: bool,
+}
+
+/// An origin that can hold one read after it read its data, until
+/// released: the data it returns is then as old as the read's start.
+struct GatedOrigin {
+    inner: SimDevice,
+    gate: Mutex<GateState>,
+    changed: Condvar,
+}
+
+impl GatedOrigin {
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn arm(&self, offset: u64) {
+        *self.lock() = GateState {
+            armed_at: Some(offset),
+            ..GateState::default()
+        };
+    }
+
+    fn wait_entered(&self) {
+        let mut g = self.lock();
+        for _ in 0..10_000 {
+            if g.entered {
+                return;
+            }
+            g = self
+                .changed
+                .wait_timeout(g, std::time::Duration::from_millis(10))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        panic!("the read never reached the origin");
+    }
+
+    fn release(&self) {
+        self.lock().released = true;
+        self.changed.notify_all();
+    }
+}
+
+impl Device for GatedOrigin {
+    fn name(&self) -> &str {
+        "gated-origin"
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        self.inner.read_at(offset, buf)?;
+        let mut g = self.lock();
+        let covers = g
+            .armed_at
+            .is_some_and(|at| at >= offset && at < offset + buf.len() as u64);
+        if covers {
+            g.armed_at = None;
+            g.entered = true;
+            self.changed.notify_all();
+            while !g.released {
+                g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
+        self.inner.write_at(offset, buf)
+    }
+
+    fn flush(&self) -> DeviceResult<()> {
+        self.inner.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        self.inner.discard(offset, len)
+    }
+}
+
+#[test]
+fn a_fill_older_than_an_acknowledged_write_is_never_installed() {
+    let volume_blocks = 256;
+    let lba = 37u64;
+    let old = pattern(1, BS as usize);
+    let new = pattern(2, BS as usize);
+    let inner = SimDevice::new("origin", volume_blocks * BS);
+    inner.write_at(lba * BS, &old).expect("seed the origin");
+    let origin = Arc::new(GatedOrigin {
+        inner: inner.clone(),
+        gate: Mutex::new(GateState::default()),
+        changed: Condvar::new(),
+    });
+    let cache = SimDevice::new("cache", cache_bytes_small());
+    Engine::format(
+        Arc::new(cache.clone()),
+        origin.clone(),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    let engine = Engine::open(Arc::new(cache), origin.clone(), &open_opts()).expect("open");
+    // Write-around: a write goes to the origin and leaves no cached copy,
+    // so the stale fill would find the block unmapped.
+    engine
+        .set_mode(CacheMode::WriteAround, |_| {})
+        .expect("write-around");
+
+    origin.arm(lba * BS);
+    let stale = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let mut buf = vec![0u8; BS as usize];
+            engine.read(lba * BS, &mut buf).expect("racing read");
+            buf
+        });
+        origin.wait_entered();
+        // The miss holds the old block; a newer write is acknowledged now.
+        engine.write(lba * BS, &new, false).expect("write");
+        origin.release();
+        reader.join().expect("reader")
+    });
+    // The racing read may return either value: it overlapped the write.
+    assert!(stale == old || stale == new);
+
+    let mut buf = vec![0u8; BS as usize];
+    engine.read(lba * BS, &mut buf).expect("read after");
+    assert!(
+        buf == new,
+        "a read after the write returned the fill's older data"
+    );
+    let s = engine.stats();
+    assert_eq!(s.fills_superseded, 1, "the stale fill was refused");
+    report!(
+        "miss racing a write: fill refused (fills_superseded {}), later read sees the write",
+        s.fills_superseded
+    );
+    // And the origin, the cache's only other copy, has the new data.
+    engine.close().expect("close");
+    let mut on_origin = vec![0u8; BS as usize];
+    inner.read_at(lba * BS, &mut on_origin).expect("origin");
+    assert_eq!(on_origin, new);
+}
