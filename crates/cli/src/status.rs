@@ -80,14 +80,15 @@ pub fn status_json(
             s.read_hits as f64 / lookups as f64
         }),
     );
-    // Group commit: how many client flushes one cache barrier answered on
-    // average (a flush with nothing new to make durable needs none).
+    // Group commit: how many durability requests (FLUSH commands and FUA
+    // writes) one cache barrier answered on average (one with nothing new
+    // to make durable needs none).
     m.insert(
         "flushes_per_barrier".into(),
         json!(if s.flush_barriers == 0 {
             0.0
         } else {
-            s.flushes as f64 / s.flush_barriers as f64
+            (s.flushes + s.fua_writes) as f64 / s.flush_barriers as f64
         }),
     );
     for (name, value) in s.counter_pairs() {
@@ -166,8 +167,9 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         .unwrap_or(0.0);
     writeln!(
         out,
-        "  flushes {} ({} barriers, {:.2} flushes per barrier, {} joined one in progress), discards {}, checksum mismatches {}, repairs {}",
+        "  flushes {} and FUA writes {} ({} barriers, {:.2} per barrier, {} joined one in progress), discards {}, checksum mismatches {}, repairs {}",
         get("flushes"),
+        get("fua_writes"),
         get("flush_barriers"),
         flushes_per_barrier,
         get("group_commit_joins"),

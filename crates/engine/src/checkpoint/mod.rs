@@ -14,7 +14,7 @@ use crate::error::EngineResult;
 use crate::retry::retrying_cache_write;
 use crate::state::State;
 use crate::stats::Counters;
-use payload_writer::PayloadWriter;
+use payload_writer::{PayloadWriter, PAYLOAD_ALIGN_BYTES};
 
 /// Snapshot the index into the inactive checkpoint slot, then point the
 /// superblock at it (which also persists the write-back position).
@@ -44,10 +44,14 @@ fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
     let ranges = st.index.pending_ranges();
     let live = st.index.live_blocks();
     let payload_bytes = CheckpointHeader::payload_bytes(live, ranges.len() as u32);
+    // The slot holds the header and the largest payload (every log slot
+    // live, every range pending), padded: the layout sizes it so.
+    assert!(live <= env.layout.log_blocks);
+    assert!(ranges.len() <= cairn_format::PENDING_RANGES_MAX);
     assert!(
-        CHECKPOINT_HEADER_BYTES as u64
-            + cairn_format::align_up(payload_bytes, env.block_size_bytes as u64)
-            <= env.layout.checkpoint_slot_bytes
+        CHECKPOINT_HEADER_BYTES as u64 + cairn_format::align_up(payload_bytes, PAYLOAD_ALIGN_BYTES)
+            <= env.layout.checkpoint_slot_bytes,
+        "checkpoint payload of {payload_bytes} bytes overflows its slot"
     );
     let mut payload = PayloadWriter::new(env, slot_at + CHECKPOINT_HEADER_BYTES as u64);
     let mut entry_count = 0u64;

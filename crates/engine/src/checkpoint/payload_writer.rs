@@ -9,6 +9,12 @@ use crate::env::Env;
 /// Checkpoints are written in chunks of this size.
 const CHECKPOINT_CHUNK_BYTES: usize = 1 << 20;
 
+/// The payload is padded to this, not to the cache's block size: it starts
+/// one header (4 KiB) into its slot, so a block-size multiple could run
+/// past the slot's end (64 KiB blocks did), and 4 KiB is all the alignment
+/// direct I/O needs.
+pub(crate) const PAYLOAD_ALIGN_BYTES: u64 = cairn_format::CHECKPOINT_HEADER_BYTES as u64;
+
 pub(crate) struct PayloadWriter<'a> {
     env: &'a Env,
     chunk: Vec<u8>,
@@ -23,7 +29,7 @@ impl<'a> PayloadWriter<'a> {
     pub(crate) fn new(env: &'a Env, at_bytes: u64) -> PayloadWriter<'a> {
         PayloadWriter {
             env,
-            chunk: vec![0u8; CHECKPOINT_CHUNK_BYTES.max(env.block_size_bytes)],
+            chunk: vec![0u8; CHECKPOINT_CHUNK_BYTES],
             used_bytes: 0,
             at_bytes,
             payload_crc: 0,
@@ -47,8 +53,8 @@ impl<'a> PayloadWriter<'a> {
         Ok(())
     }
 
-    /// Write what is left, padded to a whole block (the checksum covers
-    /// the payload only). Returns the payload's crc32c and the bytes
+    /// Write what is left, padded to [`PAYLOAD_ALIGN_BYTES`] (the checksum
+    /// covers the payload only). Returns the payload's crc32c and the bytes
     /// written.
     pub(crate) fn finish(mut self) -> Result<(u32, u64), DeviceError> {
         if self.used_bytes > 0 {
@@ -60,8 +66,7 @@ impl<'a> PayloadWriter<'a> {
     fn write_chunk(&mut self) -> Result<(), DeviceError> {
         let used = self.used_bytes;
         self.payload_crc = cairn_format::crc32c_append(self.payload_crc, &self.chunk[..used]);
-        let io_bytes =
-            cairn_format::align_up(used as u64, self.env.block_size_bytes as u64) as usize;
+        let io_bytes = cairn_format::align_up(used as u64, PAYLOAD_ALIGN_BYTES) as usize;
         self.chunk[used..io_bytes].fill(0);
         self.env
             .cache
