@@ -111,6 +111,7 @@ counters!(
     group_commit_joins,
     cache_bytes_written,
     records_sealed,
+    epochs_sealed,
     checkpoints,
     superblock_writes,
     internal_flushes,

@@ -8,7 +8,11 @@
 //! - every block holds its last durably acknowledged value or a value
 //!   written later: never stale data, garbage or another block's data;
 //! - recovering the recovered image again gives the same volume;
-//! - the origin alone equals the volume as of some past flush;
+//! - the origin alone equals the volume as of some past flush F, and with
+//!   its own unflushed writes kept, dropped, reordered (origin crash
+//!   states) it holds in every block F's value or one written in the epoch
+//!   right after F, nothing else; recovering a cache over a torn origin
+//!   still gives the volume;
 //! - with origin integrity (a quarter of the seeds): every origin block
 //!   that is not dirty in the recovered cache matches its tag (no false
 //!   mismatch: reading the whole volume verifies every origin read, and a
@@ -21,7 +25,7 @@ mod common;
 use common::crash_check::*;
 use common::*;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cairn_device::{
@@ -31,9 +35,69 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 static CUTS: AtomicU64 = AtomicU64::new(0);
+/// Writes that found the log full of dirty data (full-log configurations).
+static FULL_LOG_STALLS: AtomicU64 = AtomicU64::new(0);
+/// Origin crash states checked (origin alone, and under a recovered cache).
+static ORIGIN_STATES: AtomicU64 = AtomicU64::new(0);
 static DONE: AtomicU64 = AtomicU64::new(0);
 /// Device events inside the ops that switched to degraded mode.
 static DEGRADING_CUTS: AtomicU64 = AtomicU64::new(0);
+
+/// A flush state: its blocks, and what the epoch after it wrote.
+struct Epoch {
+    blocks: Vec<u32>,
+    next: Vec<Vec<u32>>,
+}
+
+impl Epoch {
+    fn new(blocks: &[u32]) -> Epoch {
+        Epoch {
+            blocks: blocks.to_vec(),
+            next: vec![Vec::new(); blocks.len()],
+        }
+    }
+}
+
+/// The origin crashed with its write-back writes since its last flush in
+/// flight: kept, or a random subset in any order. Every block must hold
+/// its value as of that flush or one the epoch right after it wrote: write
+/// back never mixes in a later epoch before the origin flush between them.
+fn check_origin_crash_states(
+    ctx: &str,
+    origin: &Shadow,
+    epoch: &Epoch,
+    origin_bytes: usize,
+    rng: &mut ChaCha8Rng,
+) {
+    if origin.pending.is_empty() {
+        return;
+    }
+    let plans = [
+        ("keep-all", CrashPlan::KeepAll),
+        (
+            "random",
+            CrashPlan::Random {
+                keep: 0.5,
+                tear: 0.0,
+            },
+        ),
+    ];
+    for (name, plan) in plans {
+        let img = build_crash_image(&origin.durable, &origin.pending, plan, rng);
+        for (b, &flushed) in epoch.blocks.iter().enumerate() {
+            let range = b * BS as usize..(b + 1) * BS as usize;
+            if range.end > origin_bytes {
+                break;
+            }
+            let got = crc(&img[range]);
+            assert!(
+                got == flushed || epoch.next[b].contains(&got),
+                "{ctx} {name}: origin block {b} holds a value from neither its last flush nor the epoch after it"
+            );
+        }
+        ORIGIN_STATES.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 /// Where a seed's log stops taking writes for good (the engine then goes
 /// degraded). From that op on, origin flushes are cut points too: in
@@ -49,6 +113,7 @@ fn run_seed(
     volume_blocks: u64,
     random_states_per_cut: usize,
     degrade_at: Option<DegradeAt>,
+    keep_log_full: bool,
 ) {
     // A quarter of the seeds keep origin integrity tags.
     let integrity = seed % 4 == 1;
@@ -71,10 +136,17 @@ fn run_seed(
     let mut allowed: Vec<Vec<u32>> = vec![Vec::new(); volume_blocks as usize];
     let mut flush_states: HashSet<u32> = HashSet::new();
     flush_states.insert(crc(&model.image));
+    // Each flush state by its crc: its blocks' crcs, and the values written
+    // to each block in the epoch after it.
+    let mut block_crcs: Vec<u32> = (0..volume_blocks).map(|b| crc(model.block(b))).collect();
+    let mut epochs: HashMap<u32, Epoch> = HashMap::new();
+    let mut cur_epoch = crc(&model.image);
+    epochs.insert(cur_epoch, Epoch::new(&block_crcs));
     let mut wl = Workload::new(seed ^ 0xc4a5, volume_blocks);
     // Every third seed also switches cache modes (not once degraded: a
     // degraded cache refuses mode changes).
-    wl.allow_mode_switch = seed.is_multiple_of(3) && degrade_at.is_none();
+    wl.allow_mode_switch = seed.is_multiple_of(3) && degrade_at.is_none() && !keep_log_full;
+    wl.keep_log_full = keep_log_full;
     let cache_bytes = cairn_device::Device::size_bytes(&rig.cache);
     let log_start = cairn_format::Layout::compute_with_tags(
         cache_bytes,
@@ -103,7 +175,9 @@ fn run_seed(
         let was_degraded = rig.engine().is_degraded();
         let pre_image = cut_origin_flushes.then(|| model.image.clone());
         let barriers_before = rig.cache.counters().flushes;
+        let epochs_before = rig.engine().stats().epochs_sealed;
         let h_pre = crc(&model.image);
+        let pre_block_crcs = block_crcs.clone();
         let mut touched: Vec<(u64, u64)> = Vec::new();
         match &op {
             Op::Write {
@@ -166,6 +240,55 @@ fn run_seed(
             flush_states.insert(h_pre);
             flush_states.insert(crc(&model.image));
         }
+        // Epoch ends (not every barrier: a superblock or checkpoint write
+        // is one too) are where write-back groups end.
+        let epoch_ended = rig.engine().stats().epochs_sealed != epochs_before
+            || matches!(op, Op::ReopenClean)
+            || degraded;
+        for &(offset, len) in &touched {
+            for b in offset / BS..(offset + len).div_ceil(BS) {
+                block_crcs[b as usize] = crc(model.block(b));
+            }
+        }
+        // The op's writes belong to the epoch after the last epoch end
+        // before them: the current one, or, if the op ended an epoch before
+        // its writes (an internal flush for space), the state before the
+        // op. A FUA write's epoch end comes after its write: both allowed.
+        let mut writes_epochs = vec![cur_epoch];
+        if epoch_ended {
+            epochs
+                .entry(h_pre)
+                .or_insert_with(|| Epoch::new(&pre_block_crcs));
+            writes_epochs.push(h_pre);
+        }
+        for key in writes_epochs {
+            if let Some(epoch) = epochs.get_mut(&key) {
+                for &(offset, len) in &touched {
+                    for b in offset / BS..(offset + len).div_ceil(BS) {
+                        epoch.next[b as usize].push(block_crcs[b as usize]);
+                    }
+                }
+            }
+        }
+        if epoch_ended {
+            // Where the next epoch starts: a write-back-mode write, zero or
+            // discard ends epochs (for space) only before its own blocks go
+            // in, so its epoch continues; anything else ends with one.
+            let through_now = rig.engine().mode() != cairn_engine::CacheMode::WriteBack || degraded;
+            let barrier_before_only = !through_now
+                && matches!(
+                    op,
+                    Op::Write { fua: false, .. } | Op::Discard { .. } | Op::Zero { .. }
+                );
+            cur_epoch = if barrier_before_only {
+                h_pre
+            } else {
+                crc(&model.image)
+            };
+            epochs
+                .entry(cur_epoch)
+                .or_insert_with(|| Epoch::new(&block_crcs));
+        }
         let events = journal.since(cursor);
         cursor += events.len();
         let expect = Expect {
@@ -183,7 +306,45 @@ fn run_seed(
                 } => cache_shadow.write(*offset, data),
                 JournalEvent::Flush { device: 0 } => cache_shadow.flush(),
                 JournalEvent::Write { offset, data, .. } => {
+                    // An origin write in flight: the origin may crash here
+                    // with any subset of its unflushed writes.
                     origin_shadow.write(*offset, data);
+                    let flushed = crc(&origin_shadow.durable[..origin_bytes]);
+                    let ctx = format!(
+                        "seed {seed} op #{i} {op:?} origin event {k}; {}",
+                        repro("crash", seed)
+                    );
+                    if let Some(epoch) = epochs.get(&flushed) {
+                        check_origin_crash_states(
+                            &ctx,
+                            &origin_shadow,
+                            epoch,
+                            origin_bytes,
+                            &mut rng,
+                        );
+                    }
+                    if k % 4 == 0 {
+                        // Both crash here: the cache recovers over an
+                        // origin that kept some of those writes, torn.
+                        let cache_img = build_crash_image(
+                            &cache_shadow.durable,
+                            &cache_shadow.pending,
+                            CrashPlan::KeepAll,
+                            &mut rng,
+                        );
+                        // Degraded, the origin is the only copy: a write
+                        // in flight may tear there as on any disk, so only
+                        // whole writes are kept or dropped then.
+                        let tear = if cut_origin_flushes { 0.0 } else { 0.3 };
+                        let origin_img = build_crash_image(
+                            &origin_shadow.durable,
+                            &origin_shadow.pending,
+                            CrashPlan::Random { keep: 0.5, tear },
+                            &mut rng,
+                        );
+                        check_state(&ctx, cache_img, origin_img, &expect, false);
+                        ORIGIN_STATES.fetch_add(1, Ordering::Relaxed);
+                    }
                     continue;
                 }
                 JournalEvent::Flush { .. } => {
@@ -268,6 +429,9 @@ fn run_seed(
             DEGRADING_CUTS.fetch_add(events.len() as u64, Ordering::Relaxed);
         }
     }
+    if keep_log_full {
+        FULL_LOG_STALLS.fetch_add(rig.engine().stats().writeback_stalls, Ordering::Relaxed);
+    }
     if degrade_at.is_some() {
         assert!(
             rig.engine().is_degraded(),
@@ -290,7 +454,7 @@ fn keep_big_allocations_on_heap() {
 fn run_seeds(seeds: &[u64]) {
     keep_big_allocations_on_heap();
     for &seed in seeds {
-        run_seed(seed, 400, 128, 6, None);
+        run_seed(seed, 400, 128, 6, None, false);
     }
 }
 
@@ -307,13 +471,38 @@ fn crash_states_through_the_switch_to_degraded() {
     let seeds = seeds(24);
     for &seed in &seeds {
         let op = 60 + (seed as usize * 53) % 240;
-        run_seed(seed, 400, 128, 4, Some(DegradeAt { op }));
+        run_seed(seed, 400, 128, 4, Some(DegradeAt { op }), false);
     }
     report!(
         "crash harness through degraded mode: {} seeds, {} cut points inside the switch, {} crash states recovered and verified, 0 violations",
         seeds.len(),
         DEGRADING_CUTS.load(Ordering::Relaxed),
         STATES.load(Ordering::Relaxed) - before
+    );
+}
+
+/// A volume four times the log and writes across all of it, with no
+/// write-back but what writers run for space: the log stays full of live
+/// dirty data, so eviction, space reclaim, write-back for space and the
+/// persisted write-back position are all cut.
+#[test]
+fn crash_states_with_the_log_full_of_dirty_data() {
+    keep_big_allocations_on_heap();
+    let before = STATES.load(Ordering::Relaxed);
+    let seeds = seeds(10);
+    for &seed in &seeds {
+        run_seed(seed, 300, 2048, 2, None, true);
+    }
+    let stalls = FULL_LOG_STALLS.load(Ordering::Relaxed);
+    report!(
+        "crash harness with the log full of dirty data: {} seeds, {} crash states recovered and verified, {} writes that waited for write-back to free space, 0 violations",
+        seeds.len(),
+        STATES.load(Ordering::Relaxed) - before,
+        stalls
+    );
+    assert!(
+        stalls > 0,
+        "the log never filled: the test checks nothing new"
     );
 }
 
@@ -343,11 +532,12 @@ fn crash_states_even_seeds() {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     report!(
-        "crash harness: {} seeds, {} cut points, {} crash states recovered and verified ({} of them with origin integrity tags checked), 0 violations",
+        "crash harness: {} seeds, {} cut points, {} crash states recovered and verified ({} of them with origin integrity tags checked, {} origin crash states), 0 violations",
         seeds(160).len(),
         CUTS.load(Ordering::Relaxed),
         STATES.load(Ordering::Relaxed),
-        TAG_STATES.load(Ordering::Relaxed)
+        TAG_STATES.load(Ordering::Relaxed),
+        ORIGIN_STATES.load(Ordering::Relaxed)
     );
     if std::env::var("CAIRN_SEED").is_err() && std::env::var("CAIRN_SEEDS").is_err() {
         let states = STATES.load(Ordering::Relaxed);

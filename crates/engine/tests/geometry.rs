@@ -95,7 +95,9 @@ fn check_geometry(block_bytes: u32, cache_bytes: u64, origin_bytes: u64, integri
     engine
         .drain()
         .unwrap_or_else(|e| panic!("{ctx}: drain: {e}"));
-    engine.close().unwrap_or_else(|e| panic!("{ctx}: close: {e}"));
+    engine
+        .close()
+        .unwrap_or_else(|e| panic!("{ctx}: close: {e}"));
     assert!(
         origin.live_image() == model,
         "{ctx}: the origin differs after the drain"
@@ -109,11 +111,17 @@ fn every_accepted_geometry_fills_checkpoints_and_recovers() {
     let mut refused = 0;
     for block_bytes in [4096u32, 8192, 16384, 65536] {
         let min = Layout::cache_bytes_min(block_bytes);
-        for cache_bytes in [min, min + 3 * block_bytes as u64, 8 << 20, 16 << 20, 64 << 20] {
+        for cache_bytes in [
+            min,
+            min + 3 * block_bytes as u64,
+            8 << 20,
+            16 << 20,
+            64 << 20,
+        ] {
             for origin_factor in [1u64, 8] {
                 // Origins smaller and larger than the cache, whole blocks.
-                let origin_bytes = (cache_bytes / 2 * origin_factor) / block_bytes as u64
-                    * block_bytes as u64;
+                let origin_bytes =
+                    (cache_bytes / 2 * origin_factor) / block_bytes as u64 * block_bytes as u64;
                 for integrity in [false, true] {
                     if check_geometry(block_bytes, cache_bytes, origin_bytes, integrity) {
                         checked += 1;

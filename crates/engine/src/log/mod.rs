@@ -366,6 +366,9 @@ impl Log {
             }
         }
         Counters::add(&env.counters.records_sealed, 1);
+        if epoch_end {
+            Counters::add(&env.counters.epochs_sealed, 1);
+        }
         Counters::add(
             &env.counters.cache_bytes_written,
             length * env.block_size_bytes as u64,

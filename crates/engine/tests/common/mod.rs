@@ -164,6 +164,10 @@ pub struct Workload {
     next_seed: u64,
     pub allow_reopen: bool,
     pub allow_mode_switch: bool,
+    /// Writes across the whole volume instead of write-back steps, drains,
+    /// checkpoints and reopens: with a volume larger than the log, live
+    /// dirty data fills it and writers run write-back for space.
+    pub keep_log_full: bool,
 }
 
 impl Workload {
@@ -174,13 +178,14 @@ impl Workload {
             next_seed: seed << 20,
             allow_reopen: true,
             allow_mode_switch: false,
+            keep_log_full: false,
         }
     }
 
     fn extent(&mut self) -> (u64, u64) {
         let vol = self.volume_blocks * BS;
         // Small hot region half of the time, so blocks are overwritten often.
-        let hot = self.rng.gen_bool(0.5);
+        let hot = !self.keep_log_full && self.rng.gen_bool(0.5);
         let span_blocks = if hot {
             (self.volume_blocks / 8).max(4)
         } else {
@@ -207,6 +212,12 @@ impl Workload {
 
     pub fn next_op(&mut self) -> Op {
         let roll = self.rng.gen_range(0..1000);
+        let roll = if self.keep_log_full && (850..995).contains(&roll) {
+            // A write instead (a few checkpoints and reopens stay).
+            0
+        } else {
+            roll
+        };
         match roll {
             0..=449 => {
                 let (offset, len) = self.extent();
