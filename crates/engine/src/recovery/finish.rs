@@ -47,6 +47,11 @@ pub(crate) fn finish(
             durable_sequence: durable,
         },
     );
+    // Ranges of records before the write-back position are on the origin
+    // already: the superblock may have persisted that position after the
+    // checkpoint that still lists them. Kept, one would read as zeroes
+    // over a later write that was written back and evicted since.
+    index.retire_ranges(0, writeback);
     // Every live slot lies in [tail, head); it is dirty if it lies after
     // the write-back position (and was not inserted clean).
     index
