@@ -884,13 +884,13 @@ fn issue14_details(s: &mut String, d: &Data, med: &Medians) {
                 "\n### W8 reader p99 alone and under 4 fsync'd writers (every round)\n"
             );
             let _ = writeln!(s, "One freshly started system per row: prewarm, the QD1 4 KiB reader alone, then the same reader with 4 fsync'd 4 KiB writers (QD1 each) in one fio run; the reader's completion-latency p99 of each run.\n");
-            let _ = writeln!(s, "| system | round | p99 alone µs | p99 under load µs | ratio | mean alone µs | mean under load µs | reader IOPS alone | reader IOPS under load | writers IOPS | writers flush lat mean µs |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(s, "| system | round | p99 alone µs | p99 under load µs | ratio | mean alone µs | mean under load µs | reader IOPS alone | reader IOPS under load | writers IOPS | writers flush lat mean µs | daemon read_bytes alone / under load |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
             for sys in &d.systems {
                 for m in ms.iter().filter(|m| m.sys == *sys) {
                     let f = |n: &str| m.m.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
                     let _ = writeln!(
                         s,
-                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
                         sys.name(),
                         m.round + 1,
                         f("alone_lat_p99_us"),
@@ -903,14 +903,16 @@ fn issue14_details(s: &mut String, d: &Data, med: &Medians) {
                         f("alone_iops"),
                         f("iops"),
                         f("writer_iops"),
-                        f("sync_lat_mean_us")
+                        f("sync_lat_mean_us"),
+                        f("alone_daemon_read_bytes"),
+                        f("daemon_read_bytes")
                     );
                 }
                 if let Some(mm) = med.get(&(W::ReadUnderWrites, *sys)) {
                     let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
                     let _ = writeln!(
                         s,
-                        "| {} | **median** | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                        "| {} | **median** | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
                         sys.name(),
                         f("alone_lat_p99_us"),
                         f("lat_p99_us"),
@@ -922,7 +924,9 @@ fn issue14_details(s: &mut String, d: &Data, med: &Medians) {
                         f("alone_iops"),
                         f("iops"),
                         f("writer_iops"),
-                        f("sync_lat_mean_us")
+                        f("sync_lat_mean_us"),
+                        f("alone_daemon_read_bytes"),
+                        f("daemon_read_bytes")
                     );
                 }
             }
