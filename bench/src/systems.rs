@@ -62,7 +62,7 @@ impl Sys {
         match self {
             Sys::Cairn => "cairn serve: FAST formatted as the cache, origin = the slow NBD origin",
             Sys::CairnNoWb => "cairn serve --no-writeback (W3 only, diagnostic: the write path without concurrent write-back)",
-            Sys::CairnDirect => "cairn serve --no-page-cache-reads (W4 only, diagnostic: cache hits read with O_DIRECT, not through the host page cache)",
+            Sys::CairnDirect => "cairn serve --no-page-cache-reads (W4, as a diagnostic, and W4d, as the system under test: cache hits read with O_DIRECT, not through the host page cache)",
             Sys::NbdkitFile => "nbdkit file FAST (the fast file served raw: the practical ceiling)",
             Sys::NbdkitCache => {
                 "nbdkit --filter=cache nbd (slow origin), cache-on-read=true, cache-max-size=CACHE"
