@@ -1,4 +1,5 @@
-//! cairn-bench: the benchmark harness of issue 8.
+//! cairn-bench: the benchmark harness of issue 8 (W1-W5), with the
+//! workloads of issue 14 (W4d, W6, W7, W7r, W8).
 //!
 //! Runs every workload against cairn and its peers in one run, interleaved
 //! (the order of systems rotates each round), takes medians, and writes a
@@ -26,21 +27,27 @@ use workloads::W;
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 /// How much of the origin holds data (the rest is sparse); covers W4's
-/// working set so no system reads holes.
+/// working set and W6's span so no system reads holes.
 const ORIGIN_DATA_BYTES: u64 = 1 << 30;
 
+/// Threads of W6's dedicated origin (issue 14: `nbdkit -t 64`).
+const COLD_ORIGIN_THREADS: u32 = 64;
+
 const USAGE: &str = "\
-cairn-bench: cairn against its peers (issue 8). Needs root.
+cairn-bench: cairn against its peers (issues 8 and 14). Needs root.
 
 Usage: cairn-bench [--quick] [options]
 
-  --quick               smoke run, about 2.5 minutes (1 round, 3 s runs, small sizes)
+  --quick               smoke run, about 4 minutes (1 round, 3 s runs, small sizes)
   --rounds N            rounds per workload (default 3; quick 1)
   --runtime S           seconds per fio measurement (default 10; quick 3)
-  --only LIST           workloads, comma separated: w1,w2,w3,w3s,w4,w5 (default all)
+  --only LIST           workloads, comma separated (default all):
+                        issue 8:  w1,w2,w3,w3s,w4,w5
+                        issue 14: w6 (= w6 and its QD1 variant w6q1),w6q1,w4d,w7,w7r,w8
   --systems LIST        cairn,cairn-nowb,cairn-direct,nbdkit-file,nbdkit-cache,qemu-nbd,origin,raw
-                        (default all; cairn-nowb runs W3 only and cairn-direct W4 only,
-                        as diagnostics)
+                        (default all; cairn-nowb runs W3 only and cairn-direct W4 and
+                        W4d only; each workload runs the systems of its table in
+                        bench/README.md)
   --dir DIR             scratch directory (default /var/tmp/cairn-bench; avoid tmpfs)
   --out DIR             where latest.{md,json,svg} go (default bench/results)
   --cairn PATH          the cairn binary (default: next to this binary)
@@ -71,6 +78,10 @@ pub struct Config {
     pub w3_bytes: u64,
     pub w3s_region: u64,
     pub w4_working_set: u64,
+    /// W6: the cold span read at random (every read a miss).
+    pub w6_span: u64,
+    /// W7, W7r, W8: concurrent clients (fio numjobs).
+    pub clients: u32,
     pub ext4_bytes: u64,
     pub ext4_files: usize,
     pub ext4_timeout_s: u64,
@@ -119,6 +130,8 @@ impl Config {
             w3_bytes: if quick { GIB } else { 3 * GIB },
             w3s_region: 512 * MIB,
             w4_working_set: 256 * MIB,
+            w6_span: GIB,
+            clients: 4,
             ext4_bytes: 768 * MIB,
             ext4_files: if quick { 150 } else { 2000 },
             ext4_timeout_s: if quick { 180 } else { 900 },
@@ -140,10 +153,15 @@ impl Config {
                 "--rounds" => c.rounds = val()?.parse()?,
                 "--runtime" => c.runtime_s = val()?.parse()?,
                 "--only" => {
-                    c.workloads = val()?
-                        .split(',')
-                        .map(|x| W::from_id(x).with_context(|| format!("unknown workload {x}")))
-                        .collect::<Result<_>>()?
+                    let mut ws = Vec::new();
+                    for x in val()?.split(',') {
+                        for w in W::select(x).with_context(|| format!("unknown workload {x}"))? {
+                            if !ws.contains(&w) {
+                                ws.push(w);
+                            }
+                        }
+                    }
+                    c.workloads = ws;
                 }
                 "--systems" => {
                     c.systems = val()?
@@ -175,8 +193,13 @@ impl Config {
             .max(c.w3_bytes)
             .max(c.w3s_region)
             .max(c.w4_working_set)
+            .max(c.w6_span)
+            .max(workloads::W8_WRITE_OFFSET + c.w1_region)
             .max(c.ext4_bytes);
-        if biggest > c.cache_bytes || c.w4_working_set > ORIGIN_DATA_BYTES {
+        if biggest > c.cache_bytes
+            || c.w4_working_set > ORIGIN_DATA_BYTES
+            || c.w6_span > ORIGIN_DATA_BYTES
+        {
             bail!(
                 "--cache must be at least {} MiB (the largest region)",
                 biggest >> 20
@@ -184,6 +207,11 @@ impl Config {
         }
         Ok(c)
     }
+}
+
+/// The systems W6 runs (whether its origin is needed).
+fn w6_sys(s: Sys) -> bool {
+    W::ColdRead.applies(s)
 }
 
 fn output_of(cmd: &str, args: &[&str]) -> String {
@@ -393,7 +421,33 @@ fn real_main() -> Result<()> {
     std::fs::copy(&cfg.cairn, &cairn_copy)
         .with_context(|| format!("copying {}", cfg.cairn.display()))?;
     let origin_sock = cfg.dir.join("origin.sock");
-    let origin = Env::start_origin(&cfg.dir, &origin_img, &origin_sock, cfg.delay_ms)?;
+    let origin = Env::start_origin(
+        "origin",
+        &origin_img,
+        &origin_sock,
+        &cfg.dir.join("origin.log"),
+        cfg.delay_ms,
+        None,
+    )?;
+    // W6 needs an origin that takes 64 requests at once; the shared one
+    // keeps nbdkit's default (16 threads) so the other workloads' origin
+    // figures (W1-W4, nbdkit-cache, cairn's write-back) keep their meaning.
+    // Same file, its own socket, started only when W6 runs.
+    let cold_sock = cfg.dir.join("origin-t64.sock");
+    let wants_cold =
+        cfg.workloads.iter().any(|w| w.cold_origin()) && cfg.systems.iter().any(|s| w6_sys(*s));
+    let cold_origin = if wants_cold {
+        Some(Env::start_origin(
+            "origin-t64",
+            &origin_img,
+            &cold_sock,
+            &cfg.dir.join("origin-t64.log"),
+            cfg.delay_ms,
+            Some(COLD_ORIGIN_THREADS),
+        )?)
+    } else {
+        None
+    };
     let env = Env {
         dir: cfg.dir.clone(),
         cairn: cairn_copy,
@@ -401,6 +455,10 @@ fn real_main() -> Result<()> {
         fast_bytes: cfg.cache_bytes,
         origin_sock: origin_sock.clone(),
         origin_pid: origin.pid,
+        cold_origin: cold_origin.as_ref().map(|d| systems::OriginRef {
+            sock: cold_sock.clone(),
+            pid: d.pid,
+        }),
         inflight: procs::inflight_path(&cfg.dir),
     };
 
@@ -420,16 +478,86 @@ fn real_main() -> Result<()> {
         );
     }
     fio_cmds.insert(
-        "w4 prewarm (not for raw)".into(),
+        "w4 prewarm (not for raw; also before w4d, w7r, w8)".into(),
         json!(fio::command_line(
             &fio::Target::Nbd(PathBuf::from("S")),
             &workloads::prewarm_job(&cfg)
         )),
     );
+    for w in [
+        W::ColdRead,
+        W::ColdReadQd1,
+        W::RandReadDirect,
+        W::MultiFsync,
+        W::MultiRead,
+    ] {
+        if !cfg.workloads.contains(&w) {
+            continue;
+        }
+        let j = workloads::job(&cfg, w);
+        fio_cmds.insert(
+            format!("{} (NBD systems)", w.name()),
+            json!(fio::command_line(&fio::Target::Nbd(PathBuf::from("S")), &j)),
+        );
+        if w.applies(Sys::Raw) {
+            fio_cmds.insert(
+                format!("{} (raw)", w.name()),
+                json!(fio::command_line(
+                    &fio::Target::File(PathBuf::from("FAST")),
+                    &j
+                )),
+            );
+        }
+    }
+    if cfg.workloads.contains(&W::ReadUnderWrites) {
+        let t = fio::Target::Nbd(PathBuf::from("S"));
+        fio_cmds.insert(
+            format!("{} (reader alone)", W::ReadUnderWrites.name()),
+            json!(fio::command_line(&t, &workloads::w8_reader(&cfg))),
+        );
+        fio_cmds.insert(
+            format!(
+                "{} (reader with the writers, one fio run)",
+                W::ReadUnderWrites.name()
+            ),
+            json!(fio::command_line_group(
+                &t,
+                &[workloads::w8_reader(&cfg), workloads::w8_writers(&cfg)]
+            )),
+        );
+    }
     let mut notes = vec![
         format!("FAST = {} ({} MiB, fully written); ORIGIN = {} ({} MiB sparse, first {} MiB written), served slow on {}", fast.display(), cfg.cache_bytes >> 20, origin_img.display(), cfg.origin_bytes >> 20, ORIGIN_DATA_BYTES >> 20, origin_sock.display()),
         "every system is started fresh for each measurement (cairn is reformatted on FAST first) and stopped after it; the origin daemon runs for the whole run".to_string(),
+        format!(
+            "origin (shared; W1-W5, W4d, W7, W7r, W8): nbdkit {}",
+            Env::origin_args(&origin_img, &origin_sock, cfg.delay_ms, None).join(" ")
+        ),
     ];
+    if env.cold_origin.is_some() {
+        notes.push(format!(
+            "W6/W6q1 origin (the same file; cairn is formatted over it and `origin` is fio on its socket): nbdkit {}",
+            Env::origin_args(&origin_img, &cold_sock, cfg.delay_ms, Some(COLD_ORIGIN_THREADS)).join(" ")
+        ));
+        notes.push(format!(
+            "W6/W6q1: 4 KiB random reads over the first {} MiB of the volume (fio's random map: no block read twice in a run), cairn freshly formatted before each measurement so every read is a miss (see the hit ratio)",
+            cfg.w6_span >> 20
+        ));
+    }
+    if cfg
+        .workloads
+        .iter()
+        .any(|w| matches!(w, W::MultiFsync | W::MultiRead | W::ReadUnderWrites))
+    {
+        notes.push(format!(
+            "W7/W7r/W8: {} clients = fio numjobs={} with group_reporting (one NBD connection each); W7's and W8's writers each on their own {} MiB slice (offset_increment); W8's writers start at {} MiB, past the reader's {} MiB working set",
+            cfg.clients,
+            cfg.clients,
+            (cfg.w1_region / u64::from(cfg.clients)) >> 20,
+            workloads::W8_WRITE_OFFSET >> 20,
+            cfg.w4_working_set >> 20
+        ));
+    }
     if let Some((t, n)) = &tar {
         notes.push(format!(
             "W2: {} ({} files, {} MiB); mkfs.ext4 -E lazy_itable_init=0,lazy_journal_init=0,nodiscard on a {} MiB loop (losetup --sizelimit) over nbdfuse's file; mount -o sync; time of tar -xf; slow systems (origin, nbdkit-cache) run {} round(s), timeout {} s",
@@ -463,6 +591,7 @@ fn real_main() -> Result<()> {
             "rounds": cfg.rounds, "runtime_s": cfg.runtime_s, "cache_bytes": cfg.cache_bytes,
             "origin_bytes": cfg.origin_bytes, "delay_ms": cfg.delay_ms, "w1_region": cfg.w1_region,
             "w3_bytes": cfg.w3_bytes, "w3s_region": cfg.w3s_region, "w4_working_set": cfg.w4_working_set, "ext4_bytes": cfg.ext4_bytes,
+            "w6_span": cfg.w6_span, "clients": cfg.clients, "cold_origin_threads": COLD_ORIGIN_THREADS,
             "ext4_files": tar.as_ref().map(|t| t.1), "mem_cache_bytes": cfg.mem_cache_bytes,
             "slow_ext4_rounds": cfg.slow_ext4_rounds,
         },
@@ -481,6 +610,9 @@ fn real_main() -> Result<()> {
         data.errors.push(format!("run aborted: {e:#}"));
     }
     origin.stop(std::time::Duration::from_secs(10))?;
+    if let Some(o) = cold_origin {
+        o.stop(std::time::Duration::from_secs(10))?;
+    }
     header["load_end"] = json!(procs::loadavg());
     header["elapsed_s"] = json!(t_start.elapsed().as_secs_f64().round());
     data.header = header;
@@ -555,26 +687,62 @@ fn run_all(
                     continue;
                 }
                 procs::check_interrupted()?;
-                let r = match w {
-                    W::Ext4 => workloads::measure_ext4(cfg, env, tar.unwrap(), sys, round),
+                let r = match (w, tar) {
+                    (W::Ext4, Some(tar)) => workloads::measure_ext4(cfg, env, tar, sys, round),
+                    (W::Ext4, None) => Err(anyhow::anyhow!("no tar built for w2")),
+                    (W::ReadUnderWrites, _) => workloads::measure_w8(cfg, env, sys, round),
                     _ => workloads::measure_fio(cfg, env, w, sys, round),
                 };
                 match r {
                     Ok(m) => {
                         let (k, unit, _) = w.headline();
                         let v = m.m.get(k).copied().unwrap_or(f64::NAN);
-                        let extra = match (w, sys) {
+                        let g = |k: &str| m.m.get(k).copied().unwrap_or(f64::NAN);
+                        let mut extra = match (w, sys) {
                             (W::Seq | W::SeqSustained, Sys::Cairn | Sys::CairnNoWb) => format!(
                                 " read_bytes {} write-amp {:.3}",
-                                m.m.get("daemon_read_bytes").copied().unwrap_or(f64::NAN),
-                                m.m.get("cache_write_amp").copied().unwrap_or(f64::NAN)
+                                g("daemon_read_bytes"),
+                                g("cache_write_amp")
                             ),
-                            (W::RandRead, Sys::Cairn | Sys::CairnDirect) => format!(
-                                " hit ratio {:.4}",
-                                m.m.get("hit_ratio").copied().unwrap_or(f64::NAN)
+                            (
+                                W::RandRead
+                                | W::RandReadDirect
+                                | W::ColdRead
+                                | W::ColdReadQd1
+                                | W::MultiRead,
+                                Sys::Cairn | Sys::CairnDirect,
+                            ) => format!(" hit ratio {:.4}", g("hit_ratio")),
+                            (W::MultiFsync, Sys::Cairn) => format!(
+                                " flushes/barrier {:.2} ({} flushes, {} barriers, {} group_commit_joins)",
+                                g("flushes_per_barrier"),
+                                g("cairn_flushes"),
+                                g("cairn_flush_barriers"),
+                                g("cairn_group_commit_joins")
                             ),
                             _ => String::new(),
                         };
+                        if matches!(w, W::Seq | W::SeqSustained) {
+                            extra.push_str(&format!(
+                                " daemon cpu {:.0} us/MB",
+                                g("daemon_cpu_us_per_mb")
+                            ));
+                        }
+                        if matches!(w, W::ColdRead | W::ColdReadQd1) {
+                            extra.push_str(&format!(
+                                " lat mean {:.0} us p99 {:.0} us",
+                                g("lat_mean_us"),
+                                g("lat_p99_us")
+                            ));
+                        }
+                        if w == W::ReadUnderWrites {
+                            extra.push_str(&format!(
+                                " (alone {:.0} us: x{:.2}; reader {:.0} IOPS, writers {:.0} IOPS)",
+                                g("alone_lat_p99_us"),
+                                g("p99_ratio"),
+                                g("iops"),
+                                g("writer_iops")
+                            ));
+                        }
                         eprintln!(
                             "  round {} {:<13} {:>10} {unit}  cpu {:.1} us/io  load {:.2}{extra}{}",
                             round + 1,

@@ -286,8 +286,144 @@ pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
         &|v| v <= 2.0,
         " s",
     );
+
+    // Issue 14.
+    let cd = |w, k: &str| get(med, w, Sys::CairnDirect, k);
+    push(
+        &mut g,
+        "4d",
+        "W4d cached 4K random reads QD32, cairn --no-page-cache-reads: IOPS cairn-direct / raw io_uring O_DIRECT ≥ 0.9",
+        ratio(
+            cd(W::RandReadDirect, "iops"),
+            p(W::RandReadDirect, Sys::Raw, "iops"),
+        ),
+        &|r| r >= 0.9,
+        "×",
+    );
+    push(
+        &mut g,
+        "4e",
+        "W4d: IOPS cairn-direct / qemu-nbd ≥ 1.5",
+        ratio(
+            cd(W::RandReadDirect, "iops"),
+            p(W::RandReadDirect, Sys::QemuNbd, "iops"),
+        ),
+        &|r| r >= 1.5,
+        "×",
+    );
+    push(
+        &mut g,
+        "4f",
+        "W4d: daemon CPU per I/O (usr+sys, /proc/PID/stat) cairn-direct / qemu-nbd ≤ 1.0",
+        ratio(
+            cd(W::RandReadDirect, "daemon_cpu_us_per_io"),
+            p(W::RandReadDirect, Sys::QemuNbd, "daemon_cpu_us_per_io"),
+        ),
+        &|r| r <= 1.0,
+        "×",
+    );
+    push(
+        &mut g,
+        "6a",
+        "W6 cold 4K random reads QD32 (every read a miss; origin nbdkit -t 64): IOPS cairn / origin alone ≥ 0.95",
+        ratio(c(W::ColdRead, "iops"), p(W::ColdRead, Sys::Origin, "iops")),
+        &|r| r >= 0.95,
+        "×",
+    );
+    push(
+        &mut g,
+        "6b",
+        "W6q1 the same at QD1: mean latency cairn / origin alone ≤ 1.1",
+        ratio(
+            c(W::ColdReadQd1, "lat_mean_us"),
+            p(W::ColdReadQd1, Sys::Origin, "lat_mean_us"),
+        ),
+        &|r| r <= 1.1,
+        "×",
+    );
+    push(
+        &mut g,
+        "7a",
+        "W7 4 clients, fsync'd 4K random writes QD1 each: IOPS cairn / nbdkit-file ≥ 1.0",
+        ratio(
+            c(W::MultiFsync, "iops"),
+            p(W::MultiFsync, Sys::NbdkitFile, "iops"),
+        ),
+        &|r| r >= 1.0,
+        "×",
+    );
+    let fpb = c(W::MultiFsync, "flushes_per_barrier");
+    g.push(Goal {
+        id: "7b",
+        text: "W7 (reported, no goal): cairn's client flushes per flush barrier, Δflushes / Δflush_barriers of `cairn status --json`, and its group_commit_joins".into(),
+        measured: fpb,
+        shown: fpb
+            .map(|v| {
+                format!(
+                    "{} flushes/barrier ({} joins)",
+                    fmt_num(v),
+                    c(W::MultiFsync, "cairn_group_commit_joins")
+                        .map(fmt_num)
+                        .unwrap_or("–".into())
+                )
+            })
+            .unwrap_or_else(|| "not measured".into()),
+        met: None,
+    });
+    push(
+        &mut g,
+        "7r",
+        "W7r 4 clients, cached 4K random reads QD8 each: IOPS cairn / nbdkit-file ≥ 1.0",
+        ratio(
+            c(W::MultiRead, "iops"),
+            p(W::MultiRead, Sys::NbdkitFile, "iops"),
+        ),
+        &|r| r >= 1.0,
+        "×",
+    );
+    push(
+        &mut g,
+        "8a",
+        "W8: cairn's QD1 4K reader, p99 with 4 fsync'd 4K writers beside it / its p99 alone (same fresh system, median of rounds) ≤ 2",
+        c(W::ReadUnderWrites, "p99_ratio"),
+        &|r| r <= 2.0,
+        "×",
+    );
+    push(
+        &mut g,
+        "8b",
+        "W8 (reference, no goal): the same ratio for nbdkit-file",
+        p(W::ReadUnderWrites, Sys::NbdkitFile, "p99_ratio"),
+        &|_| true,
+        "×",
+    );
+    g.last_mut().unwrap().met = None;
     g
 }
+
+/// The goals of issue 14 that compare two systems' medians: (goal, workload,
+/// metric, numerator system, denominator system), for the per-round table.
+const ROUND_RATIOS: [(&str, W, &str, Sys, Sys); 7] = [
+    ("4d", W::RandReadDirect, "iops", Sys::CairnDirect, Sys::Raw),
+    (
+        "4e",
+        W::RandReadDirect,
+        "iops",
+        Sys::CairnDirect,
+        Sys::QemuNbd,
+    ),
+    (
+        "4f",
+        W::RandReadDirect,
+        "daemon_cpu_us_per_io",
+        Sys::CairnDirect,
+        Sys::QemuNbd,
+    ),
+    ("6a", W::ColdRead, "iops", Sys::Cairn, Sys::Origin),
+    ("6b", W::ColdReadQd1, "lat_mean_us", Sys::Cairn, Sys::Origin),
+    ("7a", W::MultiFsync, "iops", Sys::Cairn, Sys::NbdkitFile),
+    ("7r", W::MultiRead, "iops", Sys::Cairn, Sys::NbdkitFile),
+];
 
 pub fn short(id: &str) -> &'static str {
     match id {
@@ -306,6 +442,16 @@ pub fn short(id: &str) -> &'static str {
         "4c" => "W4 CPU/IO ÷ best NBD peer ≤ 1.0",
         "5a" => "W5 RSS per GiB of cache ≤ 8 MiB",
         "5b" => "W5 reopen after kill -9 ≤ 2 s",
+        "4d" => "W4d IOPS cairn-direct ÷ raw ≥ 0.9",
+        "4e" => "W4d IOPS cairn-direct ÷ qemu ≥ 1.5",
+        "4f" => "W4d daemon CPU/IO ÷ qemu ≤ 1.0",
+        "6a" => "W6 cold IOPS ÷ origin ≥ 0.95",
+        "6b" => "W6q1 mean latency ÷ origin ≤ 1.1",
+        "7a" => "W7 4-client fsync IOPS ÷ nbdkit-file ≥ 1.0",
+        "7b" => "W7 flushes per barrier (info)",
+        "7r" => "W7r 4-client read IOPS ÷ nbdkit-file ≥ 1.0",
+        "8a" => "W8 reader p99 loaded ÷ alone ≤ 2",
+        "8b" => "W8 nbdkit-file p99 loaded ÷ alone (info)",
         _ => "",
     }
 }
@@ -364,7 +510,7 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
 
     // Headline table.
     let _ = writeln!(s, "## Headline: medians, and cairn's ratio to each peer\n");
-    let _ = writeln!(s, "For W2 the figure is a wall time, so a ratio below 1 means cairn is faster; elsewhere above 1 means cairn is faster.\n");
+    let _ = writeln!(s, "For W2 the figure is a wall time, and for W6q1 and W8 a latency, so a ratio below 1 means cairn is faster; elsewhere above 1 means cairn is faster. For W4d the ratios are cairn-direct's (cairn serving with `--no-page-cache-reads`).\n");
     let mut hdr = String::from("| workload | unit |");
     let mut sep = String::from("|---|---|");
     for sys in &d.systems {
@@ -398,7 +544,7 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 let _ = write!(
                     s,
                     " {} |",
-                    fmt_ratio(ratio(get(med, *w, Sys::Cairn, k), get(med, *w, p, k)))
+                    fmt_ratio(ratio(get(med, *w, w.subject(), k), get(med, *w, p, k)))
                 );
             }
         }
@@ -414,7 +560,7 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     }
 
     // Goals.
-    let _ = writeln!(s, "\n## Goals of issue 8\n");
+    let _ = writeln!(s, "\n## Goals of issue 8 (1a–5b) and issue 14 (4d–8b)\n");
     let _ = writeln!(s, "| # | goal | measured | verdict |\n|---|---|---:|---|");
     for g in goals {
         let _ = writeln!(
@@ -463,6 +609,33 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
             );
         }
     }
+    let w3_rows: Vec<(W, Sys)> = [W::Seq, W::SeqSustained]
+        .iter()
+        .flat_map(|w| d.systems.iter().map(move |s| (*w, *s)))
+        .filter(|k| med.contains_key(k))
+        .collect();
+    if !w3_rows.is_empty() {
+        let _ = writeln!(s, "\n### W3 write path: CPU per MB written (medians)\n");
+        let _ = writeln!(s, "Daemon CPU (usr+sys, /proc/PID/stat, all threads) over the fio run, in µs per decimal MB the client wrote; total adds fio's own CPU. raw has no daemon.\n");
+        let _ = writeln!(s, "| workload | system | MB/s | daemon CPU µs/MB | total CPU µs/MB | daemon CPU s |\n|---|---|---:|---:|---:|---:|");
+        for (w, sys) in w3_rows {
+            let mm = &med[&(w, sys)];
+            let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} |",
+                w.id(),
+                sys.name(),
+                mm.get("mb_s")
+                    .map(|v| fmt_val("mb_s", *v))
+                    .unwrap_or("–".into()),
+                f("daemon_cpu_us_per_mb"),
+                f("cpu_us_per_mb"),
+                f("daemon_cpu_s")
+            );
+        }
+    }
+    issue14_details(&mut s, d, med);
     if d.workloads.contains(&W::Ext4) {
         let _ = writeln!(s, "\n### W2 ext4 details (medians)\n");
         let _ = writeln!(s, "| system | untar s | mkfs s | umount s | daemon CPU s during untar | daemon peak RSS MiB | rounds |\n|---|---:|---:|---:|---:|---:|---:|");
@@ -574,6 +747,7 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     }
 
     // Spread across rounds.
+    round_ratios(&mut s, d);
     let _ = writeln!(s, "\n## Every round (headline metric, in run order)\n");
     let _ = writeln!(
         s,
@@ -626,6 +800,214 @@ pub fn markdown(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     s
 }
 
+/// Medians and rounds of the issue-14 workloads' own figures: W6 latency
+/// and hit ratio, W7's group commit, W8's reader alone and under load.
+fn issue14_details(s: &mut String, d: &Data, med: &Medians) {
+    let rows = |ws: &[W]| -> Vec<(W, Sys)> {
+        ws.iter()
+            .flat_map(|w| d.systems.iter().map(move |s| (*w, *s)))
+            .filter(|k| med.contains_key(k))
+            .collect()
+    };
+    let w6 = rows(&[W::ColdRead, W::ColdReadQd1]);
+    if !w6.is_empty() {
+        let _ = writeln!(s, "\n### W6 cold reads (medians)\n");
+        let _ = writeln!(s, "Every read should miss: cairn is freshly formatted over the 64-thread origin before each measurement; the hit ratio is cairn's read_hits / (read_hits + read_misses) over the run.\n");
+        let _ = writeln!(s, "| workload | system | IOPS | lat mean µs | lat p99 µs | cairn hit ratio | daemon CPU µs/IO |\n|---|---|---:|---:|---:|---:|---:|");
+        for (w, sys) in w6 {
+            let mm = &med[&(w, sys)];
+            let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                w.id(),
+                sys.name(),
+                mm.get("iops")
+                    .map(|v| fmt_val("iops", *v))
+                    .unwrap_or("–".into()),
+                f("lat_mean_us"),
+                f("lat_p99_us"),
+                f("hit_ratio"),
+                f("daemon_cpu_us_per_io")
+            );
+        }
+    }
+    let w7 = rows(&[W::MultiFsync, W::MultiRead]);
+    if !w7.is_empty() {
+        let _ = writeln!(s, "\n### W7 / W7r: 4 clients (medians)\n");
+        let _ = writeln!(s, "Flushes per barrier = Δflushes / Δflush_barriers from `cairn status --json` over the run: how many clients' flushes one fdatasync of cairn's log answered (1.0 = no group commit). group_commit_joins: flushes that waited on another's barrier.\n");
+        let _ = writeln!(s, "| workload | system | IOPS | lat mean µs | lat p99 µs | flush lat mean µs | CPU µs/IO total | daemon CPU µs/IO | flushes | flush barriers | flushes per barrier | group_commit_joins |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (w, sys) in w7 {
+            let mm = &med[&(w, sys)];
+            let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                w.id(),
+                sys.name(),
+                mm.get("iops")
+                    .map(|v| fmt_val("iops", *v))
+                    .unwrap_or("–".into()),
+                f("lat_mean_us"),
+                f("lat_p99_us"),
+                f("sync_lat_mean_us"),
+                f("cpu_us_per_io"),
+                f("daemon_cpu_us_per_io"),
+                f("cairn_flushes"),
+                f("cairn_flush_barriers"),
+                f("flushes_per_barrier"),
+                f("cairn_group_commit_joins")
+            );
+        }
+        let per_round = d.values(W::MultiFsync, Sys::Cairn, "flushes_per_barrier");
+        if !per_round.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nW7 cairn flushes per barrier, every round: {}",
+                per_round
+                    .iter()
+                    .map(|v| fmt_num(*v))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    if d.workloads.contains(&W::ReadUnderWrites) {
+        let ms: Vec<&Meas> = d
+            .meas
+            .iter()
+            .filter(|m| m.w == W::ReadUnderWrites)
+            .collect();
+        if !ms.is_empty() {
+            let _ = writeln!(
+                s,
+                "\n### W8 reader p99 alone and under 4 fsync'd writers (every round)\n"
+            );
+            let _ = writeln!(s, "One freshly started system per row: prewarm, the QD1 4 KiB reader alone, then the same reader with 4 fsync'd 4 KiB writers (QD1 each) in one fio run; the reader's completion-latency p99 of each run.\n");
+            let _ = writeln!(s, "| system | round | p99 alone µs | p99 under load µs | ratio | mean alone µs | mean under load µs | reader IOPS alone | reader IOPS under load | writers IOPS | writers flush lat mean µs | daemon read_bytes alone / under load |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for sys in &d.systems {
+                for m in ms.iter().filter(|m| m.sys == *sys) {
+                    let f = |n: &str| m.m.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+                    let _ = writeln!(
+                        s,
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+                        sys.name(),
+                        m.round + 1,
+                        f("alone_lat_p99_us"),
+                        f("lat_p99_us"),
+                        m.m.get("p99_ratio")
+                            .map(|v| fmt_ratio(Some(*v)))
+                            .unwrap_or("–".into()),
+                        f("alone_lat_mean_us"),
+                        f("lat_mean_us"),
+                        f("alone_iops"),
+                        f("iops"),
+                        f("writer_iops"),
+                        f("sync_lat_mean_us"),
+                        f("alone_daemon_read_bytes"),
+                        f("daemon_read_bytes")
+                    );
+                }
+                if let Some(mm) = med.get(&(W::ReadUnderWrites, *sys)) {
+                    let f = |n: &str| mm.get(n).map(|v| fmt_num(*v)).unwrap_or("–".into());
+                    let _ = writeln!(
+                        s,
+                        "| {} | **median** | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+                        sys.name(),
+                        f("alone_lat_p99_us"),
+                        f("lat_p99_us"),
+                        mm.get("p99_ratio")
+                            .map(|v| fmt_ratio(Some(*v)))
+                            .unwrap_or("–".into()),
+                        f("alone_lat_mean_us"),
+                        f("lat_mean_us"),
+                        f("alone_iops"),
+                        f("iops"),
+                        f("writer_iops"),
+                        f("sync_lat_mean_us"),
+                        f("alone_daemon_read_bytes"),
+                        f("daemon_read_bytes")
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Each issue-14 ratio goal round by round: round i of one system against
+/// round i of the other (the systems are interleaved within a round).
+fn round_ratios(s: &mut String, d: &Data) {
+    let mut lines = Vec::new();
+    for (id, w, k, a, b) in ROUND_RATIOS {
+        let va: Vec<(usize, f64)> = d
+            .meas
+            .iter()
+            .filter(|m| m.w == w && m.sys == a)
+            .filter_map(|m| m.m.get(k).map(|v| (m.round, *v)))
+            .collect();
+        let rs: Vec<f64> = va
+            .iter()
+            .filter_map(|(r, x)| {
+                let y = d
+                    .meas
+                    .iter()
+                    .find(|m| m.w == w && m.sys == b && m.round == *r)
+                    .and_then(|m| m.m.get(k).copied());
+                ratio(Some(*x), y)
+            })
+            .collect();
+        if rs.is_empty() {
+            continue;
+        }
+        let lo = rs.iter().cloned().fold(f64::INFINITY, f64::min);
+        let hi = rs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        lines.push(format!(
+            "| {id} | {} {k}: {} / {} | {} | {} | {} | {} |",
+            w.id(),
+            a.name(),
+            b.name(),
+            rs.iter()
+                .map(|r| fmt_ratio(Some(*r)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            fmt_ratio(Some(lo)),
+            fmt_ratio(Some(hi)),
+            fmt_ratio(Some(median(&rs)))
+        ));
+    }
+    for (id, sys) in [("8a", Sys::Cairn), ("8b", Sys::NbdkitFile)] {
+        let rs = d.values(W::ReadUnderWrites, sys, "p99_ratio");
+        if rs.is_empty() {
+            continue;
+        }
+        let lo = rs.iter().cloned().fold(f64::INFINITY, f64::min);
+        let hi = rs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        lines.push(format!(
+            "| {id} | w8 {} reader p99: under load / alone | {} | {} | {} | {} |",
+            sys.name(),
+            rs.iter()
+                .map(|r| fmt_ratio(Some(*r)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            fmt_ratio(Some(lo)),
+            fmt_ratio(Some(hi)),
+            fmt_ratio(Some(median(&rs)))
+        ));
+    }
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(s, "\n## Issue 14 goals round by round\n");
+    let _ = writeln!(s, "Each round's ratio of the two systems' figures in that round (the goals above use the ratio of the medians; 8a/8b are per-round ratios already).\n");
+    let _ = writeln!(
+        s,
+        "| # | ratio | every round | min | max | median |\n|---|---|---|---:|---:|---:|"
+    );
+    for l in lines {
+        let _ = writeln!(s, "{l}");
+    }
+}
+
 pub fn to_json(d: &Data, med: &Medians, goals: &[Goal]) -> Value {
     let mut meds = serde_json::Map::new();
     for ((w, sys), m) in med {
@@ -641,8 +1023,8 @@ pub fn to_json(d: &Data, med: &Medians, goals: &[Goal]) -> Value {
         let mut r = serde_json::Map::new();
         for p in PEERS {
             r.insert(
-                format!("cairn/{}", p.name()),
-                json!(ratio(get(med, *w, Sys::Cairn, k), get(med, *w, p, k))),
+                format!("{}/{}", w.subject().name(), p.name()),
+                json!(ratio(get(med, *w, w.subject(), k), get(med, *w, p, k))),
             );
         }
         ratios.insert(w.name().to_string(), json!({"metric": k, "ratios": r}));
@@ -665,11 +1047,27 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// A 2×2 grid of horizontal bar charts (W1–W4), cairn highlighted, plus a
+/// A grid of horizontal bar charts, two to a row (W1–W4, W3s, then the
+/// issue-14 workloads that ran), cairn highlighted, the goals below, and a
 /// footer with W5 and the goal tally.
 pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
     let (pw, ph) = (470.0, 250.0);
-    let (w_total, h_total) = (2.0 * pw + 30.0, 3.0 * ph + 140.0);
+    // W1-W4 and W3s always (as before), then the issue-14 workloads run.
+    let first = [W::Fsync, W::Ext4, W::Seq, W::RandRead, W::SeqSustained];
+    let mut panels = first.to_vec();
+    panels.extend(
+        crate::workloads::ALL
+            .iter()
+            .copied()
+            .filter(|w| !first.contains(w) && *w != W::Memory && d.workloads.contains(w)),
+    );
+    // Panels two to a row; then the goals across the width, two columns.
+    let grid_rows = panels.len().div_ceil(2) as f64;
+    let goal_lines = goals.len().div_ceil(2) as f64;
+    let gh = 40.0 + goal_lines * 13.5;
+    let gy = 40.0 + grid_rows * (ph + 10.0);
+    let fy = gy + gh + 26.0;
+    let (w_total, h_total) = (2.0 * pw + 30.0, fy + 60.0);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -686,7 +1084,6 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         r#"<text x="15" y="24" font-size="16" font-weight="bold">{}</text>"#,
         esc(&title)
     );
-    let panels = [W::Fsync, W::Ext4, W::Seq, W::RandRead, W::SeqSustained];
     for (i, w) in panels.iter().enumerate() {
         let x0 = 15.0 + (i % 2) as f64 * (pw + 10.0);
         let y0 = 40.0 + (i / 2) as f64 * (ph + 10.0);
@@ -751,9 +1148,13 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 bh - 6.0
             );
             let mut lbl = fmt_val(k, *v);
-            if *sys != Sys::Cairn {
-                if let Some(r) = ratio(get(med, *w, Sys::Cairn, k), Some(*v)) {
-                    lbl.push_str(&format!("  (cairn {})", fmt_ratio(Some(r))));
+            if *sys != w.subject() {
+                if let Some(r) = ratio(get(med, *w, w.subject(), k), Some(*v)) {
+                    lbl.push_str(&format!(
+                        "  ({} {})",
+                        w.subject().name(),
+                        fmt_ratio(Some(r))
+                    ));
                 }
             }
             let _ = writeln!(
@@ -765,20 +1166,21 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
             );
         }
     }
-    // The sixth cell: the goals.
+    // The goals, across the width below the panels, in two columns.
     {
-        let x0 = 15.0 + pw + 10.0;
-        let y0 = 40.0 + 2.0 * (ph + 10.0);
+        let x0 = 15.0;
+        let gw = 2.0 * pw + 10.0;
         let _ = writeln!(
             s,
-            r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="#f7f7f7" stroke="#cccccc"/>"##
+            r##"<rect x="{x0}" y="{gy}" width="{gw}" height="{gh}" fill="#f7f7f7" stroke="#cccccc"/>"##
         );
         let _ = writeln!(
             s,
-            r#"<text x="{}" y="{}" font-weight="bold">Goals of issue 8</text>"#,
+            r#"<text x="{}" y="{}" font-weight="bold">Goals of issues 8 and 14</text>"#,
             x0 + 8.0,
-            y0 + 18.0
+            gy + 18.0
         );
+        let per_col = goals.len().div_ceil(2);
         for (j, g) in goals.iter().enumerate() {
             let (mark, color) = match g.met {
                 Some(true) => ("met", "#2a7f3f"),
@@ -786,18 +1188,18 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 None => ("info", "#555555"),
             };
             let shown: String = g.shown.chars().take(24).collect();
+            let (col, row) = (j / per_col.max(1), j % per_col.max(1));
             let _ = writeln!(
                 s,
                 r#"<text x="{}" y="{}" font-size="11" fill="{color}">{} {}: {} — {mark}</text>"#,
-                x0 + 8.0,
-                y0 + 36.0 + j as f64 * 13.5,
+                x0 + 8.0 + col as f64 * (pw + 10.0),
+                gy + 36.0 + row as f64 * 13.5,
                 g.id,
                 esc(short(g.id)),
                 esc(&shown)
             );
         }
     }
-    let fy = 40.0 + 3.0 * (ph + 10.0) + 16.0;
     if let Some(m) = &d.memory {
         let line = format!(
             "W5: {} MiB RSS per GiB of cache ({} GiB cache full of 4 KiB blocks; goal ≤ 8); reopen after kill -9: worst {} s (goal ≤ 2)",
@@ -815,7 +1217,7 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
         .map(|g| g.id)
         .collect();
     let line = format!(
-        "Goals of issue 8 met: {met} of {total}; not met: {}",
+        "Goals of issues 8 and 14 met: {met} of {total}; not met: {}",
         if missed.is_empty() {
             "none".into()
         } else {

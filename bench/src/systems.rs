@@ -62,15 +62,29 @@ impl Sys {
         match self {
             Sys::Cairn => "cairn serve: FAST formatted as the cache, origin = the slow NBD origin",
             Sys::CairnNoWb => "cairn serve --no-writeback (W3 only, diagnostic: the write path without concurrent write-back)",
-            Sys::CairnDirect => "cairn serve --no-page-cache-reads (W4 only, diagnostic: cache hits read with O_DIRECT, not through the host page cache)",
+            Sys::CairnDirect => "cairn serve --no-page-cache-reads (W4, as a diagnostic, and W4d, as the system under test: cache hits read with O_DIRECT, not through the host page cache)",
             Sys::NbdkitFile => "nbdkit file FAST (the fast file served raw: the practical ceiling)",
             Sys::NbdkitCache => {
                 "nbdkit --filter=cache nbd (slow origin), cache-on-read=true, cache-max-size=CACHE"
             }
             Sys::QemuNbd => "qemu-nbd -f raw --cache=none --aio=io_uring FAST",
-            Sys::Origin => "the slow origin alone: nbdkit --filter=delay file ORIGIN rdelay wdelay",
+            Sys::Origin => "the slow origin alone: nbdkit --filter=delay file ORIGIN rdelay wdelay (for W6/W6q1 a second one with -t 64)",
             Sys::Raw => "fio io_uring --direct=1 on FAST (no NBD hop; for ext4: loop --direct-io=on on FAST)",
         }
+    }
+}
+
+/// A running slow origin: its socket and pid (the harness owns it; the
+/// measurements only observe it).
+#[derive(Clone, Debug)]
+pub struct OriginRef {
+    pub sock: PathBuf,
+    pub pid: u32,
+}
+
+impl OriginRef {
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
     }
 }
 
@@ -84,13 +98,19 @@ pub struct Env {
     pub fast_bytes: u64,
     pub origin_sock: PathBuf,
     pub origin_pid: u32,
+    /// W6's origin: the same file behind `nbdkit -t 64` (the shared one
+    /// runs with nbdkit's default thread count), if W6 is selected.
+    pub cold_origin: Option<OriginRef>,
     /// The scratch device's /sys inflight file, if found.
     pub inflight: Option<PathBuf>,
 }
 
 impl Env {
-    pub fn origin_uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.origin_sock.display())
+    pub fn origin(&self) -> OriginRef {
+        OriginRef {
+            sock: self.origin_sock.clone(),
+            pid: self.origin_pid,
+        }
     }
 
     pub fn sock(&self, sys: Sys) -> PathBuf {
@@ -109,13 +129,17 @@ impl Env {
     }
 
     pub fn cairn_format(&self, cache: &Path) -> Result<()> {
+        self.cairn_format_on(cache, &self.origin())
+    }
+
+    pub fn cairn_format_on(&self, cache: &Path, origin: &OriginRef) -> Result<()> {
         procs::run(
             self.cairn_cmd()
                 .arg("format")
                 .arg("--cache")
                 .arg(cache)
                 .arg("--origin")
-                .arg(self.origin_uri())
+                .arg(origin.uri())
                 .arg("--force"),
         )
         .context("cairn format")?;
@@ -158,12 +182,18 @@ impl Env {
     /// Starts `sys` fresh. `None` for raw (no daemon). The origin is shared
     /// and returned as an observed daemon (not stopped afterwards).
     pub fn start(&self, sys: Sys) -> Result<Option<Daemon>> {
+        self.start_on(sys, &self.origin())
+    }
+
+    /// `start` with `origin` as the slow origin: what cairn is formatted
+    /// over and what `Sys::Origin` is.
+    pub fn start_on(&self, sys: Sys, origin: &OriginRef) -> Result<Option<Daemon>> {
         let sock = self.sock(sys);
         let log = self.log(sys);
         let t = Duration::from_secs(60);
         let d = match sys {
             Sys::Raw => return Ok(None),
-            Sys::Origin => Daemon::observed("origin", self.origin_pid, &self.origin_sock),
+            Sys::Origin => Daemon::observed("origin", origin.pid, &origin.sock),
             Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect => {
                 // Overwrite the head of the log first: `format --force` over
                 // a cache that held a log can leave it unopenable ("log
@@ -171,7 +201,7 @@ impl Env {
                 // it had been made durable"): recovery's scan for lost
                 // records accepts records of the previous format.
                 crate::workloads::fill_file(&self.fast, 64 << 20, true)?;
-                self.cairn_format(&self.fast)?;
+                self.cairn_format_on(&self.fast, origin)?;
                 let extra: &[&str] = match sys {
                     Sys::CairnNoWb => &["--no-writeback"],
                     Sys::CairnDirect => &["--no-page-cache-reads"],
@@ -217,21 +247,40 @@ impl Env {
         Ok(Some(d))
     }
 
-    /// Starts the shared slow origin.
-    pub fn start_origin(dir: &Path, img: &Path, sock: &Path, delay_ms: u64) -> Result<Daemon> {
+    /// nbdkit's arguments for a slow origin; `threads`: `-t N`, else
+    /// nbdkit's default (16).
+    pub fn origin_args(
+        img: &Path,
+        sock: &Path,
+        delay_ms: u64,
+        threads: Option<u32>,
+    ) -> Vec<String> {
+        let mut a: Vec<String> = vec!["-f".into(), "--exit-with-parent".into()];
+        if let Some(t) = threads {
+            a.push("-t".into());
+            a.push(t.to_string());
+        }
+        a.push("-U".into());
+        a.push(sock.display().to_string());
+        a.push("--filter=delay".into());
+        a.push("file".into());
+        a.push(format!("file={}", img.display()));
+        a.push(format!("rdelay={delay_ms}ms"));
+        a.push(format!("wdelay={delay_ms}ms"));
+        a
+    }
+
+    /// Starts a slow origin (nbdkit with `origin_args`), its log in `log`.
+    pub fn start_origin(
+        name: &str,
+        img: &Path,
+        sock: &Path,
+        log: &Path,
+        delay_ms: u64,
+        threads: Option<u32>,
+    ) -> Result<Daemon> {
         let mut c = Command::new("nbdkit");
-        c.args(["-f", "--exit-with-parent", "-U"]).arg(sock);
-        c.arg("--filter=delay");
-        c.arg("file").arg(format!("file={}", img.display()));
-        c.arg(format!("rdelay={delay_ms}ms"));
-        c.arg(format!("wdelay={delay_ms}ms"));
-        Ok(Daemon::spawn(
-            "origin",
-            &mut c,
-            sock,
-            &dir.join("origin.log"),
-            Duration::from_secs(60),
-        )?
-        .0)
+        c.args(Self::origin_args(img, sock, delay_ms, threads));
+        Ok(Daemon::spawn(name, &mut c, sock, log, Duration::from_secs(60))?.0)
     }
 }
