@@ -209,27 +209,7 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("origin_read_errors"),
         get("origin_write_errors")
     )?;
-    if v.get("nbd_requests").is_some() {
-        writeln!(
-            out,
-            "  nbd: {} connections ({} accepted, {} refused at the limit of {}), {} requests, {} protocol errors",
-            get("nbd_connections_active"),
-            get("nbd_connections_accepted"),
-            get("nbd_connections_refused"),
-            get("nbd_max_connections"),
-            get("nbd_requests"),
-            get("nbd_protocol_errors")
-        )?;
-        writeln!(
-            out,
-            "  limits hit: in-flight per connection {} times (max {}), buffer budget {} times (max {} bytes, {} in use)",
-            get("nbd_in_flight_limit_waits"),
-            get("nbd_max_in_flight_per_connection"),
-            get("nbd_buffer_budget_waits"),
-            get("nbd_max_buffered_bytes"),
-            get("nbd_buffered_bytes")
-        )?;
-    }
+    print_nbd(&mut out, v)?;
     writeln!(
         out,
         "  write-back: {} blocks in {} groups, paused {}, position {} of {}",
@@ -238,6 +218,34 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("writeback_paused"),
         get("writeback_offset"),
         get("head_offset")
+    )?;
+    Ok(())
+}
+
+/// The NBD server's lines, when a daemon serves the cache.
+fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+    if v.get("nbd_requests").is_none() {
+        return Ok(());
+    }
+    let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
+    writeln!(
+        out,
+        "  nbd: {} connections ({} accepted, {} refused at the limit of {}), {} requests, {} protocol errors",
+        get("nbd_connections_active"),
+        get("nbd_connections_accepted"),
+        get("nbd_connections_refused"),
+        get("nbd_max_connections"),
+        get("nbd_requests"),
+        get("nbd_protocol_errors")
+    )?;
+    writeln!(
+        out,
+        "  limits hit: in-flight per connection {} times (max {}), buffer budget {} times (max {} bytes, {} in use)",
+        get("nbd_in_flight_limit_waits"),
+        get("nbd_max_in_flight_per_connection"),
+        get("nbd_buffer_budget_waits"),
+        get("nbd_max_buffered_bytes"),
+        get("nbd_buffered_bytes")
     )?;
     Ok(())
 }

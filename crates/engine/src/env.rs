@@ -10,7 +10,8 @@ use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::options::EngineConfig;
-use crate::sealed::{RecordIo, RecordWriters};
+use crate::sealed::RecordIo;
+use crate::sealed::RecordWriters;
 use crate::stats::Counters;
 use cairn_device::BufPool;
 

@@ -39,6 +39,7 @@ mod read;
 mod read_data;
 mod recovery;
 mod retry;
+mod retry_policy;
 mod sealed;
 mod space;
 mod state;

@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use crate::env::Env;
 use crate::error::EngineResult;
-use crate::retry::RetryPolicy;
+use crate::retry_policy::RetryPolicy;
 use cairn_device::DeviceError;
 
 /// Write records this call claimed, outside the engine lock. Inside a

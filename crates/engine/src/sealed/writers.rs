@@ -21,7 +21,7 @@ use cairn_device::Device;
 
 use super::record::SealedRecord;
 use super::record_io::RecordIo;
-use crate::retry::RetryPolicy;
+use crate::retry_policy::RetryPolicy;
 use crate::stats::Counters;
 
 /// Writer threads: on 2 cores, enough to keep several record writes in
