@@ -83,8 +83,9 @@ pub(crate) async fn read_blocks(
     let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
     let result = match result {
-        // Records the fills completed are written outside the lock.
-        Ok(sealed) => crate::sealed::write_claimed(env, sealed).await,
+        // Records the fills completed are written outside the lock, and
+        // the reply does not wait for them.
+        Ok(sealed) => crate::sealed::start_claimed(env, sealed).await,
         Err(e) => Err(e),
     };
     (Some(result), buf)

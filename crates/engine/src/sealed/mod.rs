@@ -59,22 +59,7 @@ pub(crate) async fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) ->
         }
         return Ok(());
     }
-    let policy = RetryPolicy {
-        attempts: env.config.cache_write_attempts.max(1),
-        backoff_us: env.config.cache_write_backoff_us,
-    };
-    // Handed off at once, before anything can wait: whoever waits for
-    // one of these records (holding the engine lock or not) only waits
-    // for a writer thread.
-    for record in &records {
-        env.record_writers.submit(RecordJob {
-            record: record.clone(),
-            cache: env.cache.clone(),
-            counters: env.counters.clone(),
-            record_io: env.record_io.clone(),
-            policy,
-        });
-    }
+    hand_off(env, &records);
     for record in &records {
         record.written().await;
     }
@@ -92,5 +77,38 @@ pub(crate) async fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) ->
             };
             Err(env.health.cache_write_failed("sealing a log record", e))
         }
+    }
+}
+
+/// [`write_claimed`] for records a read's fills completed, inside a
+/// reactor task: handed to the writer threads and not waited for, so the
+/// read's reply does not wait for a 256 KiB record write (one miss in 64
+/// did). A record that fails is found by the next barrier or seal (the
+/// queue's `prune`), and the cache goes degraded then, as for any failed
+/// record write. Without a reactor it is [`write_claimed`].
+pub(crate) async fn start_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) -> EngineResult<()> {
+    if records.is_empty() || cairn_io::Reactor::current().is_none() {
+        return write_claimed(env, records).await;
+    }
+    hand_off(env, &records);
+    Ok(())
+}
+
+/// Queue the records' writes on the writer threads, at once, before
+/// anything can wait: whoever waits for one of these records (holding the
+/// engine lock or not) only waits for a writer thread.
+fn hand_off(env: &Env, records: &[Arc<SealedRecord>]) {
+    let policy = RetryPolicy {
+        attempts: env.config.cache_write_attempts.max(1),
+        backoff_us: env.config.cache_write_backoff_us,
+    };
+    for record in records {
+        env.record_writers.submit(RecordJob {
+            record: record.clone(),
+            cache: env.cache.clone(),
+            counters: env.counters.clone(),
+            record_io: env.record_io.clone(),
+            policy,
+        });
     }
 }
