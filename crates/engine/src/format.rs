@@ -94,6 +94,7 @@ fn write_empty_checkpoint(
         entry_count: 0,
         range_count: 0,
         payload_crc: cairn_format::crc32c(&[]),
+        lost_count: 0,
     };
     cache
         .write_at(layout.checkpoint_offset_bytes(0), &checkpoint.encode())

@@ -62,6 +62,13 @@ pub(crate) fn ensure_space(env: &Env, st: &mut State, blocks: u64) -> EngineResu
         }
         break;
     }
+    // Eviction dropped a corrupt dirty block (it reads as EIO from now on):
+    // that must be on the device before its slot is written again, which
+    // the caller is about to do.
+    if st.index.lost_unpersisted() {
+        checkpoint::write(env, st)?;
+        ready = st.log.append_position() + needed <= st.log.limit();
+    }
     // Recently hit blocks that were evicted move to the head. They may use
     // room the caller wanted (it then waits for write-back, which frees
     // more), but never the reserve a flush needs.

@@ -105,6 +105,7 @@ counters!(
     writeback_groups,
     writeback_skipped_corrupt,
     writeback_reads_skipped,
+    lost_blocks_unrecorded,
     writeback_stalls,
     cache_barriers,
     flush_barriers,

@@ -25,8 +25,8 @@ pub use codec::{Reader, Writer};
 pub use layout::{Layout, LayoutError};
 pub use records::{
     CheckpointEntry, CheckpointHeader, PendingRange, RangeKind, RecordEntry, RecordHeader,
-    CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES,
-    RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
+    CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, LOST_BLOCK_BYTES, PENDING_RANGE_BYTES,
+    RECORD_ENTRY_BYTES, RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
 pub use superblock::{Superblock, ORIGIN_IDENTITY_MAX_BYTES};
 pub use tags::{

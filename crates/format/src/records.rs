@@ -251,6 +251,8 @@ impl RecordHeader {
 pub const CHECKPOINT_HEADER_BYTES: usize = 4096;
 pub const CHECKPOINT_ENTRY_BYTES: usize = 16;
 pub const PENDING_RANGE_BYTES: usize = 32;
+/// A block lost to corruption, in a checkpoint's payload: its address.
+pub const LOST_BLOCK_BYTES: usize = 8;
 const CHECKPOINT_CRC_OFFSET: usize = 124;
 
 /// One live cache slot in a checkpoint.
@@ -288,12 +290,17 @@ pub struct CheckpointHeader {
     pub entry_count: u64,
     pub range_count: u32,
     pub payload_crc: u32,
+    /// Blocks whose newest data was lost to corruption (they read as EIO
+    /// until rewritten); listed after the ranges. Zero in checkpoints
+    /// written before it existed (the field was padding).
+    pub lost_count: u32,
 }
 
 impl CheckpointHeader {
-    pub fn payload_bytes(entry_count: u64, range_count: u32) -> u64 {
+    pub fn payload_bytes(entry_count: u64, range_count: u32, lost_count: u32) -> u64 {
         entry_count * CHECKPOINT_ENTRY_BYTES as u64
             + range_count as u64 * PENDING_RANGE_BYTES as u64
+            + lost_count as u64 * LOST_BLOCK_BYTES as u64
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -315,6 +322,7 @@ impl CheckpointHeader {
             w.u64(self.entry_count);
             w.u32(self.range_count);
             w.u32(self.payload_crc);
+            w.u32(self.lost_count);
             debug_assert!(w.position() <= CHECKPOINT_CRC_OFFSET);
         }
         let crc = crc_with_hole(&buf[..CHECKPOINT_CRC_OFFSET + 4], CHECKPOINT_CRC_OFFSET);
@@ -361,6 +369,7 @@ impl CheckpointHeader {
             entry_count: r.u64()?,
             range_count: r.u32()?,
             payload_crc: r.u32()?,
+            lost_count: r.u32()?,
         })
     }
 }
@@ -499,6 +508,7 @@ mod tests {
             entry_count: 9,
             range_count: 10,
             payload_crc: 11,
+            lost_count: 12,
         };
         let buf = h.encode();
         assert_eq!(CheckpointHeader::decode(&buf).unwrap(), h);

@@ -6,7 +6,8 @@ mod payload_writer;
 
 use cairn_device::DeviceError;
 use cairn_format::{
-    CheckpointHeader, Writer, CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, PENDING_RANGE_BYTES,
+    CheckpointHeader, Writer, CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, LOST_BLOCK_BYTES,
+    PENDING_RANGE_BYTES,
 };
 
 use crate::env::Env;
@@ -32,6 +33,7 @@ pub(crate) fn write(env: &Env, st: &mut State) -> EngineResult<()> {
     st.write_superblock(env)?;
     st.log.writeback_position_persisted();
     st.log.checkpointed();
+    st.index.lost_persisted();
     Counters::add(&env.counters.checkpoints, 1);
     Ok(())
 }
@@ -43,11 +45,13 @@ fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
     let slot_at = env.layout.checkpoint_offset_bytes(target);
     let ranges = st.index.pending_ranges();
     let live = st.index.live_blocks();
-    let payload_bytes = CheckpointHeader::payload_bytes(live, ranges.len() as u32);
     // The slot holds the header and the largest payload (every log slot
     // live, every range pending), padded: the layout sizes it so.
     assert!(live <= env.layout.log_blocks);
     assert!(ranges.len() <= cairn_format::PENDING_RANGES_MAX);
+    let lost = lost_that_fit(env, st, live, ranges.len() as u32);
+    let payload_bytes =
+        CheckpointHeader::payload_bytes(live, ranges.len() as u32, lost.len() as u32);
     assert!(
         CHECKPOINT_HEADER_BYTES as u64 + cairn_format::align_up(payload_bytes, PAYLOAD_ALIGN_BYTES)
             <= env.layout.checkpoint_slot_bytes,
@@ -67,6 +71,9 @@ fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
         range.encode(&mut Writer::new(&mut bytes));
         payload.put(&bytes)?;
     }
+    for lba in &lost {
+        payload.put(&lba.to_le_bytes())?;
+    }
     let (payload_crc, written_bytes) = payload.finish()?;
     Counters::add(&env.counters.cache_bytes_written, written_bytes);
     let log = &st.log;
@@ -82,6 +89,7 @@ fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
         entry_count,
         range_count: ranges.len() as u32,
         payload_crc,
+        lost_count: lost.len() as u32,
     };
     // The header goes last, with the barrier that covers the payload.
     let encoded = header.encode();
@@ -89,4 +97,28 @@ fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
     Counters::add(&env.counters.cache_bytes_written, encoded.len() as u64);
     Counters::add(&env.counters.cache_barriers, 1);
     Ok(header)
+}
+
+/// The blocks lost to corruption that this checkpoint records: all of
+/// them, unless the slot (sized for a full log and every pending range) has
+/// no room left; then as many as fit, and the rest are reported, since
+/// after a restart they would read the origin's older data.
+fn lost_that_fit(env: &Env, st: &State, live: u64, ranges: u32) -> Vec<u64> {
+    let mut lost = st.index.lost_list();
+    let used = CHECKPOINT_HEADER_BYTES as u64 + CheckpointHeader::payload_bytes(live, ranges, 0);
+    let room_bytes = env.layout.checkpoint_slot_bytes.saturating_sub(used);
+    // Padding to the payload alignment comes out of the same room.
+    let room =
+        (room_bytes.saturating_sub(PAYLOAD_ALIGN_BYTES - 1) / LOST_BLOCK_BYTES as u64) as usize;
+    if lost.len() > room {
+        let dropped = lost.len() - room;
+        tracing::error!(
+            lost = lost.len(),
+            recorded = room,
+            "more blocks lost to corruption than a checkpoint can record: {dropped} of them will read the origin's older data after a restart; the cache device is failing, replace it"
+        );
+        Counters::add(&env.counters.lost_blocks_unrecorded, dropped as u64);
+        lost.truncate(room);
+    }
+    lost
 }

@@ -40,6 +40,8 @@ pub(crate) struct Index {
     /// Blocks whose dirty data failed its checksum and left the log: they
     /// read as EIO until rewritten (never as stale origin data).
     lost: BTreeSet<u64>,
+    /// A lost mark not yet in a durable checkpoint.
+    lost_unpersisted: bool,
     dirty_blocks: u64,
     clean_blocks: u64,
     corrupt_blocks: u64,
@@ -54,6 +56,7 @@ impl Index {
             map: ForwardMap::new(slot_count as usize),
             ranges: RangeMap::default(),
             lost: BTreeSet::new(),
+            lost_unpersisted: false,
             dirty_blocks: 0,
             clean_blocks: 0,
             corrupt_blocks: 0,
@@ -333,6 +336,29 @@ impl Index {
     /// Blocks whose dirty data failed its checksum and is leaving the log
     /// read as EIO from now on, never as the origin's stale copy.
     pub(crate) fn mark_lost(&mut self, lba: u64) {
+        self.lost.insert(lba);
+        // Must reach a checkpoint before the slot that held the block is
+        // written again (see `space::ensure_space`).
+        self.lost_unpersisted = true;
+    }
+
+    /// Blocks lost to corruption, for a checkpoint.
+    pub(crate) fn lost_list(&self) -> Vec<u64> {
+        self.lost.iter().copied().collect()
+    }
+
+    /// A lost mark was added since the last checkpoint.
+    pub(crate) fn lost_unpersisted(&self) -> bool {
+        self.lost_unpersisted
+    }
+
+    /// A checkpoint holding every lost mark is durable.
+    pub(crate) fn lost_persisted(&mut self) {
+        self.lost_unpersisted = false;
+    }
+
+    /// Load a lost mark from a checkpoint (recovery).
+    pub(crate) fn load_lost(&mut self, lba: u64) {
         self.lost.insert(lba);
     }
 

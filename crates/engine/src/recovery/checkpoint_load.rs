@@ -30,7 +30,8 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
             ),
         ));
     }
-    let payload_bytes = CheckpointHeader::payload_bytes(header.entry_count, header.range_count);
+    let payload_bytes =
+        CheckpointHeader::payload_bytes(header.entry_count, header.range_count, header.lost_count);
     // Check the header's claims before acting on them: device contents
     // must never make us read or allocate out of bounds.
     if header.entry_count > slot_count
@@ -74,6 +75,15 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
             return Err(checkpoint_damaged(env, format!("bad range {range:?}")));
         }
         index.load_range(&range);
+    }
+    for _ in 0..header.lost_count {
+        let lba = reader
+            .u64()
+            .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
+        if lba >= env.volume_blocks {
+            return Err(checkpoint_damaged(env, format!("bad lost block {lba}")));
+        }
+        index.load_lost(lba);
     }
     Ok((header, index))
 }
