@@ -166,6 +166,18 @@ fn run_workload(seed: u64, rig: &Rig, journal: &Journal) -> Run {
                 std::thread::yield_now();
             }
         });
+        // Checkpoints (which persist the index, the write-back position and
+        // the tag pages) at any moment, also between a group's origin
+        // writes and its origin flush.
+        let checkpointer = s.spawn(|| {
+            for _ in 0..100_000 {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                engine.checkpoint().expect("checkpoint");
+                std::thread::sleep(std::time::Duration::from_micros(300));
+            }
+        });
         let mut writes = Vec::new();
         let mut flushes = Vec::new();
         for w in writers {
@@ -176,6 +188,7 @@ fn run_workload(seed: u64, rig: &Rig, journal: &Journal) -> Run {
         let reads = reader.join().expect("reader");
         stop.store(true, Ordering::SeqCst);
         writeback.join().expect("write-back thread");
+        checkpointer.join().expect("checkpoint thread");
         (writes, flushes, reads)
     });
     writes.sort_by_key(|w| w.span.start_tick);
@@ -273,7 +286,17 @@ thread_local! {
 
 fn run_seed(seed: u64, random_states_per_cut: usize) -> (usize, u64) {
     SEED.with(|s| *s.borrow_mut() = seed);
-    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    // Half the seeds keep origin integrity tags: recovered states must
+    // then also agree with the tags (no tag persisted ahead of its data).
+    let integrity = seed % 2 == 1;
+    let rig = if integrity {
+        Rig::with_integrity(
+            cache_bytes_small() + 2 * 4096 * cairn_format::tag_pages_for(VOLUME_BLOCKS),
+            VOLUME_BLOCKS,
+        )
+    } else {
+        Rig::new(cache_bytes_small(), VOLUME_BLOCKS)
+    };
     let journal = Journal::default();
     let mut cache_shadow = Shadow::of(&rig.cache);
     let mut origin_shadow = Shadow::of(&rig.origin);
@@ -326,7 +349,7 @@ fn run_seed(seed: u64, random_states_per_cut: usize) -> (usize, u64) {
             durable_model: &durable,
             allowed: &allowed,
             volume_blocks: VOLUME_BLOCKS,
-            integrity: false,
+            integrity,
         };
         let mut plans = vec![("drop-all", CrashPlan::DropAll)];
         if !cache_shadow.pending.is_empty() {
