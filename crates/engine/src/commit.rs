@@ -169,17 +169,30 @@ fn write_and_sync(env: &Env, plan: &BarrierPlan) -> Result<(), DeviceError> {
 
 /// The records in runs that lie back to back on the device.
 fn adjacent_runs(records: &[Arc<SealedRecord>]) -> Vec<Vec<&SealedRecord>> {
-    let mut runs: Vec<Vec<&SealedRecord>> = Vec::new();
-    for record in records {
+    runs_by(records.iter().map(|r| &**r), |r| {
+        (r.at_bytes, r.length_bytes())
+    })
+}
+
+/// Items split into runs of neighbours: each item starts where the one
+/// before it in its run ends (`span` gives start and length in bytes).
+fn runs_by<'a, T>(
+    items: impl Iterator<Item = &'a T>,
+    span: impl Fn(&T) -> (u64, u64),
+) -> Vec<Vec<&'a T>> {
+    let mut runs: Vec<Vec<&'a T>> = Vec::new();
+    for item in items {
+        let (at, _) = span(item);
         match runs.last_mut() {
             Some(run)
-                if run.last().is_some_and(|prev: &&SealedRecord| {
-                    prev.at_bytes + prev.length_bytes() == record.at_bytes
+                if run.last().is_some_and(|prev| {
+                    let (prev_at, prev_len) = span(prev);
+                    prev_at + prev_len == at
                 }) =>
             {
-                run.push(record)
+                run.push(item)
             }
-            _ => runs.push(vec![record]),
+            _ => runs.push(vec![item]),
         }
     }
     runs
@@ -187,4 +200,23 @@ fn adjacent_runs(records: &[Arc<SealedRecord>]) -> Vec<Vec<&SealedRecord>> {
 
 fn run_bufs<'a>(run: &[&'a SealedRecord]) -> Vec<&'a [u8]> {
     run.iter().flat_map(|r| r.bufs()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs_by;
+
+    #[test]
+    fn only_neighbours_share_a_run() {
+        // (start, length): 0..8 and 8..12 touch; 20..24 stands alone (a lap
+        // skip between records); 24..32 follows it; 0..4 after a wrap.
+        let spans = [(0u64, 8u64), (8, 4), (20, 4), (24, 8), (0, 4)];
+        let runs = runs_by(spans.iter(), |&(at, len)| (at, len));
+        let starts: Vec<Vec<u64>> = runs
+            .iter()
+            .map(|run| run.iter().map(|s| s.0).collect())
+            .collect();
+        assert_eq!(starts, vec![vec![0, 8], vec![20, 24], vec![0]]);
+        assert!(runs_by(std::iter::empty::<&(u64, u64)>(), |&(a, l)| (a, l)).is_empty());
+    }
 }
