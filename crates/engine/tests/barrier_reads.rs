@@ -1,0 +1,182 @@
+//! Reads never wait for someone else's barrier: a flush whose fdatasync
+//! hangs in the cache device (held here until the test lets it go) must
+//! not hold up a read of cached data, a read miss, or another write. The
+//! barrier is made outside the engine lock; were it made under it, the
+//! reads below would wait for the release and the watchdog would fire.
+
+mod common;
+use common::*;
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use cairn_device::{Device, DeviceResult, SimDevice};
+use cairn_engine::{Engine, FormatOptions};
+
+/// Far longer than any of these requests takes, far shorter than forever.
+const WATCHDOG: Duration = Duration::from_secs(20);
+
+#[derive(Default)]
+struct Gate {
+    armed: bool,
+    entered: bool,
+    released: bool,
+}
+
+/// A cache whose next barrier (flush) waits at a gate.
+struct GatedCache {
+    inner: SimDevice,
+    gate: Mutex<Gate>,
+    changed: Condvar,
+}
+
+impl GatedCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn hold_at_gate(&self) {
+        let mut g = self.lock();
+        if g.armed {
+            g.armed = false;
+            g.entered = true;
+            self.changed.notify_all();
+            while !g.released {
+                g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+
+    fn wait_entered(&self) {
+        let mut g = self.lock();
+        let deadline = std::time::Instant::now() + WATCHDOG;
+        while !g.entered {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the flush never reached its barrier"
+            );
+            g = self
+                .changed
+                .wait_timeout(g, Duration::from_millis(10))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn release(&self) {
+        self.lock().released = true;
+        self.changed.notify_all();
+    }
+}
+
+impl Device for GatedCache {
+    fn name(&self) -> &str {
+        "gated-cache"
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        self.inner.read_at(offset, buf)
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
+        self.inner.write_at(offset, buf)
+    }
+
+    fn flush(&self) -> DeviceResult<()> {
+        self.hold_at_gate();
+        self.inner.flush()
+    }
+
+    fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        self.inner.write_vectored_at(offset, bufs)?;
+        self.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        self.inner.discard(offset, len)
+    }
+}
+
+/// Run `f` on its own thread; fail if it does not finish within the
+/// watchdog (it would be waiting for the held barrier).
+fn within_watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(WATCHDOG)
+        .unwrap_or_else(|_| panic!("{what} waited for another client's barrier"))
+}
+
+#[test]
+fn reads_and_writes_go_on_while_a_flush_waits_for_its_barrier() {
+    let volume_blocks = 256;
+    let cache = Arc::new(GatedCache {
+        inner: SimDevice::new("cache", cache_bytes_small()),
+        gate: Mutex::new(Gate::default()),
+        changed: Condvar::new(),
+    });
+    let origin = SimDevice::new("origin", volume_blocks * BS);
+    Engine::format(
+        cache.clone(),
+        Arc::new(origin.clone()),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    let engine = Arc::new(
+        Engine::open(cache.clone(), Arc::new(origin.clone()), &open_opts()).expect("open"),
+    );
+    let cached = pattern(1, BS as usize);
+    engine.write(0, &cached, false).expect("write");
+    engine.flush().expect("flush");
+
+    // A second client's write and flush; its barrier hangs.
+    engine
+        .write(BS, &pattern(2, BS as usize), false)
+        .expect("write");
+    cache.lock().armed = true;
+    let flusher = {
+        let e = engine.clone();
+        std::thread::spawn(move || e.flush())
+    };
+    cache.wait_entered();
+
+    let e = engine.clone();
+    let got = within_watchdog("a read of a cached block", move || {
+        let mut buf = vec![0u8; BS as usize];
+        e.read(0, &mut buf).expect("read");
+        buf
+    });
+    assert_eq!(got, cached);
+    let e = engine.clone();
+    let got = within_watchdog("a read miss", move || {
+        let mut buf = vec![1u8; BS as usize];
+        e.read(200 * BS, &mut buf).expect("read miss");
+        buf
+    });
+    assert_eq!(
+        got,
+        vec![0u8; BS as usize],
+        "an unwritten block reads as zeroes"
+    );
+    let e = engine.clone();
+    within_watchdog("another client's write", move || {
+        e.write(3 * BS, &pattern(3, BS as usize), false)
+            .expect("write")
+    });
+    // The flush itself is not answered before its barrier completes.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        !flusher.is_finished(),
+        "the flush was answered before its barrier"
+    );
+
+    cache.release();
+    flusher.join().expect("flusher").expect("flush");
+    report!("while a flush's barrier was held: a cached read, a read miss and a write all completed; the flush was answered only after the barrier");
+}
