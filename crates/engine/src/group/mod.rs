@@ -80,16 +80,7 @@ pub(crate) fn read_for_writeback(
 ) -> EngineResult<(Vec<GroupRecord>, u64)> {
     let (records, position) = read_headers(env, start, limit, slot_count)?;
     let fin = final_choice(env, &records);
-    // Runs of adjacent blocks of one record, in log order.
-    let mut chosen: Vec<(usize, usize)> = fin.blocks.values().map(|&(ri, k, _)| (ri, k)).collect();
-    chosen.sort_unstable();
-    let mut wanted: Vec<(usize, usize, usize)> = Vec::new();
-    for (ri, k) in chosen {
-        match wanted.last_mut() {
-            Some((r, _, end)) if *r == ri && *end == k => *end = k + 1,
-            _ => wanted.push((ri, k, k + 1)),
-        }
-    }
+    let wanted = block_runs(fin.blocks.values().map(|&(ri, k, _)| (ri, k)).collect());
     let read_blocks: usize = wanted.iter().map(|(_, first, end)| end - first).sum();
     let total_blocks: usize = records.iter().map(|r| r.header.data_count()).sum();
     assert!(read_blocks <= total_blocks);
@@ -99,6 +90,20 @@ pub(crate) fn read_for_writeback(
     );
     let records = fill(env, records, &wanted, slot_count)?;
     Ok((records, position))
+}
+
+/// `(record, block)` pairs as runs `(record, first, end)` of adjacent
+/// blocks of one record, in log order: one read each.
+fn block_runs(mut chosen: Vec<(usize, usize)>) -> Vec<(usize, usize, usize)> {
+    chosen.sort_unstable();
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    for (ri, k) in chosen {
+        match runs.last_mut() {
+            Some((r, _, end)) if *r == ri && *end == k => *end = k + 1,
+            _ => runs.push((ri, k, k + 1)),
+        }
+    }
+    runs
 }
 
 /// The headers of the records from `start` (see [`read`]), each with a data
@@ -372,4 +377,21 @@ pub(crate) fn commit(
         applied.blocks_written * block_bytes,
     );
     Counters::add(&env.counters.writeback_groups, 1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_runs;
+
+    #[test]
+    fn runs_join_adjacent_blocks_of_one_record_only() {
+        // Record 0 ends at block 5 and record 1 starts at block 5: they do
+        // not join, although the numbers touch.
+        let chosen = vec![(1, 5), (0, 3), (0, 4), (1, 6), (1, 8), (2, 0)];
+        assert_eq!(
+            block_runs(chosen),
+            vec![(0, 3, 5), (1, 5, 7), (1, 8, 9), (2, 0, 1)]
+        );
+        assert!(block_runs(Vec::new()).is_empty());
+    }
 }
