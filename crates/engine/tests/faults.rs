@@ -476,6 +476,54 @@ fn unattested_log_blocks(image: &[u8], layout: &Layout) -> Vec<u64> {
     blocks
 }
 
+/// Write-back is the first to find a dirty block corrupt: it must not copy
+/// it, and the block must read as EIO from then on (also after a restart),
+/// never as the origin's older data.
+#[test]
+fn corruption_found_by_writeback_reads_as_eio_not_as_older_data() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    let lba = 9u64;
+    let old = pattern(70, BS as usize);
+    e.write(lba * BS, &old, false).unwrap();
+    e.flush().unwrap();
+    e.drain().unwrap();
+    // A newer version, in a record of its own (header, then the block).
+    let head_before = e.stats().head_offset;
+    e.write(lba * BS, &pattern(71, BS as usize), false).unwrap();
+    e.flush().unwrap();
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    let slot = (head_before + 1) % layout.log_blocks;
+    rig.cache
+        .flip(layout.log_offset_bytes() + slot * BS + 123, 0x40);
+    // The write-back of that group meets the damage first.
+    for _ in 0..8 {
+        if e.writeback_step().unwrap().groups == 0 {
+            break;
+        }
+    }
+    let s = e.stats();
+    assert!(
+        s.writeback_skipped_corrupt >= 1,
+        "write-back saw the damage: {s:?}"
+    );
+    let mut buf = vec![0u8; BS as usize];
+    assert!(
+        e.read(lba * BS, &mut buf).is_err(),
+        "a block whose newest version is corrupt read as data ({}older)",
+        if buf == old { "the origin's " } else { "" }
+    );
+    let mut origin_block = vec![0u8; BS as usize];
+    rig.origin.read_at(lba * BS, &mut origin_block).unwrap();
+    assert_eq!(origin_block, old, "nothing corrupt reached the origin");
+    let mut rig = rig;
+    rig.reopen_clean();
+    assert!(
+        rig.engine().read(lba * BS, &mut buf).is_err(),
+        "after a restart the block read as data"
+    );
+}
+
 #[test]
 fn flush_costs_one_barrier_and_none_when_clean() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
