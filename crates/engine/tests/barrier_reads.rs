@@ -5,10 +5,11 @@
 //! reads below would wait for the release and the watchdog would fire.
 
 mod common;
+use common::gate::Gate;
 use common::*;
 
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cairn_device::{Device, DeviceResult, SimDevice};
@@ -17,57 +18,10 @@ use cairn_engine::{Engine, FormatOptions};
 /// Far longer than any of these requests takes, far shorter than forever.
 const WATCHDOG: Duration = Duration::from_secs(20);
 
-#[derive(Default)]
-struct Gate {
-    armed: bool,
-    entered: bool,
-    released: bool,
-}
-
 /// A cache whose next barrier (flush) waits at a gate.
 struct GatedCache {
     inner: SimDevice,
-    gate: Mutex<Gate>,
-    changed: Condvar,
-}
-
-impl GatedCache {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Gate> {
-        self.gate.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn hold_at_gate(&self) {
-        let mut g = self.lock();
-        if g.armed {
-            g.armed = false;
-            g.entered = true;
-            self.changed.notify_all();
-            while !g.released {
-                g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
-            }
-        }
-    }
-
-    fn wait_entered(&self) {
-        let mut g = self.lock();
-        let deadline = std::time::Instant::now() + WATCHDOG;
-        while !g.entered {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the flush never reached its barrier"
-            );
-            g = self
-                .changed
-                .wait_timeout(g, Duration::from_millis(10))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-    }
-
-    fn release(&self) {
-        self.lock().released = true;
-        self.changed.notify_all();
-    }
+    gate: Gate,
 }
 
 impl Device for GatedCache {
@@ -88,7 +42,7 @@ impl Device for GatedCache {
     }
 
     fn flush(&self) -> DeviceResult<()> {
-        self.hold_at_gate();
+        self.gate.pass(0, u64::MAX);
         self.inner.flush()
     }
 
@@ -118,8 +72,7 @@ fn reads_and_writes_go_on_while_a_flush_waits_for_its_barrier() {
     let volume_blocks = 256;
     let cache = Arc::new(GatedCache {
         inner: SimDevice::new("cache", cache_bytes_small()),
-        gate: Mutex::new(Gate::default()),
-        changed: Condvar::new(),
+        gate: Gate::default(),
     });
     let origin = SimDevice::new("origin", volume_blocks * BS);
     Engine::format(
@@ -139,12 +92,12 @@ fn reads_and_writes_go_on_while_a_flush_waits_for_its_barrier() {
     engine
         .write(BS, &pattern(2, BS as usize), false)
         .expect("write");
-    cache.lock().armed = true;
+    cache.gate.arm(None);
     let flusher = {
         let e = engine.clone();
         std::thread::spawn(move || e.flush())
     };
-    cache.wait_entered();
+    cache.gate.wait_entered(WATCHDOG, "the flush");
 
     let e = engine.clone();
     let got = within_watchdog("a read of a cached block", move || {
@@ -176,7 +129,7 @@ fn reads_and_writes_go_on_while_a_flush_waits_for_its_barrier() {
         "the flush was answered before its barrier"
     );
 
-    cache.release();
+    cache.gate.release();
     flusher.join().expect("flusher").expect("flush");
     report!("while a flush's barrier was held: a cached read, a read miss and a write all completed; the flush was answered only after the barrier");
 }

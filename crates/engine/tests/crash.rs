@@ -380,31 +380,15 @@ fn run_seed(
                 "{}: origin is not the volume as of any past flush",
                 ctx("origin")
             );
-            let mut plans = vec![("drop-all", CrashPlan::DropAll)];
-            if !cache_shadow.pending.is_empty() {
-                plans.push(("keep-all", CrashPlan::KeepAll));
-                for _ in 0..random_states_per_cut {
-                    plans.push((
-                        "random",
-                        CrashPlan::Random {
-                            keep: 0.5,
-                            tear: 0.3,
-                        },
-                    ));
-                }
-            }
-            for (p, (name, plan)) in plans.into_iter().enumerate() {
-                let img =
-                    build_crash_image(&cache_shadow.durable, &cache_shadow.pending, plan, &mut rng);
-                let deep = p < 2 && k % 3 == 0;
-                check_state(
-                    &ctx(name),
-                    img,
-                    origin_shadow.durable.clone(),
-                    &expect,
-                    deep,
-                );
-            }
+            check_cut(
+                &ctx,
+                &cache_shadow,
+                &origin_shadow.durable,
+                &expect,
+                random_states_per_cut,
+                k % 3 == 0,
+                &mut rng,
+            );
         }
         // Outside write-back, writes and zeroes are durable on return.
         // Degraded, everything acknowledged is durable on the origin.

@@ -27,7 +27,7 @@ use common::*;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use cairn_device::{build_crash_image, CrashPlan, Journal, JournalEvent};
+use cairn_device::{Journal, JournalEvent};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -351,31 +351,15 @@ fn run_seed(seed: u64, random_states_per_cut: usize) -> (usize, u64) {
             volume_blocks: VOLUME_BLOCKS,
             integrity,
         };
-        let mut plans = vec![("drop-all", CrashPlan::DropAll)];
-        if !cache_shadow.pending.is_empty() {
-            plans.push(("keep-all", CrashPlan::KeepAll));
-            for _ in 0..random_states_per_cut {
-                plans.push((
-                    "random",
-                    CrashPlan::Random {
-                        keep: 0.5,
-                        tear: 0.3,
-                    },
-                ));
-            }
-        }
-        for (p, (name, plan)) in plans.into_iter().enumerate() {
-            let img =
-                build_crash_image(&cache_shadow.durable, &cache_shadow.pending, plan, &mut rng);
-            let deep = p < 2 && k % 5 == 0;
-            check_state(
-                &ctx(name),
-                img,
-                origin_shadow.durable.clone(),
-                &expect,
-                deep,
-            );
-        }
+        check_cut(
+            &ctx,
+            &cache_shadow,
+            &origin_shadow.durable,
+            &expect,
+            random_states_per_cut,
+            k % 5 == 0,
+            &mut rng,
+        );
     }
     (cuts, STATES.load(Ordering::Relaxed) - before)
 }

@@ -5,60 +5,19 @@
 //! so the race happens every time, not by luck.
 
 mod common;
+use common::gate::Gate;
 use common::*;
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use cairn_device::{Device, DeviceResult, SimDevice};
 use cairn_engine::{CacheMode, Engine, FormatOptions};
-
-#[derive(Default)]
-struct GateState {
-    /// The next read covering this byte offset waits at the gate.
-    armed_at: Option<u64>,
-    entered: bool,
-    released: bool,
-}
 
 /// An origin that can hold one read after it read its data, until
 /// released: the data it returns is then as old as the read's start.
 struct GatedOrigin {
     inner: SimDevice,
-    gate: Mutex<GateState>,
-    changed: Condvar,
-}
-
-impl GatedOrigin {
-    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        self.gate.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn arm(&self, offset: u64) {
-        *self.lock() = GateState {
-            armed_at: Some(offset),
-            ..GateState::default()
-        };
-    }
-
-    fn wait_entered(&self) {
-        let mut g = self.lock();
-        for _ in 0..10_000 {
-            if g.entered {
-                return;
-            }
-            g = self
-                .changed
-                .wait_timeout(g, std::time::Duration::from_millis(10))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        panic!("the read never reached the origin");
-    }
-
-    fn release(&self) {
-        self.lock().released = true;
-        self.changed.notify_all();
-    }
+    gate: Gate,
 }
 
 impl Device for GatedOrigin {
@@ -72,18 +31,7 @@ impl Device for GatedOrigin {
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
         self.inner.read_at(offset, buf)?;
-        let mut g = self.lock();
-        let covers = g
-            .armed_at
-            .is_some_and(|at| at >= offset && at < offset + buf.len() as u64);
-        if covers {
-            g.armed_at = None;
-            g.entered = true;
-            self.changed.notify_all();
-            while !g.released {
-                g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
-            }
-        }
+        self.gate.pass(offset, buf.len() as u64);
         Ok(())
     }
 
@@ -110,8 +58,7 @@ fn a_fill_older_than_an_acknowledged_write_is_never_installed() {
     inner.write_at(lba * BS, &old).expect("seed the origin");
     let origin = Arc::new(GatedOrigin {
         inner: inner.clone(),
-        gate: Mutex::new(GateState::default()),
-        changed: Condvar::new(),
+        gate: Gate::default(),
     });
     let cache = SimDevice::new("cache", cache_bytes_small());
     Engine::format(
@@ -127,17 +74,19 @@ fn a_fill_older_than_an_acknowledged_write_is_never_installed() {
         .set_mode(CacheMode::WriteAround, |_| {})
         .expect("write-around");
 
-    origin.arm(lba * BS);
+    origin.gate.arm(Some(lba * BS));
     let stale = std::thread::scope(|s| {
         let reader = s.spawn(|| {
             let mut buf = vec![0u8; BS as usize];
             engine.read(lba * BS, &mut buf).expect("racing read");
             buf
         });
-        origin.wait_entered();
+        origin
+            .gate
+            .wait_entered(std::time::Duration::from_secs(100), "the racing read");
         // The miss holds the old block; a newer write is acknowledged now.
         engine.write(lba * BS, &new, false).expect("write");
-        origin.release();
+        origin.gate.release();
         reader.join().expect("reader")
     });
     // The racing read may return either value: it overlapped the write.

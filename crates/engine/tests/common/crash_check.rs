@@ -4,7 +4,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cairn_device::{PendingWrite, SimDevice};
+use cairn_device::{build_crash_image, CrashPlan, PendingWrite, SimDevice};
+use rand_chacha::ChaCha8Rng;
 
 use super::{open, read_volume, BS};
 
@@ -129,4 +130,41 @@ pub fn check_state(
         }
     }
     STATES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Check the crash states of one cut: every unflushed cache write dropped;
+/// if there are any, all kept and `random_states` random subsets (torn,
+/// reordered). The first two are checked deeply when `deep_cut`.
+pub fn check_cut(
+    ctx: &dyn Fn(&str) -> String,
+    cache: &Shadow,
+    origin_durable: &[u8],
+    expect: &Expect<'_>,
+    random_states: usize,
+    deep_cut: bool,
+    rng: &mut ChaCha8Rng,
+) {
+    let mut plans = vec![("drop-all", CrashPlan::DropAll)];
+    if !cache.pending.is_empty() {
+        plans.push(("keep-all", CrashPlan::KeepAll));
+        for _ in 0..random_states {
+            plans.push((
+                "random",
+                CrashPlan::Random {
+                    keep: 0.5,
+                    tear: 0.3,
+                },
+            ));
+        }
+    }
+    for (p, (name, plan)) in plans.into_iter().enumerate() {
+        let img = build_crash_image(&cache.durable, &cache.pending, plan, rng);
+        check_state(
+            &ctx(name),
+            img,
+            origin_durable.to_vec(),
+            expect,
+            deep_cut && p < 2,
+        );
+    }
 }
