@@ -22,6 +22,7 @@
 
 mod block_on;
 mod buf;
+mod deadline;
 mod join;
 mod notify;
 pub mod oneshot;
@@ -30,6 +31,7 @@ mod semaphore;
 
 pub use block_on::block_on;
 pub use buf::{StableBuf, StableBufMut, StableBufs};
+pub use deadline::Deadline;
 pub use join::{first_of, join_all, Either, FirstOf, JoinAll};
 pub use notify::LocalNotify;
 pub use reactor::{JoinHandle, Reactor, ReactorOptions, RemoteWaker};

@@ -269,3 +269,53 @@ fn an_abandoned_long_timeout_gives_its_slot_back() {
     });
     assert!(done <= 2, "{done} operations still in flight");
 }
+
+#[test]
+fn a_deadline_lets_quick_operations_through_with_one_timer() {
+    let r = reactor(8);
+    let r2 = r.clone();
+    let (finished, in_flight) = r.run(async move {
+        let mut deadline = cairn_io::Deadline::new(r2.clone(), Duration::from_secs(60));
+        let mut finished = 0;
+        for _ in 0..200 {
+            if deadline.run(r2.sleep(Duration::from_micros(50))).await == Some(()) {
+                finished += 1;
+            }
+        }
+        // The one 60 s timer is all the deadline keeps in the ring: a
+        // timer per operation would have filled a ring of 8 long ago.
+        (finished, r2.ops_in_flight())
+    });
+    assert_eq!(finished, 200);
+    assert!(in_flight <= 1, "{in_flight} operations in flight");
+}
+
+#[test]
+fn a_deadline_stops_a_slow_operation_at_its_limit_not_before() {
+    let r = reactor(16);
+    let r2 = r.clone();
+    let limit = Duration::from_millis(40);
+    let outcomes = r.run(async move {
+        let mut deadline = cairn_io::Deadline::new(r2.clone(), limit);
+        let mut outcomes = Vec::new();
+        // Quick, then idle past the limit (the timer fires unused), then
+        // slow twice: each slow one gets its full limit from its own start.
+        outcomes.push((deadline.run(async {}).await.is_some(), Duration::ZERO));
+        r2.sleep(limit * 2).await;
+        for _ in 0..2 {
+            let started = Instant::now();
+            let got = deadline.run(r2.sleep(Duration::from_secs(5))).await;
+            outcomes.push((got.is_some(), started.elapsed()));
+        }
+        outcomes
+    });
+    assert!(outcomes[0].0, "the quick operation finished");
+    for (finished, took) in &outcomes[1..] {
+        assert!(!finished, "a 5 s operation cannot beat a 40 ms limit");
+        assert!(*took >= limit, "given up after {took:?}, before the limit");
+        assert!(
+            *took < Duration::from_secs(2),
+            "given up only after {took:?}"
+        );
+    }
+}

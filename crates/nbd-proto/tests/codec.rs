@@ -962,8 +962,10 @@ fn read_reply_prefixes() {
         (ReplyMode::Extended, 40),
     ] {
         assert_eq!(read_prefix_bytes(mode), len);
-        let mut prefix = vec![0u8; len];
+        let mut prefix = vec![0xAA; 3];
         encode_read_prefix(&mut prefix, mode, to, 512);
+        assert_eq!(prefix.drain(..3).collect::<Vec<_>>(), [0xAA; 3], "appended");
+        assert_eq!(prefix.len(), len);
         match mode {
             ReplyMode::Simple => {
                 assert_eq!(&prefix[0..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());

@@ -846,3 +846,43 @@ fn config_validation_rejects_inconsistent_limits() {
     }
     ServerConfig::default().validate().unwrap();
 }
+
+/// A client that sends reads and never reads the replies is dropped after
+/// `write_timeout_ms` of no progress, while others are served meanwhile
+/// (the deadline is shared by the connection's sends, so this is the test
+/// of that sharing too).
+#[test]
+fn a_client_that_stops_reading_replies_is_dropped_after_the_write_timeout() {
+    let export = Arc::new(MemExport::new(SIZE));
+    let config = ServerConfig {
+        write_timeout_ms: 300,
+        ..ServerConfig::default()
+    };
+    let server = TestServer::start(export, config);
+    let mut stuck = Client::open(&server.socket, Mode::Structured, false).unwrap();
+    // Far more reply bytes than the socket buffers hold.
+    let started = Instant::now();
+    for i in 0..64u64 {
+        stuck
+            .send(0, CMD_READ, (i % 16) * (1 << 20), 1 << 20, &[])
+            .unwrap();
+    }
+    let mut other = Client::open(&server.socket, Mode::Structured, false).unwrap();
+    for i in 0..20u64 {
+        assert_eq!(other.write(i * 4096, &pattern(i as u8, 4096)).unwrap(), 0);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The stuck client's socket is shut by the server: draining it ends in
+    // EOF (or a reset) well before 30 s.
+    assert!(
+        closed_by_server(&mut stuck.stream),
+        "the server kept a client that reads nothing"
+    );
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(300), "dropped after {took:?}");
+    assert!(
+        took < Duration::from_secs(20),
+        "dropped only after {took:?}"
+    );
+    assert_eq!(other.read(0, 4096).unwrap().unwrap(), pattern(0, 4096));
+}

@@ -6,6 +6,8 @@ use std::cell::{RefCell, UnsafeCell};
 use std::ops::Range;
 use std::rc::Rc;
 
+use smallvec::SmallVec;
+
 use super::PooledBuf;
 
 struct Shared {
@@ -15,7 +17,8 @@ struct Shared {
     base: *mut u8,
     len: usize,
     /// Ranges lent out as slices right now: they never overlap.
-    lent: RefCell<Vec<Range<usize>>>,
+    /// Kept inline for the few reads of one request.
+    lent: RefCell<SmallVec<[Range<usize>; 4]>>,
 }
 
 /// A buffer whose disjoint ranges are lent out as [`BufSlice`]s (to reads
@@ -41,7 +44,7 @@ impl SharedBuf {
                 buf: UnsafeCell::new(buf),
                 base,
                 len,
-                lent: RefCell::new(Vec::new()),
+                lent: RefCell::new(SmallVec::new()),
             }),
         }
     }

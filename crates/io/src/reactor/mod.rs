@@ -147,6 +147,18 @@ impl Reactor {
         handle
     }
 
+    /// Start a task nobody waits for (a [`Reactor::spawn`] whose handle is
+    /// dropped, without the handle's allocation).
+    pub fn spawn_detached<F>(&self, future: F)
+    where
+        F: Future<Output = ()> + 'static,
+    {
+        self.inner
+            .tasks
+            .borrow_mut()
+            .insert(tasks::detached(future), &self.inner.shared);
+    }
+
     /// Tasks not yet finished.
     pub fn live_tasks(&self) -> usize {
         self.inner.tasks.borrow().live()

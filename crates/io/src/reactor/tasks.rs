@@ -21,6 +21,11 @@ struct Task {
 #[derive(Default)]
 pub(crate) struct Tasks {
     slots: Vec<Option<Task>>,
+    /// The waker of each slot, kept when its task ends and reused by the
+    /// next task there: a task per request made a waker allocation per
+    /// request. A waker of an ended task that fires late only polls its
+    /// slot's next task once more, which every future must tolerate.
+    wakers: Vec<Arc<TaskWaker>>,
     free: Vec<usize>,
     live: usize,
 }
@@ -33,14 +38,22 @@ impl Tasks {
     /// Add a task and queue it to be polled.
     pub(crate) fn insert(&mut self, future: LocalFuture, shared: &Arc<Shared>) -> usize {
         let id = self.free.pop().unwrap_or_else(|| {
+            let id = self.slots.len();
             self.slots.push(None);
-            self.slots.len() - 1
+            self.wakers.push(Arc::new(TaskWaker {
+                task: id,
+                shared: shared.clone(),
+                queued: AtomicBool::new(false),
+            }));
+            id
         });
-        let waker = Arc::new(TaskWaker {
-            task: id,
-            shared: shared.clone(),
-            queued: AtomicBool::new(false),
-        });
+        debug_assert!(self.slots[id].is_none(), "a free slot is empty");
+        let waker = self.wakers[id].clone();
+        debug_assert_eq!(waker.task, id);
+        // A late wake-up meant for the slot's last task may have left the
+        // flag set with no entry left in the ready queue: start clear (at
+        // worst the new task is polled twice).
+        waker.queued.store(false, Ordering::Release);
         self.slots[id] = Some(Task {
             future: Some(future),
             waker: waker.clone(),
@@ -120,6 +133,14 @@ impl<T> Future for JoinHandle<T> {
             }
         }
     }
+}
+
+/// `future` as a task nobody joins.
+pub(crate) fn detached<F>(future: F) -> LocalFuture
+where
+    F: Future<Output = ()> + 'static,
+{
+    Box::pin(future)
 }
 
 /// Wrap `future` so its output lands in a join handle.

@@ -168,26 +168,25 @@ pub fn read_prefix_bytes(mode: ReplyMode) -> usize {
     }
 }
 
-/// Write the header of a successful READ of `data_bytes` (> 0) into
-/// `prefix`, which must be exactly `read_prefix_bytes(mode)` long. The
-/// whole read is sent as one OFFSET_DATA chunk, which also satisfies DF.
-pub fn encode_read_prefix(prefix: &mut [u8], mode: ReplyMode, to: ReplyTo, data_bytes: u32) {
-    let mut header = Vec::with_capacity(read_prefix_bytes(mode));
+/// Append the header of a successful READ of `data_bytes` (> 0) to
+/// `out`: `read_prefix_bytes(mode)` bytes. The whole read is sent as one
+/// OFFSET_DATA chunk, which also satisfies DF.
+pub fn encode_read_prefix(out: &mut Vec<u8>, mode: ReplyMode, to: ReplyTo, data_bytes: u32) {
+    let start = out.len();
     if mode == ReplyMode::Simple {
-        encode_simple(&mut header, to.cookie, 0);
+        encode_simple(out, to.cookie, 0);
     } else {
         encode_chunk_header(
-            &mut header,
+            out,
             mode,
             REPLY_FLAG_DONE,
             REPLY_TYPE_OFFSET_DATA,
             to,
             8 + data_bytes as u64,
         );
-        put_u64(&mut header, to.offset);
+        put_u64(out, to.offset);
     }
-    debug_assert_eq!(header.len(), prefix.len());
-    prefix.copy_from_slice(&header);
+    debug_assert_eq!(out.len() - start, read_prefix_bytes(mode));
 }
 
 /// One `base:allocation` descriptor.

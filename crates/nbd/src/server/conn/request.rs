@@ -35,7 +35,7 @@ pub(super) async fn run(conn: Rc<Conn>, job: Job) {
         .fetch_add(1, Ordering::Relaxed);
     let to = job.request.reply_to;
     let mode = conn.session.mode;
-    let reply = match (CatchPanic(Box::pin(execute(&conn, &job)))).await {
+    let reply = match CatchPanic(std::pin::pin!(execute(&conn, &job))).await {
         Ok(reply) => reply,
         Err(()) => {
             tracing::error!(
@@ -66,7 +66,7 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
                 .read_async(offset, length_bytes as u64)
                 .await
                 .map(|data| {
-                    let mut header = vec![0u8; read_prefix_bytes(mode)];
+                    let mut header = Vec::with_capacity(read_prefix_bytes(mode));
                     encode_read_prefix(&mut header, mode, to, length_bytes);
                     Some(Reply::Data { header, data })
                 }),
@@ -164,10 +164,10 @@ fn block_status(
 
 /// A future whose panic is caught at each poll: `Err(())` instead of
 /// unwinding through the event loop.
-struct CatchPanic<'a, T>(Pin<Box<dyn Future<Output = T> + 'a>>);
+struct CatchPanic<'a, F>(Pin<&'a mut F>);
 
-impl<T> Future for CatchPanic<'_, T> {
-    type Output = Result<T, ()>;
+impl<F: Future> Future for CatchPanic<'_, F> {
+    type Output = Result<F::Output, ()>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let future = &mut self.0;

@@ -116,6 +116,6 @@ async fn start(conn: &Rc<Conn>, input: &mut InBuf, request: Request) -> Result<(
         payload,
         budget_bytes,
     };
-    drop(conn.reactor.spawn(request::run(conn.clone(), job)));
+    conn.reactor.spawn_detached(request::run(conn.clone(), job));
     Ok(())
 }
