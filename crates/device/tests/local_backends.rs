@@ -701,6 +701,11 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
             let done = Arc::clone(&done);
             let reads_checked = Arc::clone(&reads_checked);
             std::thread::spawn(move || {
+                let reactor = (r % 2 == 1).then(|| {
+                    let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default())
+                        .expect("io_uring available");
+                    (reactor, Arc::new(cairn_device::BufPool::new(1 << 20)))
+                });
                 let mut rng = ChaCha8Rng::seed_from_u64(77 + r as u64);
                 let (mut reads, mut torn, mut stale) = (0u64, 0u64, 0u64);
                 let mut versions = std::collections::HashSet::new();
@@ -713,12 +718,35 @@ pub fn hammer_cacheable_reads(device: Arc<dyn Device>) -> HammerReport {
                         .map(|&i| published[i].load(Ordering::Acquire))
                         .collect();
                     let mut bufs: Vec<Vec<u8>> = picks.iter().map(|_| vec![0u8; 4096]).collect();
-                    let mut requests: Vec<(u64, &mut [u8])> = picks
-                        .iter()
-                        .zip(bufs.iter_mut())
-                        .map(|(&i, b)| (i as u64 * 4096, b.as_mut_slice()))
-                        .collect();
-                    device.read_many_cacheable(&mut requests).unwrap();
+                    match &reactor {
+                        // Odd readers read as a connection's event loop
+                        // does: from the page cache at once when it can,
+                        // else through the ring.
+                        Some((reactor, pool)) => {
+                            for (&i, buf) in picks.iter().zip(bufs.iter_mut()) {
+                                let mut data = pool.lend(4096);
+                                data.set_len(4096);
+                                let shared = cairn_device::SharedBuf::new(data);
+                                let slice = shared.slice(0..4096);
+                                let device = Arc::clone(&device);
+                                let (result, slice) = reactor.run(async move {
+                                    device.read_into_cacheable(i as u64 * 4096, slice).await
+                                });
+                                result.unwrap();
+                                drop(slice);
+                                let data = shared.into_inner().ok().unwrap();
+                                buf.copy_from_slice(&data);
+                            }
+                        }
+                        None => {
+                            let mut requests: Vec<(u64, &mut [u8])> = picks
+                                .iter()
+                                .zip(bufs.iter_mut())
+                                .map(|(&i, b)| (i as u64 * 4096, b.as_mut_slice()))
+                                .collect();
+                            device.read_many_cacheable(&mut requests).unwrap();
+                        }
+                    }
                     for ((&i, &floor), buf) in picks.iter().zip(&floors).zip(&bufs) {
                         let newest = started[i].load(Ordering::Acquire);
                         match generation_of(buf, i) {

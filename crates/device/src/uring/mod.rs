@@ -70,7 +70,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use cairn_io::Reactor;
@@ -116,7 +116,15 @@ pub struct UringDevice {
     /// Set by the first `read_many_cacheable`: until then no page of the
     /// device is cached by us, so writes need not drop any.
     cacheable_reads_seen: AtomicBool,
+    /// Cacheable reads left to send straight to the ring, without first
+    /// trying the page cache at once (see `read_cached_now`).
+    nowait_skips: AtomicU32,
 }
+
+/// After a cacheable read found its pages missing, this many more go
+/// straight to the ring: a working set that is not in the page cache then
+/// pays the failed attempt on one read in 17, not on every one.
+const NOWAIT_SKIPS_AFTER_MISS: u32 = 16;
 
 impl UringDevice {
     /// Whether I/O bypasses the page cache (O_DIRECT).
@@ -175,6 +183,10 @@ impl UringDevice {
             }
             _ => return Err(slice),
         };
+        let mut slice = slice;
+        if cacheable && self.read_cached_now(fd, offset, &mut slice) {
+            return Ok(Box::pin(std::future::ready((Ok(()), slice))));
+        }
         Ok(Box::pin(async move {
             let (result, mut slice) = reactor.read_at(fd, offset, slice).await;
             let result = match result {
@@ -186,6 +198,36 @@ impl UringDevice {
             };
             (result, slice)
         }))
+    }
+
+    /// Serve a cacheable read from the page cache at once, if every page
+    /// of it is there (`preadv2` with `RWF_NOWAIT`): true if `slice` is
+    /// filled. The request then finishes in the loop turn it started in,
+    /// without a ring operation, its completion and a task wake-up; that
+    /// was about a tenth of a busy connection's CPU on cached 4 KiB reads.
+    /// Anything short of the whole read (pages missing, a short read, an
+    /// error) leaves it to the ring, which reads it all again.
+    fn read_cached_now(&self, fd: i32, offset: u64, slice: &mut BufSlice) -> bool {
+        let skips = self.nowait_skips.load(Ordering::Relaxed);
+        if skips > 0 {
+            self.nowait_skips.store(skips - 1, Ordering::Relaxed);
+            return false;
+        }
+        let buf = slice.as_mut_slice();
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: `iov` covers exactly the slice's bytes, which the slice
+        // owns and nothing else touches during the call; `fd` is our
+        // buffered descriptor, open for the device's lifetime.
+        let n = unsafe { libc::preadv2(fd, &iov, 1, offset as libc::off_t, libc::RWF_NOWAIT) };
+        if n >= 0 && n as usize == buf.len() {
+            return true;
+        }
+        self.nowait_skips
+            .store(NOWAIT_SKIPS_AFTER_MISS, Ordering::Relaxed);
+        false
     }
 
     /// The descriptor for I/O outside the rings: it takes any alignment.

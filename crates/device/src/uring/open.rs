@@ -5,7 +5,7 @@ use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::OnceLock;
 
 use super::bounce::BouncePool;
@@ -110,6 +110,7 @@ impl UringDevice {
             bounce: BouncePool::new(),
             zeroes: OnceLock::new(),
             cacheable_reads_seen: AtomicBool::new(false),
+            nowait_skips: AtomicU32::new(0),
         }
     }
 }
