@@ -102,7 +102,7 @@ fn write_empty_checkpoint(
     cache.flush().map_err(EngineError::Cache)
 }
 
-fn check_origin_size(origin: &dyn Device, block_bytes: u32) -> EngineResult<()> {
+pub(crate) fn check_origin_size(origin: &dyn Device, block_bytes: u32) -> EngineResult<()> {
     let size = origin.size_bytes();
     if size == 0 || !size.is_multiple_of(block_bytes as u64) {
         return Err(EngineError::OriginSizeUnaligned {

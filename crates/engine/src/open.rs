@@ -16,7 +16,7 @@ use crate::policy::CacheMode;
 use crate::recovery;
 use crate::state::State;
 use crate::stats::Counters;
-use crate::superblocks;
+use crate::superblocks::{self, LOG_COUNTER_LIMIT};
 use crate::tags::TagTable;
 
 /// What opening produced.
@@ -108,6 +108,23 @@ fn check_devices(
         });
     }
     let block_bytes = superblock.block_size_bytes;
+    // The superblock passed its checksum, but its fields are still device
+    // contents: the origin must be one `format` accepts for this block
+    // size, and the counters that only grow must be far from overflowing.
+    crate::format::check_origin_size(origin, block_bytes)?;
+    for (field, value) in [
+        ("sequence", superblock.sequence),
+        ("generation", superblock.generation),
+        ("checkpoint_sequence", superblock.checkpoint_sequence),
+        ("writeback_offset", superblock.writeback_offset),
+    ] {
+        if value >= LOG_COUNTER_LIMIT {
+            return Err(EngineError::SuperblockInvalid {
+                device: cache.name().to_string(),
+                detail: format!("{field} {value} is out of range"),
+            });
+        }
+    }
     let integrity = superblock.features & cairn_format::FEATURE_INTEGRITY != 0;
     let volume_blocks = superblock.origin_size_bytes / block_bytes as u64;
     let layout = Layout::compute_with_tags(
