@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cairn_device::Device;
-use cairn_format::{Layout, Superblock};
+use cairn_format::{origin_identity_for_superblock, Layout, Superblock};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -65,10 +65,10 @@ pub(crate) fn open(
     if env.integrity {
         state.tags = Some(load_tags(&env, &mut state)?);
     }
-    if opts.force_origin && state.superblock.origin_identity != env.origin.identity() {
-        let mut identity = env.origin.identity();
-        identity.truncate(cairn_format::ORIGIN_IDENTITY_MAX_BYTES);
-        state.superblock.origin_identity = identity;
+    let identity = env.origin.identity();
+    let identity = origin_identity_for_superblock(&identity);
+    if opts.force_origin && state.superblock.origin_identity != identity {
+        state.superblock.origin_identity = identity.to_string();
     }
     // Bump the generation and make everything replayed durable before
     // anything new is written. A failure here refuses the open (nothing
@@ -87,7 +87,11 @@ fn check_devices(
     superblock: &Superblock,
     opts: &OpenOptions,
 ) -> EngineResult<Layout> {
-    if origin.identity() != superblock.origin_identity && !opts.force_origin {
+    // The superblock holds the identity as format stored it (cut to the
+    // limit), so that is what is compared.
+    let identity = origin.identity();
+    if origin_identity_for_superblock(&identity) != superblock.origin_identity && !opts.force_origin
+    {
         return Err(EngineError::WrongOrigin {
             recorded: superblock.origin_identity.clone(),
             given: origin.identity(),

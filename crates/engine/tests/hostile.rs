@@ -314,36 +314,39 @@ fn more_pending_ranges_than_a_checkpoint_holds_is_damage() {
     assert!(detail.contains("1100 zero/discard ranges"), "{detail}");
 }
 
+type CheckpointDamage = fn(&mut CheckpointHeader);
+type SuperblockDamage = fn(&mut Superblock);
+
 #[test]
 fn checkpoint_counts_and_positions_out_of_range_are_refused() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut CheckpointHeader)>, &str)> = vec![
+    let cases: [(&str, CheckpointDamage, &str); 5] = [
         (
             "entry count whose payload size overflows",
-            Box::new(|c| c.entry_count = u64::MAX / 8),
+            |c| c.entry_count = u64::MAX / 8,
             "counts or offsets out of range",
         ),
         (
             "lost count larger than the slot",
-            Box::new(|c| c.lost_count = u32::MAX),
+            |c| c.lost_count = u32::MAX,
             "does not fit the",
         ),
         (
             "next record sequence 0",
-            Box::new(|c| c.next_record_sequence = 0),
+            |c| c.next_record_sequence = 0,
             "next record sequence 0",
         ),
         (
             "head offset near u64::MAX",
-            Box::new(|c| {
+            |c| {
                 c.head_offset = u64::MAX - 10;
                 c.tail_offset = c.head_offset;
                 c.writeback_offset = c.head_offset;
-            }),
+            },
             "head offset 18446744073709551605",
         ),
         (
             "next record sequence near u64::MAX",
-            Box::new(|c| c.next_record_sequence = u64::MAX),
+            |c| c.next_record_sequence = u64::MAX,
             "log position out of range",
         ),
     ];
@@ -359,7 +362,7 @@ fn checkpoint_counts_and_positions_out_of_range_are_refused() {
 
 #[test]
 fn superblock_counters_out_of_range_are_refused() {
-    let fields: [(&str, fn(&mut Superblock)); 3] = [
+    let fields: [(&str, SuperblockDamage); 3] = [
         ("generation", |sb| sb.generation = u64::MAX),
         ("checkpoint_sequence", |sb| {
             sb.checkpoint_sequence = u64::MAX
@@ -449,4 +452,34 @@ fn tag_page_with_a_sequence_near_the_top_is_not_trusted() {
     let engine = f.open().expect("reopen");
     engine.read(5 * BS, &mut read).unwrap();
     assert!(read == pattern(78, BS as usize));
+}
+
+#[test]
+fn origin_identity_longer_than_the_superblock_holds_is_cut_not_a_panic() {
+    // The identity is "sim:x" and 300 two-byte characters: byte 512 falls
+    // inside one, where `String::truncate` used to panic (format, and open
+    // with --force-origin). A path or URI is the user's choice.
+    let name = format!("x{}", "é".repeat(300));
+    let cache = SimDevice::new("cache", cache_bytes_small());
+    let origin = SimDevice::new(&name, VOLUME_BLOCKS * BS);
+    let sb = Engine::format(
+        Arc::new(cache.clone()),
+        Arc::new(origin.clone()),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    assert_eq!(sb.origin_identity.len(), 511);
+    assert!(format!("sim:{name}").starts_with(&sb.origin_identity));
+    // The same origin opens again without forcing (the stored identity is
+    // compared as stored), and writes and a clean close work.
+    let engine = open(&cache, &origin).expect("reopen with the same origin");
+    engine.write(0, &pattern(5, BS as usize), true).unwrap();
+    engine.close().unwrap();
+    drop(engine);
+    // Another origin is still refused.
+    let other = SimDevice::new("other", VOLUME_BLOCKS * BS);
+    assert!(matches!(
+        open(&cache, &other),
+        Err(EngineError::WrongOrigin { .. })
+    ));
 }
