@@ -83,4 +83,47 @@ mod tests {
         assert!(parse_block_size("6K").unwrap_err().contains("power of two"));
         assert!(parse_block_size("99999999999999999K").is_err());
     }
+
+    /// Hostile spellings are errors, never panics: empty, a bare suffix,
+    /// multi-byte characters next to the suffix, overflow at the edge of
+    /// u64 and of the shift, signs, separators.
+    #[test]
+    fn hostile_sizes_are_errors() {
+        for s in [
+            "",
+            " ",
+            "K",
+            "m",
+            "é",
+            "4é",
+            "éK",
+            "4\u{2009}K",
+            "-4K",
+            "+",
+            "4KK",
+            "0x10",
+            "1e3",
+            "18446744073709551616",
+            "18014398509481984K",
+            "17179869184G",
+        ] {
+            assert!(parse_size(s).is_err(), "{s:?}");
+        }
+        assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(parse_size("17179869183G"), Ok(17179869183 << 30));
+        for s in ["", ":", "4M:", ":4M", "4M:1M:1M", "é:é"] {
+            assert!(parse_range(s).is_err(), "{s:?}");
+        }
+        for s in [
+            "",
+            "K",
+            "éK",
+            "-4K",
+            "4294967296",
+            "18446744073709551615K",
+            "0",
+        ] {
+            assert!(parse_block_size(s).is_err(), "{s:?}");
+        }
+    }
 }

@@ -54,6 +54,8 @@ pub enum EngineError {
         size_bytes: u64,
         recorded_bytes: u64,
     },
+    #[error("cache {device}: superblock invalid: {detail}. The cache cannot be opened safely")]
+    SuperblockInvalid { device: String, detail: String },
     #[error("cache {device}: checkpoint damaged: {detail}. The cache cannot be opened safely")]
     CheckpointDamaged { device: String, detail: String },
     #[error("cache {device}: log damaged: {detail}. Refusing to open, because acknowledged writes would be missing")]

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use cairn_device::Device;
-use cairn_format::{CheckpointHeader, Layout, Superblock, ORIGIN_BLOCKS_MAX};
+use cairn_format::{
+    origin_identity_for_superblock, CheckpointHeader, Layout, Superblock, ORIGIN_BLOCKS_MAX,
+};
 
 use crate::env::chain_seed;
 use crate::error::{EngineError, EngineResult};
@@ -49,8 +51,8 @@ pub(crate) fn format(
             .map_err(EngineError::Cache)?;
     }
     write_empty_checkpoint(cache.as_ref(), &layout, &uuid)?;
-    let mut identity = origin.identity();
-    identity.truncate(cairn_format::ORIGIN_IDENTITY_MAX_BYTES);
+    // Cut at a character boundary: `String::truncate` panics inside one.
+    let identity = origin_identity_for_superblock(&origin.identity()).to_string();
     let mut superblock = Superblock {
         sequence: 1,
         uuid,
@@ -102,7 +104,7 @@ fn write_empty_checkpoint(
     cache.flush().map_err(EngineError::Cache)
 }
 
-fn check_origin_size(origin: &dyn Device, block_bytes: u32) -> EngineResult<()> {
+pub(crate) fn check_origin_size(origin: &dyn Device, block_bytes: u32) -> EngineResult<()> {
     let size = origin.size_bytes();
     if size == 0 || !size.is_multiple_of(block_bytes as u64) {
         return Err(EngineError::OriginSizeUnaligned {

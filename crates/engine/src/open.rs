@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cairn_device::Device;
-use cairn_format::{Layout, Superblock};
+use cairn_format::{origin_identity_for_superblock, Layout, Superblock};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -16,7 +16,7 @@ use crate::policy::CacheMode;
 use crate::recovery;
 use crate::state::State;
 use crate::stats::Counters;
-use crate::superblocks;
+use crate::superblocks::{self, LOG_COUNTER_LIMIT};
 use crate::tags::TagTable;
 
 /// What opening produced.
@@ -65,10 +65,10 @@ pub(crate) fn open(
     if env.integrity {
         state.tags = Some(load_tags(&env, &mut state)?);
     }
-    if opts.force_origin && state.superblock.origin_identity != env.origin.identity() {
-        let mut identity = env.origin.identity();
-        identity.truncate(cairn_format::ORIGIN_IDENTITY_MAX_BYTES);
-        state.superblock.origin_identity = identity;
+    let identity = env.origin.identity();
+    let identity = origin_identity_for_superblock(&identity);
+    if opts.force_origin && state.superblock.origin_identity != identity {
+        state.superblock.origin_identity = identity.to_string();
     }
     // Bump the generation and make everything replayed durable before
     // anything new is written. A failure here refuses the open (nothing
@@ -87,7 +87,11 @@ fn check_devices(
     superblock: &Superblock,
     opts: &OpenOptions,
 ) -> EngineResult<Layout> {
-    if origin.identity() != superblock.origin_identity && !opts.force_origin {
+    // The superblock holds the identity as format stored it (cut to the
+    // limit), so that is what is compared.
+    let identity = origin.identity();
+    if origin_identity_for_superblock(&identity) != superblock.origin_identity && !opts.force_origin
+    {
         return Err(EngineError::WrongOrigin {
             recorded: superblock.origin_identity.clone(),
             given: origin.identity(),
@@ -108,6 +112,23 @@ fn check_devices(
         });
     }
     let block_bytes = superblock.block_size_bytes;
+    // The superblock passed its checksum, but its fields are still device
+    // contents: the origin must be one `format` accepts for this block
+    // size, and the counters that only grow must be far from overflowing.
+    crate::format::check_origin_size(origin, block_bytes)?;
+    for (field, value) in [
+        ("sequence", superblock.sequence),
+        ("generation", superblock.generation),
+        ("checkpoint_sequence", superblock.checkpoint_sequence),
+        ("writeback_offset", superblock.writeback_offset),
+    ] {
+        if value >= LOG_COUNTER_LIMIT {
+            return Err(EngineError::SuperblockInvalid {
+                device: cache.name().to_string(),
+                detail: format!("{field} {value} is out of range"),
+            });
+        }
+    }
     let integrity = superblock.features & cairn_format::FEATURE_INTEGRITY != 0;
     let volume_blocks = superblock.origin_size_bytes / block_bytes as u64;
     let layout = Layout::compute_with_tags(

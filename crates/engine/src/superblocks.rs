@@ -9,6 +9,12 @@ use crate::error::{EngineError, EngineResult};
 use crate::retry::retrying_cache_write;
 use crate::stats::Counters;
 
+/// Counters read from the device (superblock and checkpoint sequences,
+/// the generation, logical log offsets) only ever grow by small steps from
+/// zero; one at or above this is damage, refused before arithmetic on it
+/// could overflow.
+pub(crate) const LOG_COUNTER_LIMIT: u64 = 1 << 62;
+
 /// Bytes read per superblock copy.
 const SUPERBLOCK_READ_BYTES: usize = 4096;
 

@@ -20,6 +20,8 @@ use crate::stats::Counters;
 /// Tag pages are read and written in batches of at most this many bytes.
 const TAG_IO_CHUNK_BYTES: usize = 1 << 20;
 const PAGES_PER_CHUNK: u64 = (TAG_IO_CHUNK_BYTES / TAG_PAGE_BYTES) as u64;
+/// Tag page copies with a sequence at or above this are not trusted.
+const TAG_SEQUENCE_LIMIT: u64 = crate::superblocks::LOG_COUNTER_LIMIT;
 
 pub(crate) struct TagTable {
     tags: Vec<u32>,
@@ -233,7 +235,13 @@ impl TagTable {
                         continue;
                     };
                     let index = page + k;
-                    if decoded.page_index != index || decoded.format_tag != format_tag {
+                    // A sequence near the top of the range is damage (pages
+                    // count up from 1 by one per batch): such a copy is not
+                    // trusted, so the next sequence cannot overflow.
+                    if decoded.page_index != index
+                        || decoded.format_tag != format_tag
+                        || decoded.sequence >= TAG_SEQUENCE_LIMIT
+                    {
                         continue;
                     }
                     let slot = &mut best[index as usize];

@@ -37,9 +37,21 @@ pub enum LayoutError {
         min_bytes: u64,
         tag_area_bytes: u64,
     },
+    #[error(
+        "cache device is too large: {size_bytes} bytes would make a log of {log_blocks} blocks of {block_size_bytes} bytes, but slot indices are 32-bit (at most {log_blocks_max} blocks). Use a larger block size or a smaller cache"
+    )]
+    CacheTooLarge {
+        size_bytes: u64,
+        log_blocks: u64,
+        log_blocks_max: u64,
+        block_size_bytes: u32,
+    },
 }
 
 impl Layout {
+    /// Log slots are indexed by `u32`: a log has fewer blocks than this.
+    pub const LOG_BLOCKS_LIMIT: u64 = u32::MAX as u64;
+
     pub fn checkpoint_slot_bytes_for(log_blocks: u64, block_size_bytes: u32) -> u64 {
         let raw = CHECKPOINT_HEADER_BYTES as u64
             + log_blocks * CHECKPOINT_ENTRY_BYTES as u64
@@ -119,7 +131,16 @@ impl Layout {
         }
         assert!(Self::bytes_needed(log_blocks, block_size_bytes, tag_pages) <= cache_size_bytes);
         assert!(log_blocks >= Self::log_blocks_min(block_size_bytes));
-        assert!(log_blocks < u32::MAX as u64, "slot indices are u32");
+        // The size comes from the device (format) or the superblock (open):
+        // a cache too large for 32-bit slot indices is an error, not a panic.
+        if log_blocks >= Self::LOG_BLOCKS_LIMIT {
+            return Err(LayoutError::CacheTooLarge {
+                size_bytes: cache_size_bytes,
+                log_blocks,
+                log_blocks_max: Self::LOG_BLOCKS_LIMIT - 1,
+                block_size_bytes,
+            });
+        }
         Ok(Layout {
             block_size_bytes,
             checkpoint_slot_bytes: Self::checkpoint_slot_bytes_for(log_blocks, block_size_bytes),
@@ -206,6 +227,34 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    /// A cache of 20 TiB at 4 KiB blocks needs more than 2^32 log slots: it
+    /// used to trip an assert (a panic reachable from `cairn format` on a
+    /// large device, or from a superblock's cache size at open).
+    #[test]
+    fn too_large_for_u32_slots_is_an_error() {
+        let size = 20u64 << 40;
+        match Layout::compute(size, 4096) {
+            Err(LayoutError::CacheTooLarge {
+                size_bytes,
+                log_blocks,
+                log_blocks_max,
+                block_size_bytes: 4096,
+            }) => {
+                assert_eq!(size_bytes, size);
+                assert!(log_blocks > log_blocks_max);
+                assert_eq!(log_blocks_max, u32::MAX as u64 - 1);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // The same size fits with 64 KiB blocks.
+        let big = Layout::compute(size, 65536).unwrap();
+        assert!(big.log_blocks < Layout::LOG_BLOCKS_LIMIT);
+        // Just below the limit is still accepted.
+        let per_block = 4096 + 2 * crate::CHECKPOINT_ENTRY_BYTES as u64;
+        let near = METADATA_AREA_OFFSET + (u32::MAX as u64 - 200) * per_block;
+        assert!(Layout::compute(near, 4096).unwrap().log_blocks < Layout::LOG_BLOCKS_LIMIT);
     }
 
     #[test]

@@ -40,6 +40,20 @@ pub struct Superblock {
     pub recalc_position_blocks: u64,
 }
 
+/// `identity` as the superblock stores it: at most
+/// [`ORIGIN_IDENTITY_MAX_BYTES`], cut at a character boundary (identities
+/// are paths and URIs a user chose: any characters, any length).
+pub fn origin_identity_for_superblock(identity: &str) -> &str {
+    if identity.len() <= ORIGIN_IDENTITY_MAX_BYTES {
+        return identity;
+    }
+    let mut end = ORIGIN_IDENTITY_MAX_BYTES;
+    while !identity.is_char_boundary(end) {
+        end -= 1;
+    }
+    &identity[..end]
+}
+
 impl Superblock {
     pub fn encode(&self) -> Vec<u8> {
         assert!(self.origin_identity.len() <= ORIGIN_IDENTITY_MAX_BYTES);
@@ -131,7 +145,15 @@ impl Superblock {
                 value: identity_len as u64,
             });
         }
-        let origin_identity = String::from_utf8_lossy(r.bytes(identity_len)?).into_owned();
+        // Identities are written from a `String` cut at a character
+        // boundary: bytes that are not UTF-8 are damage. (Decoding them
+        // lossily could also make the identity longer than the limit.)
+        let origin_identity = String::from_utf8(r.bytes(identity_len)?.to_vec()).map_err(|_| {
+            DecodeError::OutOfRange {
+                field: "origin_identity_utf8",
+                value: identity_len as u64,
+            }
+        })?;
         let recalc_position_blocks = r.u64()?;
         Ok(Superblock {
             sequence,
@@ -268,6 +290,46 @@ mod tests {
                 "bit {bit}"
             );
         }
+    }
+
+    #[test]
+    fn long_identities_are_cut_at_a_character_boundary() {
+        let ascii = "a".repeat(600);
+        assert_eq!(origin_identity_for_superblock(&ascii).len(), 512);
+        // 'é' is two bytes: after one ASCII byte, byte 512 is inside one.
+        let odd = format!("x{}", "é".repeat(300));
+        let cut = origin_identity_for_superblock(&odd);
+        assert_eq!(cut.len(), 511);
+        assert!(odd.starts_with(cut));
+        assert_eq!(
+            origin_identity_for_superblock("file:/dev/sdb"),
+            "file:/dev/sdb"
+        );
+        let mut sb = sample();
+        sb.origin_identity = cut.to_string();
+        assert_eq!(Superblock::decode(&sb.encode()).unwrap(), sb);
+    }
+
+    #[test]
+    fn identity_that_is_not_utf8_is_refused() {
+        // Written with a valid checksum: the bytes themselves are refused.
+        let mut sb = sample();
+        sb.origin_identity = "a".repeat(ORIGIN_IDENTITY_MAX_BYTES);
+        let mut buf = sb.encode();
+        let start = buf
+            .windows(ORIGIN_IDENTITY_MAX_BYTES)
+            .position(|w| w.iter().all(|&b| b == b'a'))
+            .unwrap();
+        buf[start..start + ORIGIN_IDENTITY_MAX_BYTES].fill(0xff);
+        let crc = crate::codec::crc_with_hole(&buf, CRC_OFFSET);
+        buf[CRC_OFFSET..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(
+            Superblock::decode(&buf),
+            Err(DecodeError::OutOfRange {
+                field: "origin_identity_utf8",
+                value: ORIGIN_IDENTITY_MAX_BYTES as u64
+            })
+        );
     }
 
     #[test]

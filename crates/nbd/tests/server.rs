@@ -341,6 +341,47 @@ fn unknown_commands_flags_and_out_of_range_requests_get_errors() {
     assert_eq!(server.handle().stats().protocol_errors, 0);
 }
 
+/// Offsets and lengths chosen so that `offset + length` overflows u64 (or
+/// sits right at the edge), for every command, with 64-bit lengths: each
+/// gets an error reply, never a panic or a wrapped range, and the
+/// connection goes on serving.
+#[test]
+fn requests_whose_end_overflows_u64_get_errors() {
+    let (server, export) = TestServer::mem(SIZE);
+    let mut c = Client::open(&server.socket, Mode::Extended, true).unwrap();
+    let near_max = u64::MAX - 511;
+    for command in [
+        CMD_READ,
+        CMD_TRIM,
+        CMD_WRITE_ZEROES,
+        CMD_CACHE,
+        CMD_BLOCK_STATUS,
+    ] {
+        for (offset, length) in [
+            (near_max, 1024),
+            (u64::MAX, 1),
+            (4096, u64::MAX),
+            (SIZE, u64::MAX),
+        ] {
+            let r = c.call(0, command, offset, length, &[]).unwrap();
+            assert_ne!(r.error, 0, "command {command} at {offset} length {length}");
+        }
+    }
+    // A write whose end overflows: the payload is read and dropped.
+    assert_eq!(
+        c.call(0, CMD_WRITE, near_max, 1024, &[7u8; 1024])
+            .unwrap()
+            .error,
+        NBD_ENOSPC
+    );
+    // Past the end from 0 is an error too (not answered for a wrapped range).
+    let r = c.call(0, CMD_BLOCK_STATUS, 0, u64::MAX, &[]).unwrap();
+    assert_eq!(r.error, NBD_EINVAL);
+    assert_eq!(export.allocated_chunks(), 0, "nothing reached the export");
+    assert_serving(&mut c);
+    assert_eq!(server.handle().stats().protocol_errors, 0);
+}
+
 #[test]
 fn handshake_timeout_closes_a_silent_client() {
     let export = Arc::new(MemExport::new(SIZE));

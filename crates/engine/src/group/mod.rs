@@ -124,15 +124,28 @@ fn read_headers(
                 detail: format!("no valid record at write-back position {position}"),
             }
         })?;
+        // `read_record_header` checked the shape: the data fits a record
+        // buffer and the record does not wrap.
+        let end = at + header.length_blocks();
+        if end > limit {
+            // Records before the newest checkpoint's head were not replayed:
+            // one that runs past the last durable epoch end is damage.
+            return Err(EngineError::LogDamaged {
+                device: env.cache.name().to_string(),
+                detail: format!(
+                    "record {} at log offset {at} ends at {end}, past the end of its group at {limit}",
+                    header.sequence
+                ),
+            });
+        }
         let data = data_for_read(env, header.data_count() * block_bytes);
-        position = at + header.length_blocks();
+        position = end;
         let epoch_end = header.epoch_end();
         records.push(GroupRecord { at, header, data });
         if epoch_end || position >= limit {
             break;
         }
     }
-    assert!(position <= limit, "write-back walked past its limit");
     Ok((records, position))
 }
 

@@ -22,7 +22,7 @@ mod unsynced;
 
 pub(crate) use barrier_plan::BarrierPlan;
 pub(crate) use open_record::OpenRecord;
-pub(crate) use record_reader::read_record_header;
+pub(crate) use record_reader::{check_shape, read_record_header};
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! Reading record headers back from the cache device (write-back, replay,
 //! degraded mode).
 
-use cairn_format::RecordHeader;
+use cairn_format::{RecordEntry, RecordHeader};
 
 use super::record_start;
 use crate::env::Env;
@@ -9,7 +9,9 @@ use crate::error::{EngineError, EngineResult};
 
 /// Read and decode the record header expected at `position` (after a lap
 /// skip, if one applies). `None` if the block there is not a valid header
-/// of this format for that logical offset.
+/// of this format for that logical offset. A header that is valid but
+/// describes a record the engine never writes (see [`check_shape`]) is
+/// damage: an error.
 pub(crate) fn read_record_header(
     env: &Env,
     position: u64,
@@ -21,8 +23,57 @@ pub(crate) fn read_record_header(
         .map_err(EngineError::Cache)?;
     match RecordHeader::decode(&buf, env.block_size_bytes as u32) {
         Ok((header, _)) if header.log_offset == at && header.format_tag == env.format_tag => {
+            check_shape(env, at, &header, slot_count)?;
             Ok(Some((at, header)))
         }
         _ => Ok(None),
     }
+}
+
+/// A record header read from the device passed its checksum, but its
+/// claims are still device contents: before anything is sized, read or
+/// written from them, check that the record is one the engine could have
+/// written. Its data blocks fit one record buffer, it does not run past
+/// the end of the lap (records never wrap), and every block it addresses
+/// lies in the volume.
+pub(crate) fn check_shape(
+    env: &Env,
+    at: u64,
+    header: &RecordHeader,
+    slot_count: u64,
+) -> EngineResult<()> {
+    let damaged = |detail: String| EngineError::LogDamaged {
+        device: env.cache.name().to_string(),
+        detail: format!("record {} at log offset {at}: {detail}", header.sequence),
+    };
+    let data_count = header.data_count() as u64;
+    if data_count > env.record_data_blocks_max {
+        return Err(damaged(format!(
+            "{data_count} data blocks, more than the {} a record holds",
+            env.record_data_blocks_max
+        )));
+    }
+    if at % slot_count + header.length_blocks() > slot_count {
+        return Err(damaged(format!(
+            "{} blocks run past the end of the {slot_count}-block log",
+            header.length_blocks()
+        )));
+    }
+    for entry in &header.entries {
+        let (lba, count) = match *entry {
+            RecordEntry::Data { lba, .. } => (lba, 1),
+            RecordEntry::Range {
+                lba, block_count, ..
+            } => (lba, block_count as u64),
+        };
+        // Decoding bounds lba by ORIGIN_BLOCKS_MAX and count by u32: no overflow.
+        if lba + count > env.volume_blocks {
+            return Err(damaged(format!(
+                "blocks {lba}..{} lie past the end of the {}-block volume",
+                lba + count,
+                env.volume_blocks
+            )));
+        }
+    }
+    Ok(())
 }

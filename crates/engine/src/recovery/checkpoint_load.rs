@@ -8,6 +8,7 @@ use super::checkpoint_damaged;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::index::Index;
+use crate::superblocks::LOG_COUNTER_LIMIT;
 
 /// The active checkpoint's header, and the index it describes.
 pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(CheckpointHeader, Index)> {
@@ -30,13 +31,11 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
             ),
         ));
     }
-    let payload_bytes =
-        CheckpointHeader::payload_bytes(header.entry_count, header.range_count, header.lost_count);
     // Check the header's claims before acting on them: device contents
-    // must never make us read or allocate out of bounds.
+    // must never make us read or allocate out of bounds, nor overflow.
+    // The counts are bounded first, so the payload size cannot overflow.
     if header.entry_count > slot_count
         || header.range_count as usize > cairn_format::PENDING_RANGES_MAX
-        || CHECKPOINT_HEADER_BYTES as u64 + payload_bytes > env.layout.checkpoint_slot_bytes
         || header.tail_offset > header.head_offset
         || header.writeback_offset > header.head_offset
         || header.tail_offset > header.writeback_offset
@@ -44,6 +43,29 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         return Err(checkpoint_damaged(
             env,
             "counts or offsets out of range".into(),
+        ));
+    }
+    if header.head_offset >= LOG_COUNTER_LIMIT
+        || header.next_record_sequence == 0
+        || header.next_record_sequence >= LOG_COUNTER_LIMIT
+    {
+        return Err(checkpoint_damaged(
+            env,
+            format!(
+                "log position out of range (head offset {}, next record sequence {})",
+                header.head_offset, header.next_record_sequence
+            ),
+        ));
+    }
+    let payload_bytes =
+        CheckpointHeader::payload_bytes(header.entry_count, header.range_count, header.lost_count);
+    if CHECKPOINT_HEADER_BYTES as u64 + payload_bytes > env.layout.checkpoint_slot_bytes {
+        return Err(checkpoint_damaged(
+            env,
+            format!(
+                "payload of {payload_bytes} bytes does not fit the {}-byte slot",
+                env.layout.checkpoint_slot_bytes
+            ),
         ));
     }
     let mut payload = vec![0u8; payload_bytes as usize];

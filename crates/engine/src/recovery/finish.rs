@@ -1,7 +1,7 @@
 //! Step 5 of recovery: check the positions against each other and build
 //! the engine's state.
 
-use cairn_format::{CheckpointHeader, Superblock};
+use cairn_format::{CheckpointHeader, Superblock, PENDING_RANGES_MAX};
 
 use super::log_damaged;
 use super::rebuild::Rebuilt;
@@ -52,6 +52,18 @@ pub(crate) fn finish(
     // checkpoint that still lists them. Kept, one would read as zeroes
     // over a later write that was written back and evicted since.
     index.retire_ranges(0, writeback);
+    // The engine never lets more ranges wait than a checkpoint can hold
+    // (writers run write-back first); more after replay is damage, and
+    // would not fit the next checkpoint.
+    if index.range_count() > PENDING_RANGES_MAX {
+        return Err(log_damaged(
+            env,
+            format!(
+                "replay leaves {} zero/discard ranges pending, more than the {PENDING_RANGES_MAX} a checkpoint holds",
+                index.range_count()
+            ),
+        ));
+    }
     // Every live slot lies in [tail, head); it is dirty if it lies after
     // the write-back position (and was not inserted clean).
     index

@@ -1,11 +1,11 @@
 //! Step 2 of recovery: follow the record chain after the checkpoint.
 
-use cairn_format::{CheckpointHeader, RecordEntry, RecordHeader, Superblock, RECORD_MAGIC};
+use cairn_format::{CheckpointHeader, RecordHeader, Superblock, RECORD_MAGIC};
 
 use super::log_damaged;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
-use crate::log::record_start;
+use crate::log::{check_shape, record_start};
 
 /// Blocks read per I/O by the scan past the chain's end.
 const SCAN_CHUNK_BLOCKS: u64 = 256;
@@ -61,7 +61,9 @@ pub(crate) fn replay_chain(
         {
             break;
         }
-        check_addresses(env, &header)?;
+        // It chains: a record the engine could not have written is damage,
+        // not a torn write (its header checksum matched).
+        check_shape(env, at, &header, slot_count)?;
         position = at + header.length_blocks();
         next_sequence += 1;
         prev_crc = header_crc;
@@ -74,29 +76,6 @@ pub(crate) fn replay_chain(
         next_sequence,
         prev_crc,
     })
-}
-
-/// A record whose entries address blocks past the volume is damage, not a
-/// torn write (its header checksum matched).
-fn check_addresses(env: &Env, header: &RecordHeader) -> EngineResult<()> {
-    for entry in &header.entries {
-        let (lba, count) = match *entry {
-            RecordEntry::Data { lba, .. } => (lba, 1),
-            RecordEntry::Range {
-                lba, block_count, ..
-            } => (lba, block_count as u64),
-        };
-        if lba + count > env.volume_blocks {
-            return Err(log_damaged(
-                env,
-                format!(
-                    "record {} addresses blocks past the end of the volume",
-                    header.sequence
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// After the chain ends at `position`, look for a record that claims the
