@@ -1327,3 +1327,38 @@ fn failed_write_of_a_sealed_record_degrades_and_keeps_its_data() {
     );
     assert_volume(e, &model, "after degrading on a record write");
 }
+
+/// A cache read that fails once, over a block whose copy on the device is
+/// good, is read again and served from the cache, and counted as such
+/// (`hit_rereads_ok`), not as a repair or a corruption. (A cargo-mutants
+/// survivor counted it only when the mapping had moved.)
+#[test]
+fn a_failed_cache_read_of_a_good_block_is_reread_and_counted() {
+    let mut rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    let lba = 9u64;
+    let data = pattern(909, BS as usize);
+    e.write(lba * BS, &data, false).unwrap();
+    e.flush().unwrap();
+    let before = e.stats();
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds {
+            reads: true,
+            writes: false,
+            flushes: false,
+        },
+        start: 0,
+        end: rig.cache.size_bytes(),
+        mode: FaultMode::Once,
+    });
+    let mut buf = vec![0u8; BS as usize];
+    e.read(lba * BS, &mut buf).expect("served after a re-read");
+    assert!(buf == data, "the re-read block has the written data");
+    let s = e.stats();
+    assert_eq!(rig.cache.injected_failures(), 1, "the first read failed");
+    assert_eq!(s.cache_read_errors - before.cache_read_errors, 1);
+    assert_eq!(s.hit_rereads_ok - before.hit_rereads_ok, 1, "{s:?}");
+    assert_eq!(s.repairs, before.repairs, "nothing needed repair");
+    assert_eq!(s.corrupt_blocks, 0);
+    rig.engine.take().expect("open").close().expect("close");
+}
