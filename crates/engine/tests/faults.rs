@@ -1362,3 +1362,47 @@ fn a_failed_cache_read_of_a_good_block_is_reread_and_counted() {
     assert_eq!(s.corrupt_blocks, 0);
     rig.engine.take().expect("open").close().expect("close");
 }
+
+/// A discard or zeroing still only in memory (the open record, a sealed
+/// record not yet written) when the cache goes degraded reaches the origin
+/// in the drain, and its pending range leaves the index with it: a write
+/// made in degraded mode to the same blocks must then read back as written,
+/// not as the old range's zeroes. (A cargo-mutants survivor kept the ranges
+/// of in-memory records: `forget_record` retiring `start..start - 1`.)
+#[test]
+fn a_range_in_memory_at_the_switch_to_degraded_does_not_shadow_later_writes() {
+    let (mut rig, mut model) = populated(5);
+    let e = rig.engine();
+    let lba = 40u64;
+    // Cached, then discarded and zeroed without a flush: both ranges are
+    // in the open record.
+    let old = pattern(4040, (4 * BS) as usize);
+    e.write(lba * BS, &old, false).unwrap();
+    e.flush().unwrap();
+    e.discard(lba * BS, 2 * BS).unwrap();
+    e.write_zeroes((lba + 2) * BS, 2 * BS).unwrap();
+    model.write(lba * BS, &vec![0u8; (4 * BS) as usize]);
+    // And one block of data only in memory.
+    let unflushed = pattern(4242, BS as usize);
+    e.write(70 * BS, &unflushed, false).unwrap();
+    model.write(70 * BS, &unflushed);
+    degrade_now(&mut rig, &mut model);
+    let e = rig.engine();
+    // The drain wrote the flushed record's 4 blocks (the discard and zero
+    // that supersede them are in a later group), then the unflushed block
+    // 70 and the FUA write of block 0 that met the failure: counted once
+    // each, in both steps of the drain.
+    assert_eq!(e.stats().degrade_drained_blocks, 4 + 2, "{:?}", e.stats());
+    let new = pattern(4141, (4 * BS) as usize);
+    e.write(lba * BS, &new, false).unwrap();
+    model.write(lba * BS, &new);
+    let mut got = vec![0u8; (4 * BS) as usize];
+    e.read(lba * BS, &mut got).unwrap();
+    assert!(
+        got == new,
+        "a write made in degraded mode reads back as the discarded range's zeroes"
+    );
+    let vol = read_volume(e).unwrap();
+    assert!(vol == model.image, "the volume differs from the model");
+    rig.engine.take().expect("open").close().expect("close");
+}
