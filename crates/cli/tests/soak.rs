@@ -564,6 +564,18 @@ fn soak_kill9_origin_faults_and_mode_switches() {
         generation: AtomicU64::new(0),
         switches: AtomicU64::new(0),
     });
+    // nbdkit itself can die when a client vanishes mid-reply (seen:
+    // "raw_send_socket: Assertion `sock >= 0' failed" after a kill -9 of
+    // cairn): an origin that goes away is restarted, one more fault.
+    let revive_origin = |origin: &mut Proc, restarts: &mut u64| {
+        if origin.try_status().is_some() {
+            faults.origin_gone(|| {
+                let _ = std::fs::remove_file(&origin_sock);
+                *origin = start_origin();
+            });
+            *restarts += 1;
+        }
+    };
     let models: Arc<Vec<Mutex<Model>>> = Arc::new(
         (0..CLIENTS)
             .map(|i| Mutex::new(Model::new(i as u64 * BLOCKS_PER_CLIENT)))
@@ -627,16 +639,7 @@ fn soak_kill9_origin_faults_and_mode_switches() {
                     switcher = None;
                 }
             }
-            // nbdkit itself can die when a client vanishes mid-reply (seen:
-            // "raw_send_socket: Assertion `sock >= 0' failed" after a kill
-            // -9 of cairn): an origin that goes away is one more fault.
-            if origin_proc.try_status().is_some() {
-                faults.origin_gone(|| {
-                    let _ = std::fs::remove_file(&origin_sock);
-                    origin_proc = start_origin();
-                });
-                origin_restarts += 1;
-            }
+            revive_origin(&mut origin_proc, &mut origin_restarts);
         }
         let clean = rng.gen_range(0..4) == 0;
         if clean {
@@ -665,13 +668,7 @@ fn soak_kill9_origin_faults_and_mode_switches() {
             p.kill9();
         }
         faults.set(false);
-        if origin_proc.try_status().is_some() {
-            faults.origin_gone(|| {
-                let _ = std::fs::remove_file(&origin_sock);
-                origin_proc = start_origin();
-            });
-            origin_restarts += 1;
-        }
+        revive_origin(&mut origin_proc, &mut origin_restarts);
         let mut server = ctx.serve(&cache, &socket, &[]);
         verified += verify(&socket, &models, clean, seed, iteration);
         server.terminate();
