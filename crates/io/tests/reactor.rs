@@ -274,19 +274,21 @@ fn an_abandoned_long_timeout_gives_its_slot_back() {
 fn a_deadline_lets_quick_operations_through_with_one_timer() {
     let r = reactor(8);
     let r2 = r.clone();
-    let (finished, in_flight) = r.run(async move {
+    let (finished, started, in_flight) = r.run(async move {
         let mut deadline = cairn_io::Deadline::new(r2.clone(), Duration::from_secs(60));
         let mut finished = 0;
+        let before = r2.ops_started();
         for _ in 0..200 {
             if deadline.run(r2.sleep(Duration::from_micros(50))).await == Some(()) {
                 finished += 1;
             }
         }
-        // The one 60 s timer is all the deadline keeps in the ring: a
-        // timer per operation would have filled a ring of 8 long ago.
-        (finished, r2.ops_in_flight())
+        // The 200 operations and the one 60 s timer: a timer per operation
+        // (armed, then cancelled) would have started 600.
+        (finished, r2.ops_started() - before, r2.ops_in_flight())
     });
     assert_eq!(finished, 200);
+    assert_eq!(started, 201, "ring operations for 200 guarded ones");
     assert!(in_flight <= 1, "{in_flight} operations in flight");
 }
 

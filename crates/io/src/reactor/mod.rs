@@ -62,6 +62,9 @@ struct Inner {
     /// The eventfd read's 8-byte target: a stable heap allocation.
     eventfd_buf: RefCell<Box<[u8; 8]>>,
     eventfd_armed: Cell<bool>,
+    /// Operations started so far (cancels included): what a caller's
+    /// choice of operations costs the ring, for tests and profiles.
+    ops_started: Cell<u64>,
 }
 
 /// A thread's event loop. Cloning gives another handle to the same loop;
@@ -113,6 +116,7 @@ impl Reactor {
                 ops_max: entries as usize,
                 eventfd_buf: RefCell::new(Box::new([0u8; 8])),
                 eventfd_armed: Cell::new(false),
+                ops_started: Cell::new(0),
             }),
         })
     }
@@ -162,6 +166,11 @@ impl Reactor {
     /// Tasks not yet finished.
     pub fn live_tasks(&self) -> usize {
         self.inner.tasks.borrow().live()
+    }
+
+    /// Ring operations started so far, cancellations included.
+    pub fn ops_started(&self) -> u64 {
+        self.inner.ops_started.get()
     }
 
     /// Operations in flight in the ring.
@@ -335,6 +344,7 @@ impl Reactor {
         let entry = opcode::AsyncCancel::new(key as u64)
             .build()
             .user_data(CANCEL_USER_DATA);
+        self.inner.ops_started.set(self.inner.ops_started.get() + 1);
         if !self.push_entry(entry) {
             tracing::warn!(key, "no room to cancel an abandoned operation");
         }
@@ -346,6 +356,7 @@ impl Reactor {
 
     /// Record the operation and queue its entry.
     fn submit<K: OpKind>(&self, entry: squeue::Entry, kind: Box<K>) -> usize {
+        self.inner.ops_started.set(self.inner.ops_started.get() + 1);
         let key = self.inner.ops.borrow_mut().start(kind);
         let pushed = self.push_entry(entry.user_data(key as u64));
         if !pushed {
