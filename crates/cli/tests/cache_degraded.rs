@@ -13,111 +13,14 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
 
 const MIB: u64 = 1 << 20;
 
-/// nbdkit serving the cache file with everything but the superblocks
-/// write-protected, and nbdfuse exposing it as `<dir>/nbd`.
-struct FailingCache {
-    nbdkit: Proc,
-    nbdfuse: Proc,
-    mountpoint: PathBuf,
-    mounted: bool,
-}
-
-impl FailingCache {
-    fn start(ctx: &Ctx, cache: &Path, size: u64) -> FailingCache {
-        let socket = ctx.path("cache.sock");
-        let nbdkit = start_nbdkit(
-            ctx,
-            &socket,
-            &[
-                "--filter=protect",
-                "file",
-                &format!("file={}", cache.display()),
-                // Both superblock copies stay writable; the checkpoint
-                // slots and the log do not.
-                &format!("protect=8192-{}", size - 1),
-            ],
-        );
-        let mountpoint = ctx.path("fuse");
-        std::fs::create_dir_all(&mountpoint).expect("mkdir fuse");
-        let pidfile = ctx.path("nbdfuse.pid");
-        let mut nbdfuse = ctx.spawn(
-            "nbdfuse",
-            tool("nbdfuse")
-                .arg("-P")
-                .arg(&pidfile)
-                .arg(&mountpoint)
-                .arg("--unix")
-                .arg(&socket),
-        );
-        wait_for_path(&pidfile, &mut nbdfuse);
-        let file = mountpoint.join("nbd");
-        assert!(
-            eventually(Duration::from_secs(30), || file.exists()),
-            "{} did not appear",
-            file.display()
-        );
-        FailingCache {
-            nbdkit,
-            nbdfuse,
-            mountpoint,
-            mounted: true,
-        }
-    }
-
-    fn file(&self) -> PathBuf {
-        self.mountpoint.join("nbd")
-    }
-
-    fn stop(&mut self) {
-        if self.mounted {
-            run_ok(
-                tool("fusermount3").arg("-u").arg(&self.mountpoint),
-                TOOL_TIMEOUT,
-            );
-            self.mounted = false;
-            assert!(
-                self.nbdfuse.wait_timeout(Duration::from_secs(30)).is_some(),
-                "nbdfuse did not exit after fusermount3 -u"
-            );
-        }
-        self.nbdkit.kill9();
-    }
-}
-
-impl Drop for FailingCache {
-    fn drop(&mut self) {
-        if self.mounted {
-            for args in [&["-u"][..], &["-u", "-z"][..]] {
-                let _ = tool("fusermount3")
-                    .args(args)
-                    .arg(&self.mountpoint)
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status();
-            }
-        }
-    }
-}
-
 fn environment_ok(test: &str) -> bool {
-    if !require_tools(test, &["nbdkit", "nbdfuse", "fusermount3"]) || !require_python_nbd(test) {
-        return false;
-    }
-    if let Err(e) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/fuse")
-    {
-        return skip(test, &format!("/dev/fuse is unusable: {e}"));
-    }
-    true
+    require_fuse_device(test) && require_python_nbd(test)
 }
 
 /// GET /metrics from `addr`.
@@ -169,7 +72,18 @@ fn cache_write_failure_goes_degraded_end_to_end() {
     assert_eq!(st["cache_state"], "ok", "{st}");
 
     // Now only the superblocks can still be written.
-    let mut failing = FailingCache::start(&ctx, &cache, cache_bytes);
+    // Both superblock copies stay writable; the checkpoint slots and the
+    // log do not.
+    let mut failing = FuseDevice::start(
+        &ctx,
+        "cache",
+        &[
+            "--filter=protect",
+            "file",
+            &format!("file={}", cache.display()),
+            &format!("protect=8192-{}", cache_bytes - 1),
+        ],
+    );
     let fcache = failing.file();
     let port = free_port();
     let metrics_addr = format!("127.0.0.1:{port}");

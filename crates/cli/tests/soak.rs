@@ -4,6 +4,12 @@
 //!
 //! - The origin is `nbdkit --filter=error file`: while the trigger file
 //!   exists, a share of its reads and writes fail with EIO.
+//! - The cache device is a file on FUSE: nbdfuse over `nbdkit --filter=error
+//!   file`, with one trigger for read faults and one for write faults
+//!   (nbdkit 1.32's error filter cannot fail a flush). Write faults end in degraded mode (every dirty block written
+//!   back, writes straight to the origin); after such an iteration the
+//!   verifier reads everything from the origin through the degraded
+//!   daemon, and the cache is formatted again (`format --force`).
 //! - Each client owns a range of blocks (so the model of a block has one
 //!   writer) and runs one request at a time: writes of 1-8 self-verifying
 //!   blocks (some with FUA), flushes, trims, write-zeroes, and reads that
@@ -12,7 +18,7 @@
 //!   acknowledged write; more after a write whose outcome is unknown), and
 //!   the values it may hold after a crash (everything written since its
 //!   last acknowledged flush or FUA write, plus the value as of then).
-//! - Each iteration serves for 0.5-3 s, toggling origin faults and mode
+//! - Each iteration serves for 0.5-3 s, toggling faults and mode
 //!   switches meanwhile, then ends with `kill -9` (or, one time in four, a
 //!   clean SIGTERM, after which every acknowledged write must be there).
 //!   After the restart, every block of every client is read: a value the
@@ -170,28 +176,100 @@ struct Tally {
     errors_during_faults: AtomicU64,
 }
 
-/// Origin faults: on while the trigger file exists. `generation` moves at
-/// every switch, so a request that overlapped faults can tell.
-struct Faults {
-    trigger: PathBuf,
+/// The faults the soak injects, each on while its trigger files exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// A share of the origin's reads and writes fail.
+    Origin = 0,
+    /// A share of the cache device's reads fail.
+    CacheReads = 1,
+    /// A share of the cache device's writes fail.
+    CacheWrites = 2,
+}
+
+struct Switch {
+    triggers: Vec<PathBuf>,
     on: AtomicBool,
+    periods: AtomicU64,
+}
+
+/// The fault switches. `generation` moves at every switch, so a request
+/// that overlapped faults can tell.
+struct Faults {
+    switches: [Switch; 3],
+    /// The daemon said it serves nothing any more (cache_state `failed`:
+    /// even the switch to degraded failed): every error is excused until
+    /// the next restart.
+    held: AtomicBool,
     generation: AtomicU64,
-    switches: AtomicU64,
 }
 
 impl Faults {
-    fn set(&self, on: bool) {
-        if on == self.on.load(Ordering::SeqCst) {
+    fn new(origin: PathBuf, cache_reads: PathBuf, cache_writes: PathBuf) -> Faults {
+        let switch = |triggers: Vec<PathBuf>| Switch {
+            triggers,
+            on: AtomicBool::new(false),
+            periods: AtomicU64::new(0),
+        };
+        Faults {
+            switches: [
+                switch(vec![origin]),
+                switch(vec![cache_reads]),
+                switch(vec![cache_writes]),
+            ],
+            held: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    fn is_on(&self, fault: Fault) -> bool {
+        self.switches[fault as usize].on.load(Ordering::SeqCst)
+    }
+
+    fn periods(&self, fault: Fault) -> u64 {
+        self.switches[fault as usize]
+            .periods
+            .load(Ordering::Relaxed)
+    }
+
+    fn set(&self, fault: Fault, on: bool) {
+        let switch = &self.switches[fault as usize];
+        if on == switch.on.load(Ordering::SeqCst) {
             return;
         }
         self.generation.fetch_add(1, Ordering::SeqCst);
-        if on {
-            std::fs::write(&self.trigger, b"on").expect("creating the fault trigger");
-            self.switches.fetch_add(1, Ordering::Relaxed);
-        } else {
-            let _ = std::fs::remove_file(&self.trigger);
+        for trigger in &switch.triggers {
+            if on {
+                std::fs::write(trigger, b"on").expect("creating a fault trigger");
+            } else {
+                let _ = std::fs::remove_file(trigger);
+            }
         }
-        self.on.store(on, Ordering::SeqCst);
+        if on {
+            switch.periods.fetch_add(1, Ordering::Relaxed);
+        }
+        switch.on.store(on, Ordering::SeqCst);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn toggle(&self, fault: Fault) {
+        self.set(fault, !self.is_on(fault));
+    }
+
+    fn all_off(&self) {
+        for fault in [Fault::Origin, Fault::CacheReads, Fault::CacheWrites] {
+            self.set(fault, false);
+        }
+    }
+
+    /// The daemon failed for good: excuse its errors until `release`.
+    fn hold(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.held.store(true, Ordering::SeqCst);
+    }
+
+    fn release(&self) {
+        self.held.store(false, Ordering::SeqCst);
         self.generation.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -210,8 +288,21 @@ impl Faults {
     }
 
     fn excused(&self, mark: u64) -> bool {
-        self.on.load(Ordering::SeqCst) || self.generation.load(Ordering::SeqCst) != mark
+        self.switches.iter().any(|s| s.on.load(Ordering::SeqCst))
+            || self.held.load(Ordering::SeqCst)
+            || self.generation.load(Ordering::SeqCst) != mark
     }
+}
+
+/// `cairn status --json`'s `cache_state` of the running daemon, if it
+/// answers.
+fn cache_state(ctx: &Ctx, cache: &Path) -> Option<String> {
+    let out = ctx.cairn(&["status", "--cache", &cache.to_string_lossy(), "--json"]);
+    if !out.status.success() {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["cache_state"].as_str().map(str::to_string)
 }
 
 fn connect(socket: &Path) -> Option<Client> {
@@ -445,7 +536,7 @@ fn wrote(
     }
 }
 
-/// An error reply is allowed only while origin faults may have been on,
+/// An error reply is allowed only while faults may have been on,
 /// or while the origin was gone: an origin that died is noticed by the
 /// main loop within one of its steps, so an unexcused error waits for that
 /// long before it counts as one.
@@ -454,7 +545,7 @@ fn excuse(faults: &Faults, mark: u64, tally: &Tally, what: &str) {
     while !faults.excused(mark) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(faults.excused(mark), "{what} with no origin fault injected");
+    assert!(faults.excused(mark), "{what} with no fault injected");
     tally.errors_during_faults.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -508,7 +599,7 @@ fn verify(socket: &Path, models: &[Mutex<Model>], clean: bool, seed: u64, iterat
 
 #[test]
 fn soak_kill9_origin_faults_and_mode_switches() {
-    if !require_tools("soak", &["nbdkit"]) {
+    if !require_tools("soak", &["nbdkit"]) || !require_fuse_device("soak") {
         return;
     }
     let seconds: u64 = std::env::var("CAIRN_SOAK_SECONDS")
@@ -527,43 +618,57 @@ fn soak_kill9_origin_faults_and_mode_switches() {
     println!("soak: seed {seed} (CAIRN_SOAK_SEED={seed} repeats it), {seconds} s");
     let ctx = Ctx::new("soak");
     let origin = ctx.file("origin.img", ORIGIN_BYTES);
-    let cache = ctx.file("cache.img", CACHE_BYTES);
     let origin_sock = ctx.path("origin.sock");
-    let trigger = ctx.path("origin-faults");
-    let origin_arg = format!("file={}", origin.display());
-    let error_file = format!("error-file={}", trigger.display());
-    let origin_args: Vec<String> = [
-        "--filter=error",
-        "file",
-        &origin_arg,
-        "error=EIO",
-        "error-rate=30%",
-        &error_file,
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect();
+    let faults = Arc::new(Faults::new(
+        ctx.path("origin-faults"),
+        ctx.path("cache-read-faults"),
+        ctx.path("cache-write-faults"),
+    ));
+    let trigger = |fault: Fault| {
+        faults.switches[fault as usize].triggers[0]
+            .display()
+            .to_string()
+    };
+    let origin_args: Vec<String> = vec![
+        "--filter=error".into(),
+        "file".into(),
+        format!("file={}", origin.display()),
+        "error=EIO".into(),
+        "error-rate=30%".into(),
+        format!("error-file={}", trigger(Fault::Origin)),
+    ];
     let start_origin = || {
         let args: Vec<&str> = origin_args.iter().map(String::as_str).collect();
         start_nbdkit(&ctx, &origin_sock, &args)
     };
     let mut origin_proc = start_origin();
     let mut origin_restarts = 0u64;
+    // The cache device is a file on FUSE (nbdfuse over nbdkit's error
+    // filter), so its reads and writes really fail while the triggers
+    // exist: reads 20%, writes 10%. (nbdkit 1.32's error filter cannot
+    // fail a flush.)
+    let cache_backing = ctx.file("cache.img", CACHE_BYTES);
+    let cache_args: Vec<String> = vec![
+        "--filter=error".into(),
+        "file".into(),
+        format!("file={}", cache_backing.display()),
+        "error=EIO".into(),
+        "error-pread=EIO".into(),
+        "error-pread-rate=20%".into(),
+        format!("error-pread-file={}", trigger(Fault::CacheReads)),
+        "error-pwrite=EIO".into(),
+        "error-pwrite-rate=10%".into(),
+        format!("error-pwrite-file={}", trigger(Fault::CacheWrites)),
+    ];
+    let cache_args: Vec<&str> = cache_args.iter().map(String::as_str).collect();
+    let mut cache_device = FuseDevice::start(&ctx, "cache", &cache_args);
+    let cache = cache_device.file();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let integrity = rng.gen_bool(0.5);
     let origin_uri = nbd_unix_uri(&origin_sock);
-    ctx.format(
-        &cache,
-        &origin_uri,
-        if integrity { &["--integrity"] } else { &[] },
-    );
+    let format_args: &[&str] = if integrity { &["--integrity"] } else { &[] };
+    ctx.format(&cache, &origin_uri, format_args);
     let socket = ctx.path("cairn.sock");
-    let faults = Arc::new(Faults {
-        trigger,
-        on: AtomicBool::new(false),
-        generation: AtomicU64::new(0),
-        switches: AtomicU64::new(0),
-    });
     // nbdkit itself can die when a client vanishes mid-reply (seen:
     // "raw_send_socket: Assertion `sock >= 0' failed" after a kill -9 of
     // cairn): an origin that goes away is restarted, one more fault.
@@ -584,6 +689,7 @@ fn soak_kill9_origin_faults_and_mode_switches() {
     let next_seq = Arc::new(AtomicU64::new(1));
     let tally = Arc::new(Tally::default());
     let (mut kills, mut clean_stops, mut mode_switches, mut verified) = (0u64, 0u64, 0u64, 0u64);
+    let (mut degrades, mut failed_states) = (0u64, 0u64);
     let started = Instant::now();
     let mut iteration = 0u64;
     let mut mode_now = "writeback";
@@ -601,6 +707,10 @@ fn soak_kill9_origin_faults_and_mode_switches() {
             flush_percent: [0, 1, 10][rng.gen_range(0..3)],
             fua_share: [0.05, 0.2, 0.5][rng.gen_range(0..3)],
         };
+        // Cache write faults end in degraded mode (or, when even that
+        // cannot be written, in a daemon that fails everything): one
+        // iteration in four, so write-back stays the common case.
+        let cache_writes_may_fail = rng.gen_range(0..4) == 0;
         let clients: Vec<_> = (0..CLIENTS)
             .map(|i| {
                 let (run, models) = (run.clone(), models.clone());
@@ -608,14 +718,15 @@ fn soak_kill9_origin_faults_and_mode_switches() {
                 std::thread::spawn(move || client_loop(i, client_seed, &run, &models[i], mix))
             })
             .collect();
-        // Serve for a while, with origin faults and mode switches.
+        // Serve for a while, with faults and mode switches.
         let serve_for = Duration::from_millis(rng.gen_range(500..3000));
         let until = Instant::now() + serve_for;
         let mut switcher: Option<Proc> = None;
+        let mut cache_writes_failed = false;
         while Instant::now() < until {
             std::thread::sleep(Duration::from_millis(rng.gen_range(50..400)));
-            match rng.gen_range(0..12) {
-                0..=2 => faults.set(!faults.on.load(Ordering::SeqCst)),
+            match rng.gen_range(0..14) {
+                0..=2 => faults.toggle(Fault::Origin),
                 3 if switcher.is_none() => {
                     // Away from writeback and back again: write-back, where
                     // acknowledged data lives only in the cache, stays the
@@ -632,6 +743,11 @@ fn soak_kill9_origin_faults_and_mode_switches() {
                         Some(ctx.spawn("mode", &mut ctx.cmd(&["mode", "--cache", &c, mode])));
                     mode_switches += 1;
                 }
+                4 | 5 => faults.toggle(Fault::CacheReads),
+                6 if cache_writes_may_fail => {
+                    faults.toggle(Fault::CacheWrites);
+                    cache_writes_failed = true;
+                }
                 _ => {}
             }
             if let Some(p) = switcher.as_mut() {
@@ -639,20 +755,27 @@ fn soak_kill9_origin_faults_and_mode_switches() {
                     switcher = None;
                 }
             }
+            if cache_writes_failed
+                && !faults.held.load(Ordering::SeqCst)
+                && cache_state(&ctx, &cache).as_deref() == Some("failed")
+            {
+                faults.hold();
+                failed_states += 1;
+            }
             revive_origin(&mut origin_proc, &mut origin_restarts);
         }
         let clean = rng.gen_range(0..4) == 0;
         if clean {
             // A clean stop drains nothing it need not, but every
             // acknowledged write must be there afterwards.
-            faults.set(false);
+            faults.all_off();
             run.stop.store(true, Ordering::SeqCst);
             for c in clients {
                 c.join().expect("a client panicked");
             }
             let status = server.terminate();
             assert!(
-                status.success(),
+                status.success() || faults.held.load(Ordering::SeqCst),
                 "seed {seed}: clean stop failed: {status:?}"
             );
             clean_stops += 1;
@@ -667,20 +790,40 @@ fn soak_kill9_origin_faults_and_mode_switches() {
         if let Some(mut p) = switcher.take() {
             p.kill9();
         }
-        faults.set(false);
+        faults.all_off();
+        faults.release();
         revive_origin(&mut origin_proc, &mut origin_restarts);
         let mut server = ctx.serve(&cache, &socket, &[]);
         verified += verify(&socket, &models, clean, seed, iteration);
+        let state = cache_state(&ctx, &cache);
         server.terminate();
+        match state.as_deref() {
+            Some("ok") => {}
+            Some("degraded") => {
+                // Every acknowledged write was drained to the origin and
+                // the verifier read it from there: a new cache over the
+                // same origin loses nothing.
+                degrades += 1;
+                let mut args = vec!["--force"];
+                args.extend_from_slice(format_args);
+                ctx.format(&cache, &origin_uri, &args);
+                mode_now = "writeback";
+            }
+            other => panic!("seed {seed}, iteration {iteration}: cache_state {other:?} after a restart with no faults"),
+        }
     }
+    cache_device.stop();
     let t = &tally;
     let line = format!(
         "soak: seed {seed}, {iteration} iterations in {:.0} s, {kills} kill -9, {clean_stops} clean stops, \
-         {} origin fault periods, {origin_restarts} origin restarts, {mode_switches} mode switches, integrity {}; {} requests \
+         fault periods: {} origin, {} cache read, {} cache write; {degrades} degraded (re-formatted), \
+         {failed_states} failed; {origin_restarts} origin restarts, {mode_switches} mode switches, integrity {}; {} requests \
          ({} writes, {} FUA, {} flushes, {} trims, {} write-zeroes, {} blocks read and checked, \
          {} errors while faults were on); {verified} blocks verified after restarts, 0 wrong",
         started.elapsed().as_secs_f64(),
-        faults.switches.load(Ordering::Relaxed),
+        faults.periods(Fault::Origin),
+        faults.periods(Fault::CacheReads),
+        faults.periods(Fault::CacheWrites),
         if integrity { "on" } else { "off" },
         t.requests.load(Ordering::Relaxed),
         t.writes.load(Ordering::Relaxed),

@@ -38,8 +38,12 @@ pub struct EngineConfig {
     /// A failed cache write is tried this many times in all (when retrying
     /// it is safe, see `docs/design.md`) before the engine goes degraded.
     pub cache_write_attempts: u32,
-    /// Wait before the first retry of a failed cache write, doubled before
-    /// each further one. Zero in the simulation tests.
+    /// A failed cache read of a block the engine must have (a dirty block,
+    /// a record write-back copies) is tried this many times in all before
+    /// its request fails. A read error never makes a block corrupt.
+    pub cache_read_attempts: u32,
+    /// Wait before the first retry of a failed cache write or read, doubled
+    /// before each further one. Zero in the simulation tests.
     pub cache_write_backoff_us: u64,
     /// Read cache hits through the host's page cache
     /// (`Device::read_many_cacheable`), so the hottest blocks are served
@@ -60,6 +64,7 @@ impl Default for EngineConfig {
             promote_after_misses: 1,
             sequential_cutoff_bytes: 4 << 20,
             cache_write_attempts: 4,
+            cache_read_attempts: 4,
             cache_write_backoff_us: 5_000,
             page_cache_reads: true,
             origin_queue_depth: 64,

@@ -1,11 +1,14 @@
-//! How a failed cache write is retried: a value, so a thread without the
-//! engine's `Env` (a record writer) retries exactly like the engine does.
+//! How a failed cache write or read is retried: a value, so a thread
+//! without the engine's `Env` (a record writer) retries exactly like the
+//! engine does.
+
+use std::sync::atomic::AtomicU64;
 
 use cairn_device::DeviceError;
 
 use crate::stats::Counters;
 
-/// How often and how patiently a cache write is retried; a value, so a
+/// How often and how patiently a cache I/O is retried; a value, so a
 /// thread without the engine's `Env` (a record writer) retries alike.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RetryPolicy {
@@ -14,9 +17,12 @@ pub(crate) struct RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Run `op` until it succeeds or `attempts` are used up, counting
+    /// every failed attempt in `errors` and every retry in `retries`.
     pub(crate) fn run<T>(
         self,
-        counters: &Counters,
+        errors: &AtomicU64,
+        retries: &AtomicU64,
         what: &str,
         mut op: impl FnMut() -> Result<T, DeviceError>,
     ) -> Result<T, DeviceError> {
@@ -32,14 +38,14 @@ impl RetryPolicy {
                     return Ok(value);
                 }
                 Err(e) => {
-                    Counters::add(&counters.cache_write_errors, 1);
+                    Counters::add(errors, 1);
                     if attempt >= attempts {
                         return Err(e);
                     }
                     tracing::warn!(
                         "{what} failed (attempt {attempt} of {attempts}), retrying: {e}"
                     );
-                    Counters::add(&counters.cache_write_retries, 1);
+                    Counters::add(retries, 1);
                     backoff(&mut backoff_us);
                 }
             }

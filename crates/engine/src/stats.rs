@@ -95,6 +95,7 @@ counters!(
     evictions,
     second_chances,
     cache_read_errors,
+    cache_read_retries,
     cache_write_errors,
     cache_write_retries,
     origin_read_errors,

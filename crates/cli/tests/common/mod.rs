@@ -9,8 +9,14 @@
 //!   appears and accepts connections.
 //! - [`require_tools`]: a missing external tool skips the test with a
 //!   printed message, except with `CI=true`, where it fails the test.
+//! - [`FuseDevice`]: a file served by nbdkit (with filters that make it
+//!   fail) through nbdfuse, for a cache device that really fails.
 //! - Small clients for NBD through python3-libnbd (`nbd_write`, `nbd_read`).
 #![allow(dead_code)]
+
+mod fuse_device;
+#[allow(unused_imports)]
+pub use fuse_device::{require_fuse_device, FuseDevice};
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

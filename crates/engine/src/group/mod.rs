@@ -16,6 +16,7 @@ use cairn_format::{block_checksum, RangeKind, RecordEntry};
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::log::read_record_header;
+use crate::retry::retrying_cache_read;
 use crate::state::State;
 use crate::stats::Counters;
 
@@ -184,10 +185,19 @@ fn fill(
         let slot = ((starts[ri] + 1 + first as u64) % slot_count) as u32;
         requests.push((env.slot_offset_bytes(slot), piece));
     }
-    env.cache.read_many(&mut requests).map_err(|e| {
+    if let Err(e) = env.cache.read_many(&mut requests) {
+        // A read error is not corruption, and these blocks are dirty: read
+        // the pieces one by one, each retried, before write-back gives up
+        // on this round (it tries the group again later).
         Counters::add(&env.counters.cache_read_errors, 1);
-        EngineError::Cache(e)
-    })?;
+        tracing::warn!("write-back's cache read failed, reading piece by piece: {e}");
+        for (at, piece) in requests.iter_mut() {
+            retrying_cache_read(env, "write-back reading a record", || {
+                env.cache.read_at(*at, piece)
+            })
+            .map_err(EngineError::Cache)?;
+        }
+    }
     drop(requests);
     drop(rest);
     Ok(records)

@@ -6,6 +6,7 @@ use cairn_format::{RecordEntry, RecordHeader};
 use super::record_start;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
+use crate::retry::read_slot_retrying;
 
 /// Read and decode the record header expected at `position` (after a lap
 /// skip, if one applies). `None` if the block there is not a valid header
@@ -19,8 +20,9 @@ pub(crate) fn read_record_header(
 ) -> EngineResult<Option<(u64, RecordHeader)>> {
     let at = record_start(position, slot_count);
     let mut buf = vec![0u8; env.block_size_bytes];
-    env.read_slot((at % slot_count) as u32, &mut buf)
-        .map_err(EngineError::Cache)?;
+    // Retried: the header of a record of dirty data is read before write-
+    // back can copy it, and a read error must not stop write-back for long.
+    read_slot_retrying(env, (at % slot_count) as u32, &mut buf).map_err(EngineError::Cache)?;
     match RecordHeader::decode(&buf, env.block_size_bytes as u32) {
         Ok((header, _)) if header.log_offset == at && header.format_tag == env.format_tag => {
             check_shape(env, at, &header, slot_count)?;

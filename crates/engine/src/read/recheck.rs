@@ -8,6 +8,7 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::index::Plan;
 use crate::origin_check::{check_origin_data, judge};
+use crate::retry::read_slot_retrying;
 use crate::space;
 use crate::state_lock::StateLock;
 use crate::stats::Counters;
@@ -40,7 +41,9 @@ pub(crate) fn read_block_slow(
         }
         Plan::Cache { slot, crc } => (slot, crc),
     };
-    let read = env.read_slot(now_slot, block);
+    // Retried under the lock (a device error is rare, and the mapping must
+    // not move while it is judged).
+    let read = read_slot_retrying(env, now_slot, block);
     if let Err(e) = &read {
         tracing::warn!("cache read of block {lba} failed: {e}");
     }
@@ -60,17 +63,24 @@ pub(crate) fn read_block_slow(
         }
         return Ok(());
     }
-    if read.is_ok() {
+    let delivered = match read {
+        Ok(()) => true,
+        // Not delivered is not corrupt: a dirty block keeps its only copy,
+        // and the next read tries again.
+        Err(e) if st.index.is_dirty(now_slot) => return Err(EngineError::Cache(e)),
+        Err(_) => false,
+    };
+    if delivered {
         Counters::add(&c.checksum_mismatches, 1);
-    }
-    if st.index.is_dirty(now_slot) {
-        tracing::error!(
-            lba,
-            slot = now_slot,
-            "dirty cache block failed its checksum"
-        );
-        st.index.mark_corrupt(now_slot);
-        return Err(EngineError::DirtyBlockCorrupt { lba });
+        if st.index.is_dirty(now_slot) {
+            tracing::error!(
+                lba,
+                slot = now_slot,
+                "dirty cache block failed its checksum"
+            );
+            st.index.mark_corrupt(now_slot);
+            return Err(EngineError::DirtyBlockCorrupt { lba });
+        }
     }
     // Clean: the origin has the data. Serve it and repair.
     tracing::warn!(

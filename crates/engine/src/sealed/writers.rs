@@ -41,9 +41,13 @@ impl RecordJob {
     fn run(self) {
         let record = &self.record;
         let bufs = record.bufs();
-        let result = self.policy.run(&self.counters, "sealing a log record", || {
-            self.cache.write_vectored_at(record.at_bytes, &bufs)
-        });
+        let c = &self.counters;
+        let result = self.policy.run(
+            &c.cache_write_errors,
+            &c.cache_write_retries,
+            "sealing a log record",
+            || self.cache.write_vectored_at(record.at_bytes, &bufs),
+        );
         record.publish_to(&self.record_io, result.map_err(|e| e.to_string()));
     }
 }

@@ -7,6 +7,7 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::index::Plan;
 use crate::origin_check::check_origin_data;
+use crate::retry::read_slot_retrying;
 use crate::state::State;
 use crate::stats::Counters;
 
@@ -22,12 +23,21 @@ pub(crate) fn write_partial(
     match st.plan(env, lba, &mut block)? {
         Plan::Done => {}
         Plan::Cache { slot, crc } => {
-            let ok = env.read_slot(slot, &mut block).is_ok() && block_checksum(lba, &block) == crc;
+            let read = read_slot_retrying(env, slot, &mut block);
+            let ok = read.is_ok() && block_checksum(lba, &block) == crc;
             if !ok {
-                Counters::add(&env.counters.checksum_mismatches, 1);
-                if st.index.is_dirty(slot) {
-                    st.index.mark_corrupt(slot);
-                    return Err(EngineError::DirtyBlockCorrupt { lba });
+                match read {
+                    // The device did not deliver the block: that is not
+                    // corruption, and a dirty block's copy is the only one.
+                    Err(e) if st.index.is_dirty(slot) => return Err(EngineError::Cache(e)),
+                    Err(_) => {}
+                    Ok(()) => {
+                        Counters::add(&env.counters.checksum_mismatches, 1);
+                        if st.index.is_dirty(slot) {
+                            st.index.mark_corrupt(slot);
+                            return Err(EngineError::DirtyBlockCorrupt { lba });
+                        }
+                    }
                 }
                 env.read_origin(lba, &mut block)?;
                 let tag = st.tags.as_ref().map(|t| t.get(lba));

@@ -38,6 +38,7 @@ pub fn config() -> EngineConfig {
         promote_after_misses: 1,
         sequential_cutoff_bytes: 64 << 10,
         cache_write_attempts: 4,
+        cache_read_attempts: 4,
         // Deterministic and fast: retries do not wait.
         cache_write_backoff_us: 0,
         page_cache_reads: true,
