@@ -156,3 +156,116 @@ fn read_many_corruption_sweep() {
     assert!(errors > 0, "no flip hit a dirty block");
     assert!(repairs > 0, "no flip hit a clean block");
 }
+
+/// A read's plan, exactly: one device read per run of hits in adjacent
+/// slots and one origin read per run of misses, every block counted once
+/// as a hit or a miss, nothing re-read; a failed cache read re-reads only
+/// its own blocks; and a batch serves a request only if every block of it
+/// is cached, without touching the origin. (cargo-mutants survivors: runs
+/// joined across a gap, or never joined, and the cached-only check
+/// inverted, all still served the right bytes, because checksums caught the
+/// wrong reads and the slow path repaired them.)
+#[test]
+fn a_read_costs_one_device_read_per_run_and_batches_serve_only_cached_requests() {
+    use cairn_device::{FaultMode, OpKinds, RangeFault};
+    let rig = Rig::new(cache_bytes_small(), 256);
+    let e = rig.engine();
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    // lba 0..4 in one record, 4..8 in the next: the second record's header
+    // slot lies between their data slots.
+    let a = pattern(1, 4 * BS as usize);
+    let b = pattern(2, 4 * BS as usize);
+    e.write(0, &a, false).unwrap();
+    e.flush().unwrap();
+    let head_b = e.stats().head_offset;
+    e.write(4 * BS, &b, false).unwrap();
+    e.flush().unwrap();
+    let both: Vec<u8> = a.iter().chain(b.iter()).copied().collect();
+
+    let before = e.stats();
+    rig.cache.reset_counters();
+    rig.origin.reset_counters();
+    let mut buf = vec![0u8; 8 * BS as usize];
+    e.read(0, &mut buf).unwrap();
+    assert!(buf == both, "the bytes written");
+    let s = e.stats();
+    assert_eq!(
+        rig.cache.counters().reads,
+        2,
+        "one read per run of adjacent slots"
+    );
+    assert_eq!(rig.origin.counters().reads, 0);
+    assert_eq!(s.read_hits - before.read_hits, 8);
+    assert_eq!(s.read_misses, before.read_misses);
+    assert_eq!(
+        s.hit_rereads_ok, before.hit_rereads_ok,
+        "nothing re-read: {s:?}"
+    );
+    assert_eq!(s.checksum_mismatches, 0);
+
+    // Two hits, then four misses: one cache read, one origin read.
+    let before = e.stats();
+    rig.cache.reset_counters();
+    rig.origin.reset_counters();
+    let mut buf = vec![0u8; 6 * BS as usize];
+    e.read(6 * BS, &mut buf).unwrap();
+    assert!(
+        buf[..2 * BS as usize] == b[2 * BS as usize..],
+        "the two hits"
+    );
+    assert!(buf[2 * BS as usize..].iter().all(|&x| x == 0), "the misses");
+    let s = e.stats();
+    assert_eq!(
+        rig.origin.counters().reads,
+        1,
+        "one origin read per run of misses"
+    );
+    assert_eq!(s.read_misses - before.read_misses, 4);
+    assert_eq!(s.read_hits - before.read_hits, 2);
+
+    // The cache read of the second run fails once: only its four blocks
+    // are read again.
+    let before = e.stats();
+    let b_at = layout.log_offset_bytes() + (head_b + 1) % layout.log_blocks * BS;
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds {
+            reads: true,
+            writes: false,
+            flushes: false,
+        },
+        start: b_at,
+        end: b_at + 4 * BS,
+        mode: FaultMode::Once,
+    });
+    let mut buf = vec![0u8; 8 * BS as usize];
+    e.read(0, &mut buf).unwrap();
+    assert!(buf == both, "served after the re-read");
+    let s = e.stats();
+    assert_eq!(rig.cache.injected_failures(), 1);
+    assert_eq!(s.hit_rereads_ok - before.hit_rereads_ok, 4, "{s:?}");
+
+    // Batches: a wholly cached request is served, the others are left for
+    // `read`, and the origin is not touched.
+    rig.origin.reset_counters();
+    let (mut r0, mut r1, mut r2) = (
+        vec![0u8; 8 * BS as usize],
+        vec![0u8; 2 * BS as usize],
+        vec![0u8; 2 * BS as usize],
+    );
+    let mut requests: Vec<(u64, &mut [u8])> = vec![
+        (0, &mut r0[..]),
+        (100 * BS, &mut r1[..]),
+        (7 * BS, &mut r2[..]),
+    ];
+    let served = e.read_cached_many(&mut requests);
+    assert!(matches!(served[0], Some(Ok(()))), "wholly cached: served");
+    assert!(served[1].is_none(), "not cached: left alone");
+    let partly_cached = e.is_cached(7) && e.is_cached(8);
+    assert_eq!(served[2].is_none(), !partly_cached);
+    assert!(r0 == both);
+    assert_eq!(
+        rig.origin.counters().reads,
+        0,
+        "a batch never reads the origin"
+    );
+}
