@@ -26,6 +26,8 @@ pub struct ServeOptions {
     pub listen: Option<String>,
     pub no_writeback: bool,
     pub metrics: Option<String>,
+    /// Under socket activation: exit after this long with no client.
+    pub idle_exit_secs: u64,
     /// Called once the volume is being served (the demo prints its hints).
     pub on_ready: Option<ReadyHook>,
 }
@@ -47,6 +49,7 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     let description = listener.description().to_string();
     let config = ServerConfig {
         stop_when_idle: std::env::var_os("LISTEN_FDS").is_some(),
+        idle_grace_ms: opts.idle_exit_secs.saturating_mul(1000),
         ..ServerConfig::default()
     };
     let export = Arc::new(EngineExport {
@@ -69,6 +72,11 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     if let Some(ready) = opts.on_ready {
         ready(&description);
     }
+    // Under systemd (`Type=notify`): ready once the socket accepts.
+    notify_systemd(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving on {description}")),
+    ]);
 
     // Wait for SIGTERM/SIGINT, or for the server to stop by itself.
     let trigger = server.trigger();
@@ -78,6 +86,12 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 tracing::info!("signal {sig}: finishing in-flight requests and shutting down");
+                notify_systemd(&[
+                    sd_notify::NotifyState::Stopping,
+                    sd_notify::NotifyState::Status(
+                        "finishing in-flight requests, then a final checkpoint",
+                    ),
+                ]);
                 signal_stop.store(true, Ordering::SeqCst);
                 trigger.shutdown();
             }
@@ -93,6 +107,18 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     Ok(())
 }
 
+/// Tell systemd (`$NOTIFY_SOCKET`, set for `Type=notify` units) how the
+/// daemon is doing; nothing without it. A failure is logged, never fatal:
+/// the service manager then times the start out and says why.
+fn notify_systemd(states: &[sd_notify::NotifyState]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return;
+    }
+    if let Err(e) = sd_notify::notify(states) {
+        tracing::warn!("telling systemd the daemon's state ($NOTIFY_SOCKET) failed: {e}");
+    }
+}
+
 /// Bind the admin socket, refusing to start if another daemon answers on
 /// it. The guard removes the socket file on every way out, so a daemon
 /// that fails to start leaves no stale admin socket behind.
@@ -106,6 +132,14 @@ fn bind_admin_socket(cache: &Path) -> Result<(UnixListener, RemoveOnDrop)> {
         );
     }
     let _ = std::fs::remove_file(&admin_path);
+    if let Some(dir) = admin_path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| {
+            format!(
+                "creating the runtime directory {} for the admin socket (set CAIRN_RUNTIME_DIR to use another)",
+                dir.display()
+            )
+        })?;
+    }
     let admin = UnixListener::bind(&admin_path)
         .with_context(|| format!("binding the admin socket {}", admin_path.display()))?;
     Ok((admin, RemoveOnDrop(admin_path)))

@@ -153,14 +153,30 @@ pub enum ProtocolError {
     },
 }
 
-/// Where the admin socket of the daemon serving `cache` lives.
+/// Where the admin socket of the daemon serving `cache` lives: in
+/// [`runtime_dir`], named after the cache's canonical path.
 pub fn socket_path(cache: &Path) -> PathBuf {
     let canonical = std::fs::canonicalize(cache).unwrap_or_else(|_| cache.to_path_buf());
     let key = cairn_format::crc32c(canonical.to_string_lossy().as_bytes());
-    let dir = std::env::var_os("CAIRN_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    dir.join(format!("cairn-admin-{key:08x}.sock"))
+    runtime_dir().join(format!("cairn-admin-{key:08x}.sock"))
+}
+
+/// The directory of admin sockets: `$CAIRN_RUNTIME_DIR`; else `/run/cairn`
+/// for root (what the systemd unit's `RuntimeDirectory=cairn` makes, and
+/// outside the unit's private /tmp, so `cairn status` in a shell finds the
+/// daemon); else `$XDG_RUNTIME_DIR/cairn`; else the temporary directory.
+pub fn runtime_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CAIRN_RUNTIME_DIR") {
+        return PathBuf::from(dir);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/run/cairn");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) => PathBuf::from(dir).join("cairn"),
+        None => std::env::temp_dir(),
+    }
 }
 
 /// Write one message as one line.

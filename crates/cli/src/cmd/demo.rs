@@ -59,6 +59,7 @@ pub fn run(dir: &Path) -> Result<()> {
             listen: None,
             no_writeback: false,
             metrics: None,
+            idle_exit_secs: 30,
             on_ready: Some(on_ready),
         },
     )

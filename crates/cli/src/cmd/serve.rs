@@ -65,6 +65,12 @@ pub struct ServeArgs {
     /// own queue depth here.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub origin_queue_depth: u32,
+    /// Under socket activation (systemd's LISTEN_FDS), exit cleanly once no
+    /// client has been connected for this long; systemd starts cairn again
+    /// at the next connection. 0 exits as soon as the last client leaves.
+    /// Without socket activation the daemon serves until stopped.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub idle_exit_secs: u64,
     /// Serve Prometheus metrics over HTTP on HOST:PORT.
     #[arg(long)]
     pub metrics: Option<String>,
@@ -120,6 +126,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             listen: args.listen,
             no_writeback: args.no_writeback,
             metrics: args.metrics,
+            idle_exit_secs: args.idle_exit_secs,
             on_ready: None,
         },
     )

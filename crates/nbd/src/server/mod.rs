@@ -19,13 +19,13 @@ mod listener;
 pub use listener::Listener;
 
 use std::collections::HashMap;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::codec::{BlockSizes, ExportInfo, Limits};
 use crate::export::{Export, ExportError};
@@ -72,6 +72,11 @@ pub struct ServerConfig {
     /// connected). Meant for socket activation, where the parent waits for
     /// the server to exit, like qemu-nbd without --persistent.
     pub stop_when_idle: bool,
+    /// With `stop_when_idle`: how long the server stays up with no client
+    /// before it stops (a client that comes meanwhile cancels it); 0 stops
+    /// at once. systemd starts a socket-activated daemon again at the next
+    /// connection, but a grace spares probing clients a start each.
+    pub idle_grace_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -97,6 +102,7 @@ impl Default for ServerConfig {
             handshake_timeout_ms: 10_000,
             write_timeout_ms: 30_000,
             stop_when_idle: false,
+            idle_grace_ms: 0,
         }
     }
 }
@@ -265,6 +271,9 @@ struct Shared {
     /// shutdown.
     connections: Mutex<HashMap<u64, Stream>>,
     connections_changed: Condvar,
+    /// When the last client left, while none has come since (for
+    /// `idle_grace_ms`).
+    idle_since: Mutex<Option<Instant>>,
     budget: ByteBudget,
     wake_tx: UnixStream,
     counters: Counters,
@@ -304,7 +313,13 @@ impl Shared {
         drop(conns);
         self.connections_changed.notify_all();
         if idle && self.config.stop_when_idle {
-            self.trigger_stop();
+            if self.config.idle_grace_ms == 0 {
+                self.trigger_stop();
+            } else {
+                *lock(&self.idle_since) = Some(Instant::now());
+                // The acceptor waits for the grace from now on.
+                let _ = (&self.wake_tx).write(&[1]);
+            }
         }
     }
 }
@@ -333,6 +348,7 @@ pub fn serve(
         stopping: AtomicBool::new(false),
         connections: Mutex::new(HashMap::new()),
         connections_changed: Condvar::new(),
+        idle_since: Mutex::new(None),
         budget: ByteBudget::new(config.max_buffered_bytes),
         wake_tx,
         counters: Counters::default(),
@@ -439,8 +455,22 @@ fn accept_loop(
 ) -> Result<(), ServerError> {
     let mut next_id = 0u64;
     let mut failure = None;
+    // Wake-ups are drained, not read one by one.
+    let _ = wake_rx.set_nonblocking(true);
     while !shared.stopping.load(Ordering::SeqCst) {
-        if let Err(e) = wait_readable(listener.raw_fd(), wake_rx.as_raw_fd()) {
+        let timeout_ms = match idle_grace_left(&shared) {
+            Some(Duration::ZERO) => {
+                tracing::info!(
+                    grace_ms = shared.config.idle_grace_ms,
+                    "no client for the idle grace; stopping"
+                );
+                shared.trigger_stop();
+                break;
+            }
+            Some(left) => left.as_millis().clamp(1, i32::MAX as u128) as i32,
+            None => -1,
+        };
+        if let Err(e) = wait_readable(listener.raw_fd(), wake_rx.as_raw_fd(), timeout_ms) {
             tracing::error!(error = %e, "poll failed; stopping the server");
             failure = Some(e);
             break;
@@ -448,6 +478,7 @@ fn accept_loop(
         if shared.stopping.load(Ordering::SeqCst) {
             break;
         }
+        drain_wakeups(&wake_rx);
         let stream = match listener.accept() {
             Ok(s) => s,
             Err(e)
@@ -515,6 +546,7 @@ fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
         }
     };
     conns.insert(id, control);
+    *lock(&shared.idle_since) = None;
     drop(conns);
     shared
         .counters
@@ -563,8 +595,33 @@ fn drain(shared: &Arc<Shared>) -> Result<(), ServerError> {
     Ok(())
 }
 
-/// Block until the listener or the wake pipe is readable.
-fn wait_readable(listen_fd: RawFd, wake_fd: RawFd) -> io::Result<()> {
+/// How much of the idle grace is left, if the server is waiting one out.
+fn idle_grace_left(shared: &Shared) -> Option<Duration> {
+    if !shared.config.stop_when_idle || shared.config.idle_grace_ms == 0 {
+        return None;
+    }
+    let since = (*lock(&shared.idle_since))?;
+    let grace = Duration::from_millis(shared.config.idle_grace_ms);
+    Some(grace.saturating_sub(since.elapsed()))
+}
+
+/// Read every pending wake-up byte (the pipe is non-blocking), so the next
+/// poll waits again.
+fn drain_wakeups(mut wake_rx: &UnixStream) {
+    let mut buf = [0u8; 64];
+    // Bounded: the pipe holds at most its buffer, and a read that returns
+    // a full buffer is followed by one that drains the rest or blocks.
+    for _ in 0..1024 {
+        match wake_rx.read(&mut buf) {
+            Ok(n) if n == buf.len() => continue,
+            _ => return,
+        }
+    }
+}
+
+/// Block until the listener or the wake pipe is readable, or `timeout_ms`
+/// passed (-1: no timeout).
+fn wait_readable(listen_fd: RawFd, wake_fd: RawFd, timeout_ms: i32) -> io::Result<()> {
     let mut fds = [
         libc::pollfd {
             fd: listen_fd,
@@ -580,7 +637,7 @@ fn wait_readable(listen_fd: RawFd, wake_fd: RawFd) -> io::Result<()> {
     loop {
         // SAFETY: `fds` is a valid array of two pollfd for the duration of
         // the call, and its length is passed correctly.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
         if rc >= 0 {
             return Ok(());
         }
