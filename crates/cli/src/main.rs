@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::args::{parse_size, Mode};
 
@@ -65,6 +65,7 @@ enum Command {
     Serve(Box<cmd::serve::ServeArgs>),
     /// Show the cache's state (asks the daemon if one serves it, else reads the devices).
     Status {
+        /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
         /// Print stable JSON with snake_case keys.
@@ -73,6 +74,7 @@ enum Command {
     },
     /// Write back every dirty block to the origin (online or offline).
     Flush {
+        /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
     },
@@ -82,6 +84,7 @@ enum Command {
     /// block against its integrity tag instead: a scrub, safe while serving.
     /// Mismatching blocks that have a clean cached copy are rewritten from it.
     Check {
+        /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
         /// Scrub the origin against its integrity tags.
@@ -100,6 +103,7 @@ enum Command {
     /// Leaving writeback drains dirty data first, with progress; a mode
     /// switch never loses or exposes stale data.
     Mode {
+        /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
         #[arg(value_enum)]
@@ -107,6 +111,7 @@ enum Command {
     },
     /// Prefetch a range of the volume into the cache (like the NBD CACHE command).
     Warm {
+        /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
         /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M.
@@ -116,6 +121,20 @@ enum Command {
     Demo {
         /// Where the demo files and socket live.
         #[arg(long, default_value = "cairn-demo")]
+        dir: PathBuf,
+    },
+    /// Print a shell completion script.
+    ///
+    /// bash: cairn completions bash > /etc/bash_completion.d/cairn
+    /// zsh: cairn completions zsh > "${fpath[1]}/_cairn"
+    /// fish: cairn completions fish > ~/.config/fish/completions/cairn.fish
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (cairn.1, cairn-serve.1, ...) into DIR.
+    Manpages {
+        /// Where to write them, e.g. /usr/local/share/man/man1.
         dir: PathBuf,
     },
 }
@@ -136,6 +155,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Mode { cache, mode } => cmd::mode::run(&cache, mode)?,
         Command::Warm { cache, range } => cmd::warm::run(&cache, &range)?,
         Command::Demo { dir } => cmd::demo::run(&dir)?,
+        Command::Completions { shell } => cmd::completions::run(Cli::command(), shell)?,
+        Command::Manpages { dir } => cmd::manpages::run(Cli::command(), &dir)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -3,9 +3,11 @@
 //! offline.
 
 pub mod check;
+pub mod completions;
 pub mod demo;
 pub mod flush;
 pub mod format;
+pub mod manpages;
 pub mod mode;
 pub mod serve;
 pub mod status;

@@ -13,6 +13,8 @@ use crate::writeback::WritebackPolicy;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
+    /// The cache device or file, formatted with `cairn format` (it records
+    /// the origin).
     #[arg(long)]
     pub cache: PathBuf,
     /// Override the origin recorded at format time (its identity is checked).
