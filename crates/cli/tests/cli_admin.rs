@@ -531,10 +531,51 @@ fn demo_serves_and_stops_cleanly() {
         let st = ctx.status(&dir.join("cache.img"));
         assert_eq!(st["served"], true, "{st}");
         assert_eq!(u64_of(&st, "volume_size_bytes"), 256 * MIB);
+        if run == 0 {
+            run_demo_hints(&log);
+        }
         p.signal(libc::SIGINT);
         let status = p.wait_timeout(Duration::from_secs(60)).expect("demo exits");
         assert_eq!(status.code(), Some(0), "{}", p.log_text());
         assert!(!sock.exists());
+    }
+}
+
+/// Every command the demo suggests runs as printed, from the repository
+/// root, in a shell without this test's environment (no `cairn` on the
+/// PATH, no CAIRN_RUNTIME_DIR): the tools it names are the CI's.
+fn run_demo_hints(log: &str) {
+    let hints: Vec<&str> = log
+        .lines()
+        .skip_while(|l| !l.starts_with("Try, in another terminal:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(str::trim)
+        .collect();
+    assert!(hints.len() >= 4, "the demo's hints: {log}");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for hint in hints {
+        let program = hint
+            .split_whitespace()
+            .find(|w| !w.contains('='))
+            .expect("a command");
+        if !program.contains('/') && !require_tools("demo hints", &[program]) {
+            continue;
+        }
+        let out = run(
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(hint)
+                .current_dir(&root)
+                .env_remove("CAIRN_RUNTIME_DIR")
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"),
+            TOOL_TIMEOUT,
+        );
+        assert!(
+            out.status.success(),
+            "the demo's hint `{hint}` fails as printed: {}",
+            describe(&out)
+        );
     }
 }
 

@@ -42,12 +42,17 @@ pub fn run(dir: &Path) -> Result<()> {
         );
         println!("URI: {uri}\n");
         println!("Try, in another terminal:");
-        println!("  nbdinfo '{uri}'");
-        println!("  qemu-io -f raw '{uri}' -c 'write -P 0x5a 0 1M' -c 'read -P 0x5a 0 1M'");
+        let q = shell_word(&uri);
+        println!("  nbdinfo {q}");
+        println!("  qemu-io -f raw {q} -c 'write -P 0x5a 0 1M' -c 'read -P 0x5a 0 1M'");
         println!(
-            "  fio --name=demo --ioengine=nbd --uri='{uri}' --rw=randwrite --bs=4k --size=64M --fsync=1 --runtime=10 --time_based"
+            "  fio --name=demo --ioengine=nbd --uri={q} --rw=randwrite --bs=4k --size=64M --fsync=1 --runtime=10 --time_based"
         );
-        println!("  cairn status --cache {}", cache_abs.display());
+        println!(
+            "  {} status --cache {}",
+            cairn_command(),
+            shell_word(&cache_abs.to_string_lossy())
+        );
         println!("\nPress Ctrl-C to stop (in-flight I/O finishes, data is flushed).");
     });
     serve_volume(
@@ -63,4 +68,36 @@ pub fn run(dir: &Path) -> Result<()> {
             on_ready: Some(on_ready),
         },
     )
+}
+
+/// How to run this cairn from another terminal, as printed: the running
+/// binary's own path (a fresh checkout has no `cairn` on the PATH), and the
+/// runtime directory when it is not the default, so the command finds this
+/// daemon's admin socket.
+fn cairn_command() -> String {
+    let exe = std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "cairn".to_string());
+    match std::env::var_os("CAIRN_RUNTIME_DIR") {
+        Some(dir) => format!(
+            "CAIRN_RUNTIME_DIR={} {}",
+            shell_word(&dir.to_string_lossy()),
+            shell_word(&exe)
+        ),
+        None => shell_word(&exe),
+    }
+}
+
+/// `word` as one POSIX shell word: as it is when that is safe, else in
+/// single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-+:=@%,".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
 }
