@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cairn_engine::{Engine, EngineError};
+use cairn_engine::{BlockState, Engine, EngineError};
 use cairn_nbd::{Export, ExportError, ExportFuture, Extent, ExtentKind, ReadBuffer};
 
 /// Upper bounds of the latency buckets, in microseconds.
@@ -165,12 +165,18 @@ impl Export for EngineExport {
     }
 
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError> {
-        // Everything is reported as data: cairn does not track origin holes.
-        let end = (offset + length).min(self.engine.size_bytes());
-        Ok(vec![Extent {
-            length: end.saturating_sub(offset).max(1),
-            kind: ExtentKind::Data,
-        }])
+        let runs = self.engine.block_status(offset, length).map_err(map_err)?;
+        Ok(runs
+            .into_iter()
+            .map(|run| Extent {
+                length: run.length_bytes,
+                kind: match run.state {
+                    BlockState::Data => ExtentKind::Data,
+                    BlockState::Zero => ExtentKind::Zero,
+                    BlockState::Hole => ExtentKind::Hole,
+                },
+            })
+            .collect())
     }
 }
 

@@ -14,6 +14,7 @@
 //! back to pread/pwrite); [`open_path_or_uri`] also takes NBD URIs. These are
 //! what the daemon should call.
 
+mod allocation;
 mod buf;
 mod file;
 mod local;
@@ -22,6 +23,7 @@ mod nbd;
 mod sim;
 mod uring;
 
+pub use allocation::AllocationRun;
 pub use buf::{Backing, BlockBuf, BufPool, BufSlice, PooledBuf, SharedBuf, SizeClassPool};
 pub use file::{FileDevice, OpenMode};
 pub use local::{
@@ -239,6 +241,19 @@ pub trait Device: Send + Sync {
     /// Hint that the range is unused. Content afterwards is unspecified
     /// unless the backend says otherwise.
     fn discard(&self, offset: u64, len: u64) -> DeviceResult<()>;
+
+    /// Which parts of `[offset, offset + len)` hold data: consecutive runs
+    /// from `offset` whose lengths add up to `len`. A run reported not
+    /// allocated reads as zeroes. A backend that cannot tell reports
+    /// everything allocated (the default): a hole claimed over data would
+    /// make a copy skip it.
+    fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
+        check_range(self.name(), "allocation", offset, len, self.size_bytes())?;
+        Ok(vec![AllocationRun {
+            length_bytes: len,
+            allocated: true,
+        }])
+    }
 
     /// Make the range read back as zeroes.
     fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {

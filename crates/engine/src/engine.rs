@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use cairn_device::Device;
 use cairn_format::{block_checksum, RangeKind, Superblock};
 
+use crate::block_status::{self, BlockStatusRun};
 use crate::checkpoint;
 use crate::commit::GroupCommit;
 use crate::degrade;
@@ -259,6 +260,15 @@ impl Engine {
             results.push(result);
         }
         results
+    }
+
+    /// What `[offset, offset + length)` holds, as runs from `offset` that
+    /// cover at least one byte (NBD block status, `base:allocation`): data
+    /// where anything may be, zeroes only where that is certain (see
+    /// `block_status`). `offset` must be inside the volume, `length` > 0.
+    pub fn block_status(&self, offset: u64, length: u64) -> EngineResult<Vec<BlockStatusRun>> {
+        self.check_range(offset, length.max(1))?;
+        block_status::block_status(&self.env, &self.state, offset, length.max(1))
     }
 
     /// Is this block cached (for block status and tests)?

@@ -18,6 +18,7 @@
 //! background write-back by calling [`Engine::writeback_step`], and tests
 //! drive everything deterministically.
 
+mod block_status;
 mod checkpoint;
 mod commit;
 mod degrade;
@@ -50,6 +51,7 @@ mod tags;
 mod write;
 mod writeback;
 
+pub use block_status::{BlockState, BlockStatusRun};
 pub use engine::Engine;
 pub use error::{EngineError, EngineResult};
 pub use integrity::{RecalcProgress, ScrubOptions, ScrubReport};

@@ -521,6 +521,16 @@ impl Device for UringDevice {
         self.file.sync_data().map_err(|e| self.io_error(0, 0, e))
     }
 
+    fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<crate::AllocationRun>> {
+        check_range(&self.name, "allocation", offset, len, self.size_bytes)?;
+        Ok(crate::allocation::file_allocation(
+            &self.file,
+            self.is_block_device,
+            offset,
+            len,
+        ))
+    }
+
     fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
         check_range(&self.name, "discard", offset, len, self.size_bytes)?;
         if len > 0 {
