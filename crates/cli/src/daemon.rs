@@ -59,7 +59,14 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     let server = serve(export, listener, config).context("starting the NBD server")?;
     tracing::info!("serving {} on {description}", opts.cache.display());
 
-    let workers = Workers::spawn(&engine, &opts, &stop, admin, server.stats_reader())?;
+    let workers = Workers::spawn(
+        &engine,
+        &opts,
+        &stop,
+        admin,
+        server.stats_reader(),
+        latencies.clone(),
+    )?;
     if let Some(l) = metrics_listener {
         let m_engine = engine.clone();
         let m_lat = latencies.clone();
@@ -185,6 +192,7 @@ impl Workers {
         stop: &Arc<AtomicBool>,
         admin: UnixListener,
         server: StatsReader,
+        latencies: Arc<Latencies>,
     ) -> Result<Workers> {
         // Write-back: one epoch group at a time; idle waits short.
         let wb_engine = engine.clone();
@@ -220,6 +228,7 @@ impl Workers {
                     &admin_cache,
                     &admin_stop,
                     &server,
+                    &latencies,
                 )
             })?;
         Ok(Workers {

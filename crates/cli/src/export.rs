@@ -57,6 +57,40 @@ pub struct Latencies {
 }
 
 impl Latencies {
+    /// Per operation: the bucket bounds (`le_us`; the last is open), the
+    /// count in each, and the totals, for `status --json` (`latency`) and
+    /// `cairn top`, which takes percentiles over the difference of two.
+    pub fn to_json(&self) -> serde_json::Value {
+        let bounds: Vec<serde_json::Value> = LATENCY_BUCKETS_US
+            .iter()
+            .map(|&b| {
+                if b == u64::MAX {
+                    serde_json::Value::Null
+                } else {
+                    b.into()
+                }
+            })
+            .collect();
+        let mut ops = serde_json::Map::new();
+        for (name, h) in self.all() {
+            let counts: Vec<u64> = h
+                .buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .collect();
+            ops.insert(
+                name.into(),
+                serde_json::json!({
+                    "le_us": bounds,
+                    "counts": counts,
+                    "count": h.count.load(Ordering::Relaxed),
+                    "sum_us": h.sum_us.load(Ordering::Relaxed),
+                }),
+            );
+        }
+        serde_json::Value::Object(ops)
+    }
+
     pub fn all(&self) -> [(&'static str, &Histogram); 6] {
         [
             ("read", &self.read),

@@ -117,6 +117,22 @@ enum Command {
         /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M.
         range: String,
     },
+    /// A live view of the daemon serving CACHE, refreshed every second.
+    ///
+    /// IOPS and MB/s, hit ratio, dirty share, write-back rate and the time to
+    /// clean at that rate, latency p50/p99 per operation, cache and origin
+    /// state. q or Esc quits. --once prints one frame as text and exits.
+    Top {
+        /// The cache device or file (as given to `cairn format`).
+        #[arg(long)]
+        cache: PathBuf,
+        /// Print one frame (over one interval) and exit, for scripts.
+        #[arg(long)]
+        once: bool,
+        /// Time between samples, in milliseconds.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+        interval_ms: u64,
+    },
     /// Create demo cache and origin files, format them, and serve them.
     Demo {
         /// Where the demo files and socket live.
@@ -155,6 +171,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Mode { cache, mode } => cmd::mode::run(&cache, mode)?,
         Command::Warm { cache, range } => cmd::warm::run(&cache, &range)?,
         Command::Demo { dir } => cmd::demo::run(&dir)?,
+        Command::Top {
+            cache,
+            once,
+            interval_ms,
+        } => cmd::top::run(&cache, once, interval_ms)?,
         Command::Completions { shell } => cmd::completions::run(Cli::command(), shell)?,
         Command::Manpages { dir } => cmd::manpages::run(Cli::command(), &dir)?,
     }

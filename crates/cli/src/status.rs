@@ -9,6 +9,7 @@ pub fn status_json(
     sb: &Superblock,
     served: bool,
     server: Option<&ServerStats>,
+    latency: Option<Value>,
 ) -> Value {
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
@@ -98,6 +99,9 @@ pub fn status_json(
         for (name, value) in server_pairs(n) {
             m.insert(format!("nbd_{name}"), json!(value));
         }
+    }
+    if let Some(latency) = latency {
+        m.insert("latency".into(), latency);
     }
     Value::Object(m)
 }

@@ -23,6 +23,8 @@ pub struct Target<'a> {
     pub served: bool,
     /// The NBD server's counters, when a daemon serves it.
     pub server: Option<cairn_nbd::ServerStats>,
+    /// Request latency histograms (JSON), when a daemon serves it.
+    pub latency: Option<serde_json::Value>,
 }
 
 /// Why a request failed.
@@ -50,6 +52,7 @@ pub fn execute(
                 &engine.superblock(),
                 target.served,
                 target.server.as_ref(),
+                target.latency.clone(),
             ),
         }),
         AdminRequest::Flush => {

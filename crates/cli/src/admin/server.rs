@@ -11,6 +11,8 @@ use std::time::Duration;
 use cairn_engine::Engine;
 use cairn_nbd::StatsReader;
 
+use crate::export::Latencies;
+
 use super::exec::{execute, Target};
 use super::{
     decode_request, read_line, write_message, AdminReply, ProtocolError, REQUEST_LINE_BYTES_MAX,
@@ -44,6 +46,7 @@ pub fn admin_loop(
     cache: &Path,
     stop: &AtomicBool,
     server: &StatsReader,
+    latencies: &Arc<Latencies>,
 ) {
     let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
@@ -63,11 +66,12 @@ pub fn admin_loop(
         let engine = engine.clone();
         let cache = cache.to_path_buf();
         let server = server.clone();
+        let latencies = latencies.clone();
         let _ = std::thread::Builder::new()
             .name("admin-conn".into())
             .spawn(move || {
                 let _slot = slot;
-                if let Err(e) = handle_connection(stream, &engine, cache, &server) {
+                if let Err(e) = handle_connection(stream, &engine, cache, &server, &latencies) {
                     tracing::debug!("admin connection: {e}");
                 }
             });
@@ -79,6 +83,7 @@ fn handle_connection(
     engine: &Engine,
     cache: PathBuf,
     server: &StatsReader,
+    latencies: &Latencies,
 ) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_millis(REQUEST_READ_TIMEOUT_MS)))?;
     let mut w = stream.try_clone()?;
@@ -107,6 +112,7 @@ fn handle_connection(
         cache: &cache,
         served: true,
         server: Some(server.stats()),
+        latency: Some(latencies.to_json()),
     };
     // A client that went away mid-request does not stop the work (a drain
     // runs to its end); the first failed write is reported at the end.

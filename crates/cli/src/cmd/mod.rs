@@ -11,6 +11,7 @@ pub mod manpages;
 pub mod mode;
 pub mod serve;
 pub mod status;
+pub mod top;
 pub mod warm;
 
 use std::path::Path;
@@ -108,6 +109,7 @@ pub fn run_request(
         cache,
         served: false,
         server: None,
+        latency: None,
     };
     let result = execute(&target, request, &mut on_reply);
     // Closed after a failure too, as the daemon would keep serving; the
