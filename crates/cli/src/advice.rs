@@ -48,6 +48,9 @@ pub fn for_command(e: &CommandError) -> Option<String> {
                 .into(),
         ),
         CommandError::RangePastEnd { .. } => None,
+        CommandError::BadSettings(_) => {
+            Some("see `cairn set --help` for the settings and their ranges".into())
+        }
     }
 }
 

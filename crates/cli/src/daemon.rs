@@ -21,7 +21,9 @@ pub type ReadyHook = Box<dyn FnOnce(&str) + Send>;
 
 pub struct ServeOptions {
     pub cache: PathBuf,
-    pub writeback_policy: crate::writeback::WritebackPolicy,
+    /// The policy settings in force (the write-back loop reads them every
+    /// step; `cairn set` changes them while serving).
+    pub settings: crate::settings::SharedSettings,
     pub socket: Option<PathBuf>,
     pub listen: Option<String>,
     pub no_writeback: bool,
@@ -196,11 +198,15 @@ impl Workers {
     ) -> Result<Workers> {
         // Write-back: one epoch group at a time; idle waits short.
         let wb_engine = engine.clone();
-        let wb_policy = opts.writeback_policy.clone();
+        let wb_settings = opts.settings.clone();
         let wb_stop = stop.clone();
         let writeback = std::thread::Builder::new()
             .name("writeback".into())
-            .spawn(move || crate::writeback::writeback_loop(&wb_engine, &wb_stop, wb_policy))?;
+            .spawn(move || {
+                crate::writeback::writeback_loop(&wb_engine, &wb_stop, || {
+                    wb_settings.get().writeback_policy()
+                })
+            })?;
 
         // Integrity recalculation over data that predates the format: one
         // bounded step at a time, resuming where it stopped.
@@ -219,6 +225,7 @@ impl Workers {
         let admin_engine = engine.clone();
         let admin_cache = opts.cache.clone();
         let admin_stop = stop.clone();
+        let admin_settings = opts.settings.clone();
         let admin = std::thread::Builder::new()
             .name("admin".into())
             .spawn(move || {
@@ -229,6 +236,7 @@ impl Workers {
                     &admin_stop,
                     &server,
                     &latencies,
+                    &admin_settings,
                 )
             })?;
         Ok(Workers {

@@ -24,6 +24,7 @@ mod cmd;
 mod daemon;
 mod export;
 mod metrics;
+mod settings;
 mod status;
 mod writeback;
 
@@ -109,6 +110,16 @@ enum Command {
         #[arg(value_enum)]
         mode: Mode,
     },
+    /// Store policy settings in the cache, so every later `serve` uses them.
+    ///
+    /// Online (a daemon serves the cache) they apply at once, but for
+    /// --page-cache-reads, which takes effect at the next start. A `serve`
+    /// flag overrides a stored setting for that run only; `status` shows
+    /// each setting with its source (flag, stored, default).
+    ///
+    ///   cairn set --cache C --sequential-cutoff 8M --writeback-high-pct 70
+    ///   cairn set --cache C --reset writeback-rate
+    Set(cmd::set::SetArgs),
     /// Prefetch a range of the volume into the cache (like the NBD CACHE command).
     Warm {
         /// The cache device or file (as given to `cairn format`).
@@ -170,6 +181,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Check { cache, .. } => return cmd::check::run(&cache),
         Command::Mode { cache, mode } => cmd::mode::run(&cache, mode)?,
         Command::Warm { cache, range } => cmd::warm::run(&cache, &range)?,
+        Command::Set(args) => cmd::set::run(&args)?,
         Command::Demo { dir } => cmd::demo::run(&dir)?,
         Command::Top {
             cache,

@@ -10,6 +10,7 @@ pub fn status_json(
     served: bool,
     server: Option<&ServerStats>,
     latency: Option<Value>,
+    settings: Value,
 ) -> Value {
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
@@ -100,6 +101,7 @@ pub fn status_json(
             m.insert(format!("nbd_{name}"), json!(value));
         }
     }
+    m.insert("settings".into(), settings);
     if let Some(latency) = latency {
         m.insert("latency".into(), latency);
     }
@@ -213,6 +215,19 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("origin_read_errors"),
         get("origin_write_errors")
     )?;
+    if let Some(settings) = v["settings"].as_object() {
+        let line: Vec<String> = settings
+            .iter()
+            .map(|(name, s)| {
+                format!(
+                    "{name}={} ({})",
+                    s["value"],
+                    s["source"].as_str().unwrap_or("?")
+                )
+            })
+            .collect();
+        writeln!(out, "  settings: {}", line.join(", "))?;
+    }
     print_nbd(&mut out, v)?;
     writeln!(
         out,

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use cairn_engine::Engine;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WritebackPolicy {
     pub high_watermark_pct: u64,
     pub low_watermark_pct: u64,
@@ -104,6 +104,10 @@ impl Planner {
             writes: VecDeque::new(),
             writeback_bytes_per_sec: None,
         }
+    }
+
+    pub fn set_policy(&mut self, policy: WritebackPolicy) {
+        self.policy = policy;
     }
 
     /// Record a write-back step that copied `bytes` in `elapsed`.
@@ -206,7 +210,14 @@ impl Planner {
     }
 }
 
-pub fn writeback_loop(engine: &Engine, stop: &AtomicBool, policy: WritebackPolicy) {
+/// Run write-back until `stop`; `policy` gives the policy in force, read
+/// every step (`cairn set` may change it while serving).
+pub fn writeback_loop(
+    engine: &Engine,
+    stop: &AtomicBool,
+    policy_now: impl Fn() -> WritebackPolicy,
+) {
+    let mut policy = policy_now();
     let mut planner = Planner::new(policy.clone());
     let mut last_epoch = Instant::now();
     let mut last_ops = 0u64;
@@ -216,6 +227,13 @@ pub fn writeback_loop(engine: &Engine, stop: &AtomicBool, policy: WritebackPolic
     let mut budget_bytes = 0u64;
     let mut degraded = engine.is_degraded();
     while !stop.load(Ordering::SeqCst) {
+        // `cairn set` may have changed the policy while serving.
+        let now_policy = policy_now();
+        if now_policy != policy {
+            tracing::info!(?now_policy, "write-back policy changed");
+            planner.set_policy(now_policy.clone());
+            policy = now_policy;
+        }
         if !degraded && engine.is_degraded() {
             degraded = true;
             tracing::error!(

@@ -10,7 +10,7 @@ mod common;
 use common::*;
 
 const COMMANDS: &[&str] = &[
-    "format", "serve", "status", "flush", "check", "mode", "warm", "demo",
+    "format", "serve", "status", "flush", "check", "mode", "set", "warm", "top", "demo",
 ];
 
 #[test]

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 
 use cairn_device::Device;
-use cairn_format::{block_checksum, RangeKind, Superblock};
+use cairn_format::{block_checksum, RangeKind, StoredSettings, Superblock};
 
 use crate::block_status::{self, BlockStatusRun};
 use crate::checkpoint;
@@ -435,6 +435,29 @@ impl Engine {
             }
             self.drain_cached(&mut progress)
         })
+    }
+
+    // ------------------------------------------------------------ settings
+
+    /// The policy settings stored in the cache (`cairn set`).
+    pub fn stored_settings(&self) -> StoredSettings {
+        self.state.unchecked().superblock.settings
+    }
+
+    /// Store policy settings in the cache, with the superblock (a torn
+    /// write leaves the previous copy, with the previous settings). A
+    /// degraded cache takes no writes: refused, like a mode change.
+    pub fn store_settings(&self, settings: StoredSettings) -> EngineResult<()> {
+        let mut st = self.state.normal(&self.env)?;
+        st.superblock.settings = settings;
+        st.write_superblock(&self.env)
+    }
+
+    /// Change the read policy while serving: the sequential cutoff (0
+    /// disables it) and n-hit promotion (1 = promote every miss).
+    pub fn set_read_policy(&self, sequential_cutoff_bytes: u64, promote_after_misses: u32) {
+        self.policy
+            .set_read_policy(sequential_cutoff_bytes, promote_after_misses);
     }
 
     // ----------------------------------------------------------- write-back

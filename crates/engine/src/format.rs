@@ -73,6 +73,8 @@ pub(crate) fn format(
             0
         },
         recalc_position_blocks: 0,
+        // A new cache starts with serve's defaults.
+        settings: Default::default(),
     };
     superblocks::write_both(cache.as_ref(), &mut superblock).map_err(EngineError::Cache)?;
     Ok(superblock)

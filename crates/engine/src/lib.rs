@@ -61,4 +61,4 @@ pub use read_data::ReadData;
 pub use stats::StatsSnapshot;
 pub use writeback::WritebackProgress;
 
-pub use cairn_format::Superblock;
+pub use cairn_format::{StoredSettings, Superblock};

@@ -3,6 +3,7 @@
 //! wins, so a torn superblock write leaves the older copy in charge.
 
 use crate::codec::{check_magic, check_version, Reader, Writer};
+use crate::settings::StoredSettings;
 use crate::{block_size_valid, DecodeError, FORMAT_VERSION, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC};
 
 pub const ORIGIN_IDENTITY_MAX_BYTES: usize = 512;
@@ -38,6 +39,9 @@ pub struct Superblock {
     /// tag computed (recalculation resumes here after a restart). Equal to
     /// the origin's block count once recalculation is complete.
     pub recalc_position_blocks: u64,
+    /// Policy settings stored with `cairn set` (none in a superblock
+    /// written before they existed).
+    pub settings: StoredSettings,
 }
 
 /// `identity` as the superblock stores it: at most
@@ -80,6 +84,7 @@ impl Superblock {
         // Fields added after the first release go after the identity: a
         // superblock written before them decodes them as zero.
         w.u64(self.recalc_position_blocks);
+        self.settings.encode(&mut w);
         let crc = crate::codec::crc_with_hole(&buf, CRC_OFFSET);
         buf[CRC_OFFSET..].copy_from_slice(&crc.to_le_bytes());
         buf
@@ -155,6 +160,7 @@ impl Superblock {
             }
         })?;
         let recalc_position_blocks = r.u64()?;
+        let settings = StoredSettings::decode(&mut r)?;
         Ok(Superblock {
             sequence,
             uuid,
@@ -171,6 +177,7 @@ impl Superblock {
             mode,
             features,
             recalc_position_blocks,
+            settings,
         })
     }
 
@@ -219,6 +226,11 @@ mod tests {
             mode: 0,
             features: crate::FEATURE_INTEGRITY,
             recalc_position_blocks: 4242,
+            settings: StoredSettings {
+                sequential_cutoff_bytes: Some(1 << 20),
+                page_cache_reads: Some(true),
+                ..Default::default()
+            },
         }
     }
 

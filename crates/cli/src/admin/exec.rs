@@ -6,9 +6,10 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cairn_engine::{Engine, EngineError, ScrubOptions};
+use cairn_engine::{Engine, EngineError, ScrubOptions, StoredSettings};
 
-use super::{AdminReply, AdminRequest};
+use super::{AdminReply, AdminRequest, SettingsChange};
+use crate::settings::{EffectiveSettings, SharedSettings, Source};
 
 /// The least time between two progress replies: a line per block would
 /// cost more than the work it reports.
@@ -25,6 +26,8 @@ pub struct Target<'a> {
     pub server: Option<cairn_nbd::ServerStats>,
     /// Request latency histograms (JSON), when a daemon serves it.
     pub latency: Option<serde_json::Value>,
+    /// The daemon's settings in force, when a daemon serves it.
+    pub settings: Option<SharedSettings>,
 }
 
 /// Why a request failed.
@@ -34,6 +37,8 @@ pub enum CommandError {
     Engine(#[from] EngineError),
     #[error("cache {cache} was formatted without integrity tags, so the origin has no tags to check against")]
     NoIntegrity { cache: String },
+    #[error("{0}")]
+    BadSettings(String),
     #[error("range starts at {offset_bytes}, past the end of the {size_bytes}-byte volume")]
     RangePastEnd { offset_bytes: u64, size_bytes: u64 },
 }
@@ -53,6 +58,7 @@ pub fn execute(
                 target.served,
                 target.server.as_ref(),
                 target.latency.clone(),
+                settings_now(target).to_json(),
             ),
         }),
         AdminRequest::Flush => {
@@ -94,7 +100,79 @@ pub fn execute(
             let cached_blocks = warm(engine, *offset_bytes, *length_bytes)?;
             emit(AdminReply::Warmed { cached_blocks });
         }
+        AdminRequest::Set { change } => set(target, change, emit)?,
     }
+    Ok(())
+}
+
+/// The settings in force: the daemon's, or (offline) the stored ones over
+/// the defaults.
+fn settings_now(target: &Target) -> EffectiveSettings {
+    match &target.settings {
+        Some(shared) => shared.get(),
+        None => {
+            EffectiveSettings::resolve(&StoredSettings::default(), &target.engine.stored_settings())
+        }
+    }
+}
+
+/// `cairn set`: store the change; while serving, apply it at once (the
+/// page-cache setting only at the next start: the engine opens with it).
+fn set(
+    target: &Target,
+    change: &SettingsChange,
+    emit: &mut dyn FnMut(AdminReply),
+) -> Result<(), CommandError> {
+    let engine = target.engine;
+    let stored = change
+        .apply(&engine.stored_settings())
+        .map_err(CommandError::BadSettings)?;
+    engine.store_settings(stored)?;
+    let mut restart_needed = Vec::new();
+    if let Some(shared) = &target.settings {
+        let running = shared.get();
+        // What this run's flags set stays, unless this change names it.
+        let named = change.names();
+        let mut flags = StoredSettings::default();
+        let kept = |i: usize| {
+            running.sources[i] == Source::Flag && !named.contains(&EffectiveSettings::NAMES[i])
+        };
+        let v = &running.values;
+        if kept(0) {
+            flags.sequential_cutoff_bytes = v.sequential_cutoff_bytes;
+        }
+        if kept(1) {
+            flags.promote_after_misses = v.promote_after_misses;
+        }
+        if kept(2) {
+            flags.writeback_high_pct = v.writeback_high_pct;
+        }
+        if kept(3) {
+            flags.writeback_low_pct = v.writeback_low_pct;
+        }
+        if kept(4) {
+            flags.writeback_max_age_secs = v.writeback_max_age_secs;
+        }
+        if kept(5) {
+            flags.writeback_rate_bytes_per_sec = v.writeback_rate_bytes_per_sec;
+        }
+        // The engine opened with this one: it stays as it runs.
+        flags.page_cache_reads = v.page_cache_reads;
+        let mut now = EffectiveSettings::resolve(&flags, &stored);
+        now.sources[6] = running.sources[6];
+        if named.contains(&"page_cache_reads")
+            && stored.page_cache_reads != running.values.page_cache_reads
+        {
+            restart_needed.push("page_cache_reads".to_string());
+        }
+        now.check().map_err(CommandError::BadSettings)?;
+        engine.set_read_policy(now.sequential_cutoff_bytes(), now.promote_after_misses());
+        shared.set(now);
+    }
+    emit(AdminReply::SettingsStored {
+        settings: settings_now(target).to_json(),
+        restart_needed,
+    });
     Ok(())
 }
 

@@ -17,6 +17,9 @@
 pub mod client;
 pub mod exec;
 pub mod server;
+mod settings_change;
+
+pub use settings_change::SettingsChange;
 
 use std::io::{BufRead, Read as _, Write};
 use std::path::{Path, PathBuf};
@@ -35,7 +38,15 @@ pub const REQUEST_LINE_BYTES_MAX: usize = 4096;
 pub const REPLY_LINE_BYTES_MAX: usize = 1 << 20;
 
 /// The command names a daemon knows, in the order `--help` would list them.
-pub const COMMANDS: [&str; 6] = ["status", "flush", "check", "check_origin", "mode", "warm"];
+pub const COMMANDS: [&str; 7] = [
+    "status",
+    "flush",
+    "check",
+    "check_origin",
+    "mode",
+    "warm",
+    "set",
+];
 
 /// What a client asks of the daemon. Each is also run offline, by the CLI
 /// on devices it opened itself (see [`exec::execute`]).
@@ -64,6 +75,9 @@ pub enum AdminRequest {
         offset_bytes: u64,
         length_bytes: u64,
     },
+    /// Store policy settings in the cache, and apply them while serving
+    /// (`cairn set`).
+    Set { change: SettingsChange },
 }
 
 impl AdminRequest {
@@ -75,6 +89,7 @@ impl AdminRequest {
             AdminRequest::CheckOrigin { .. } => "check_origin",
             AdminRequest::Mode { .. } => "mode",
             AdminRequest::Warm { .. } => "warm",
+            AdminRequest::Set { .. } => "set",
         }
     }
 }
@@ -95,6 +110,12 @@ pub enum AdminReply {
     OriginMismatch { lba: u64, offset_bytes: u64 },
     /// `check_origin`: an origin block rewritten from its clean cached copy.
     OriginRepaired { lba: u64, offset_bytes: u64 },
+    /// `set`: the settings now (`settings` as in status), and those stored
+    /// that take effect only at the next start.
+    SettingsStored {
+        settings: serde_json::Value,
+        restart_needed: Vec<String>,
+    },
     /// `status`: the status object (see `status::status_json`).
     Status { status: serde_json::Value },
     /// `flush` and `mode`: write-back finished. `unrecoverable_blocks` are
@@ -293,6 +314,14 @@ mod tests {
             AdminRequest::Warm {
                 offset_bytes: u64::MAX,
                 length_bytes: 1 << 20,
+            },
+            AdminRequest::Set {
+                change: SettingsChange {
+                    sequential_cutoff_bytes: Some(8 << 20),
+                    page_cache_reads: Some(false),
+                    reset: vec!["writeback_rate_bytes_per_sec".into()],
+                    ..Default::default()
+                },
             },
         ]
     }

@@ -12,6 +12,7 @@ use cairn_engine::Engine;
 use cairn_nbd::StatsReader;
 
 use crate::export::Latencies;
+use crate::settings::SharedSettings;
 
 use super::exec::{execute, Target};
 use super::{
@@ -47,6 +48,7 @@ pub fn admin_loop(
     stop: &AtomicBool,
     server: &StatsReader,
     latencies: &Arc<Latencies>,
+    settings: &SharedSettings,
 ) {
     let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
@@ -67,11 +69,14 @@ pub fn admin_loop(
         let cache = cache.to_path_buf();
         let server = server.clone();
         let latencies = latencies.clone();
+        let settings = settings.clone();
         let _ = std::thread::Builder::new()
             .name("admin-conn".into())
             .spawn(move || {
                 let _slot = slot;
-                if let Err(e) = handle_connection(stream, &engine, cache, &server, &latencies) {
+                if let Err(e) =
+                    handle_connection(stream, &engine, cache, &server, &latencies, &settings)
+                {
                     tracing::debug!("admin connection: {e}");
                 }
             });
@@ -84,6 +89,7 @@ fn handle_connection(
     cache: PathBuf,
     server: &StatsReader,
     latencies: &Latencies,
+    settings: &SharedSettings,
 ) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_millis(REQUEST_READ_TIMEOUT_MS)))?;
     let mut w = stream.try_clone()?;
@@ -113,6 +119,7 @@ fn handle_connection(
         served: true,
         server: Some(server.stats()),
         latency: Some(latencies.to_json()),
+        settings: Some(settings.clone()),
     };
     // A client that went away mid-request does not stop the work (a drain
     // runs to its end); the first failed write is reported at the end.

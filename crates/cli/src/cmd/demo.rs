@@ -55,11 +55,14 @@ pub fn run(dir: &Path) -> Result<()> {
         );
         println!("\nPress Ctrl-C to stop (in-flight I/O finishes, data is flushed).");
     });
+    let settings = crate::settings::SharedSettings::new(
+        crate::settings::EffectiveSettings::resolve(&Default::default(), &engine.stored_settings()),
+    );
     serve_volume(
         engine,
         ServeOptions {
             cache,
-            writeback_policy: crate::writeback::WritebackPolicy::default(),
+            settings,
             socket: Some(socket),
             listen: None,
             no_writeback: false,

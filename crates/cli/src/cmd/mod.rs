@@ -10,6 +10,7 @@ pub mod format;
 pub mod manpages;
 pub mod mode;
 pub mod serve;
+pub mod set;
 pub mod status;
 pub mod top;
 pub mod warm;
@@ -52,6 +53,13 @@ pub fn open_origin_with(spec: &str, queue_depth: Option<usize>) -> Result<Arc<dy
     let dev = open_path_or_uri_with(spec, OpenMode::Exclusive, queue_depth)
         .map_err(|e| device_error("origin", spec, e))?;
     Ok(Arc::from(dev))
+}
+
+/// The policy settings stored in the cache's superblock (`cairn set`),
+/// read before the engine opens (it opens with one of them).
+pub fn read_stored_settings(cache_path: &Path) -> Result<cairn_engine::StoredSettings> {
+    let cache = open_cache(cache_path, OpenMode::Shared)?;
+    Ok(Engine::read_superblock(cache.as_ref())?.settings)
 }
 
 /// The origin recorded in the superblock, as something we can open.
@@ -110,6 +118,7 @@ pub fn run_request(
         served: false,
         server: None,
         latency: None,
+        settings: None,
     };
     let result = execute(&target, request, &mut on_reply);
     // Closed after a failure too, as the daemon would keep serving; the

@@ -4,12 +4,12 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use cairn_engine::{Engine, EngineConfig};
+use cairn_engine::{Engine, EngineConfig, StoredSettings};
 
 use crate::admin::{client, AdminRequest};
 use crate::args::{parse_size, Mode};
 use crate::daemon::{serve_volume, ServeOptions};
-use crate::writeback::WritebackPolicy;
+use crate::settings::{EffectiveSettings, SharedSettings};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -35,31 +35,38 @@ pub struct ServeArgs {
     pub no_writeback: bool,
     /// Reads continuing a sequential stream longer than this bypass the cache
     /// (not promoted, counted as bypassed). 0 disables. Suffixes K, M, G.
-    #[arg(long, default_value = "4M", value_parser = parse_size)]
-    pub sequential_cutoff: u64,
+    /// [default: stored with `cairn set`, else 4M]
+    #[arg(long, value_parser = parse_size)]
+    pub sequential_cutoff: Option<u64>,
     /// Promote a missed block on its Nth miss (1 = always; Open CAS "nhit").
-    #[arg(long, default_value_t = 1)]
-    pub promote_after: u32,
+    /// [default: stored, else 1]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub promote_after: Option<u32>,
     /// Read cache hits with O_DIRECT only. By default hits are read through
     /// the host page cache, so the hottest blocks are served from RAM the
     /// kernel reclaims under memory pressure (it is not counted in cairn's
     /// RSS); writes always bypass it, and every hit is still checked
     /// against its checksum. Use this when the host needs that RAM, or
-    /// when the NBD client caches the volume itself.
+    /// when the NBD client caches the volume itself. [default: stored, else
+    /// page-cache reads on]
     #[arg(long)]
     pub no_page_cache_reads: bool,
-    /// Start cleaning when dirty data exceeds this share of the cache (percent).
-    #[arg(long, default_value_t = 50)]
-    pub writeback_high_pct: u64,
-    /// Stop cleaning (while busy) once dirty data is below this share (percent).
-    #[arg(long, default_value_t = 10)]
-    pub writeback_low_pct: u64,
-    /// Write back dirty data older than this even while foreground I/O is busy.
-    #[arg(long, default_value_t = 30)]
-    pub writeback_max_age_secs: u64,
-    /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no cap).
-    #[arg(long, default_value = "0", value_parser = parse_size)]
-    pub writeback_rate: u64,
+    /// Start cleaning when dirty data exceeds this share of the cache
+    /// (percent). [default: stored, else 50]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub writeback_high_pct: Option<u64>,
+    /// Stop cleaning (while busy) once dirty data is below this share
+    /// (percent). [default: stored, else 10]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub writeback_low_pct: Option<u64>,
+    /// Write back dirty data older than this even while foreground I/O is
+    /// busy. [default: stored, else 30]
+    #[arg(long)]
+    pub writeback_max_age_secs: Option<u64>,
+    /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no
+    /// cap). [default: stored, else 0]
+    #[arg(long, value_parser = parse_size)]
+    pub writeback_rate: Option<u64>,
     /// Most origin reads of cache misses in flight at once (on a remote
     /// origin, also the requests in flight on its connection). More wait
     /// their turn; they never fail for it. Cold random reads over a slow
@@ -81,23 +88,39 @@ pub struct ServeArgs {
     pub force: bool,
 }
 
-pub fn run(args: ServeArgs) -> Result<()> {
-    let (low, high) = (args.writeback_low_pct, args.writeback_high_pct);
-    if low > high || high > 100 {
-        bail!(
-            "--writeback-low-pct ({low}) must not exceed --writeback-high-pct ({high}), which must be at most 100"
-        );
+impl ServeArgs {
+    /// The settings this run's flags give (the rest: stored or default).
+    fn flag_settings(&self) -> StoredSettings {
+        StoredSettings {
+            sequential_cutoff_bytes: self.sequential_cutoff,
+            promote_after_misses: self.promote_after.map(u64::from),
+            writeback_high_pct: self.writeback_high_pct,
+            writeback_low_pct: self.writeback_low_pct,
+            writeback_max_age_secs: self.writeback_max_age_secs,
+            writeback_rate_bytes_per_sec: self.writeback_rate,
+            page_cache_reads: self.no_page_cache_reads.then_some(false),
+        }
     }
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(Ok(())) = client::ask_daemon(&args.cache, &AdminRequest::Status, &mut |_| {}) {
         bail!(
             "cache {} is already being served by another cairn. Stop that daemon first",
             args.cache.display()
         );
     }
+    // The stored settings come from the superblock, before the engine
+    // opens: the page-cache setting is part of how it opens.
+    let stored = super::read_stored_settings(&args.cache)?;
+    let settings = EffectiveSettings::resolve(&args.flag_settings(), &stored);
+    if let Err(why) = settings.check() {
+        bail!("{why}: see --writeback-low-pct and --writeback-high-pct, or `cairn set`");
+    }
     let config = EngineConfig {
-        sequential_cutoff_bytes: args.sequential_cutoff,
-        promote_after_misses: args.promote_after.max(1),
-        page_cache_reads: !args.no_page_cache_reads,
+        sequential_cutoff_bytes: settings.sequential_cutoff_bytes(),
+        promote_after_misses: settings.promote_after_misses(),
+        page_cache_reads: settings.page_cache_reads(),
         origin_queue_depth: args.origin_queue_depth as usize,
         ..EngineConfig::default()
     };
@@ -112,18 +135,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(mode) = args.mode {
         switch_mode_at_start(&engine, mode)?;
     }
-    let writeback_policy = WritebackPolicy {
-        high_watermark_pct: high,
-        low_watermark_pct: low,
-        max_age_ms: args.writeback_max_age_secs.saturating_mul(1000),
-        rate_limit_bytes_per_sec: args.writeback_rate,
-        ..WritebackPolicy::default()
-    };
     serve_volume(
         engine,
         ServeOptions {
             cache: args.cache,
-            writeback_policy,
+            settings: SharedSettings::new(settings),
             socket: args.socket,
             listen: args.listen,
             no_writeback: args.no_writeback,

@@ -8,7 +8,7 @@ mod sequential;
 
 pub use cache_mode::CacheMode;
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use hit_filter::HitFilter;
 use sequential::SequentialDetector;
@@ -18,8 +18,9 @@ use crate::options::EngineConfig;
 pub(crate) struct Policy {
     mode: AtomicU8,
     promote_read_misses: bool,
-    promote_after_misses: u32,
-    sequential_cutoff_bytes: u64,
+    /// Both changeable while serving (`cairn set`).
+    promote_after_misses: AtomicU32,
+    sequential_cutoff_bytes: AtomicU64,
     sequential: SequentialDetector,
     hit_filter: HitFilter,
 }
@@ -29,8 +30,8 @@ impl Policy {
         Policy {
             mode: AtomicU8::new(mode.code()),
             promote_read_misses: config.promote_read_misses,
-            promote_after_misses: config.promote_after_misses,
-            sequential_cutoff_bytes: config.sequential_cutoff_bytes,
+            promote_after_misses: AtomicU32::new(config.promote_after_misses.max(1)),
+            sequential_cutoff_bytes: AtomicU64::new(config.sequential_cutoff_bytes),
             sequential: SequentialDetector::default(),
             hit_filter: HitFilter::default(),
         }
@@ -47,8 +48,11 @@ impl Policy {
     /// Note a client read; true if it continues a sequential stream past
     /// the cutoff (its misses are then not promoted: "bypassed").
     pub(crate) fn observe_read(&self, offset: u64, length_bytes: u64) -> bool {
-        self.sequential
-            .observe(offset, length_bytes, self.sequential_cutoff_bytes)
+        self.sequential.observe(
+            offset,
+            length_bytes,
+            self.sequential_cutoff_bytes.load(Ordering::Relaxed),
+        )
     }
 
     /// Are this read's misses promoted at all (mode, configuration, the
@@ -60,7 +64,16 @@ impl Policy {
     /// Count a miss of `lba`; true once it is due for promotion (its Nth
     /// miss with n-hit promotion, always otherwise).
     pub(crate) fn miss_due(&self, lba: u64) -> bool {
-        self.hit_filter.miss(lba, self.promote_after_misses)
+        self.hit_filter
+            .miss(lba, self.promote_after_misses.load(Ordering::Relaxed))
+    }
+
+    /// Change the read policy while serving.
+    pub(crate) fn set_read_policy(&self, sequential_cutoff_bytes: u64, promote_after_misses: u32) {
+        self.sequential_cutoff_bytes
+            .store(sequential_cutoff_bytes, Ordering::Relaxed);
+        self.promote_after_misses
+            .store(promote_after_misses.max(1), Ordering::Relaxed);
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {

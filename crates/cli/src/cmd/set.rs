@@ -1,0 +1,133 @@
+//! `cairn set`: store policy settings in the cache, so every later `serve`
+//! uses them; while a daemon serves the cache, they apply at once.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+use crate::admin::{AdminReply, AdminRequest, SettingsChange};
+use crate::args::parse_size;
+
+/// A setting, by its `serve` flag's name (for `--reset`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SettingName {
+    SequentialCutoff,
+    PromoteAfter,
+    WritebackHighPct,
+    WritebackLowPct,
+    WritebackMaxAgeSecs,
+    WritebackRate,
+    PageCacheReads,
+}
+
+impl SettingName {
+    /// The name in `status --json` and the admin protocol.
+    fn key(self) -> &'static str {
+        match self {
+            SettingName::SequentialCutoff => "sequential_cutoff_bytes",
+            SettingName::PromoteAfter => "promote_after_misses",
+            SettingName::WritebackHighPct => "writeback_high_pct",
+            SettingName::WritebackLowPct => "writeback_low_pct",
+            SettingName::WritebackMaxAgeSecs => "writeback_max_age_secs",
+            SettingName::WritebackRate => "writeback_rate_bytes_per_sec",
+            SettingName::PageCacheReads => "page_cache_reads",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(clap::Args)]
+pub struct SetArgs {
+    /// The cache device or file (as given to `cairn format`).
+    #[arg(long)]
+    pub cache: PathBuf,
+    /// Reads continuing a sequential stream longer than this bypass the
+    /// cache; 0 disables. Suffixes K, M, G.
+    #[arg(long, value_parser = parse_size)]
+    pub sequential_cutoff: Option<u64>,
+    /// Promote a missed block on its Nth miss (1 = always).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=u32::MAX as u64))]
+    pub promote_after: Option<u64>,
+    /// Start cleaning when dirty data exceeds this share of the cache (percent).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub writeback_high_pct: Option<u64>,
+    /// Stop cleaning (while busy) once dirty data is below this share (percent).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub writeback_low_pct: Option<u64>,
+    /// Write back dirty data older than this even while foreground I/O is busy.
+    #[arg(long)]
+    pub writeback_max_age_secs: Option<u64>,
+    /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no cap).
+    #[arg(long, value_parser = parse_size)]
+    pub writeback_rate: Option<u64>,
+    /// Read cache hits through the host page cache (on) or with O_DIRECT
+    /// only (off). Takes effect at the next start of `serve`.
+    #[arg(long, value_enum)]
+    pub page_cache_reads: Option<OnOff>,
+    /// Forget a stored setting (back to the default); repeatable.
+    #[arg(long, value_enum)]
+    pub reset: Vec<SettingName>,
+    /// Print the settings as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &SetArgs) -> Result<()> {
+    let change = SettingsChange {
+        sequential_cutoff_bytes: args.sequential_cutoff,
+        promote_after_misses: args.promote_after,
+        writeback_high_pct: args.writeback_high_pct,
+        writeback_low_pct: args.writeback_low_pct,
+        writeback_max_age_secs: args.writeback_max_age_secs,
+        writeback_rate_bytes_per_sec: args.writeback_rate,
+        page_cache_reads: args.page_cache_reads.map(|v| v == OnOff::On),
+        reset: args.reset.iter().map(|n| n.key().to_string()).collect(),
+    };
+    if change.names().is_empty() {
+        anyhow::bail!(
+            "nothing to set: name at least one setting (e.g. --sequential-cutoff 8M), or --reset one"
+        );
+    }
+    let mut shown = None;
+    super::run_request(&args.cache, &AdminRequest::Set { change }, |reply| {
+        if let AdminReply::SettingsStored {
+            settings,
+            restart_needed,
+        } = reply
+        {
+            shown = Some((settings, restart_needed));
+        }
+    })?;
+    let Some((settings, restart_needed)) = shown else {
+        anyhow::bail!("the request succeeded without saying the settings");
+    };
+    if args.json {
+        say!(
+            "{}",
+            serde_json::json!({"settings": settings, "restart_needed": restart_needed})
+        )?;
+        return Ok(());
+    }
+    say!(
+        "settings of {} (stored in the cache):",
+        args.cache.display()
+    )?;
+    if let Some(map) = settings.as_object() {
+        for (name, s) in map {
+            say!(
+                "  {name:<30} {:<12} ({})",
+                s["value"],
+                s["source"].as_str().unwrap_or("?")
+            )?;
+        }
+    }
+    for name in restart_needed {
+        say!("{name} is stored; the running daemon keeps its value until it restarts")?;
+    }
+    Ok(())
+}
