@@ -54,6 +54,13 @@ pub fn render_metrics(
             "# TYPE cairn_{name}_total counter\ncairn_{name}_total {value}"
         );
     }
+    // Totals over every run of the cache (persisted with the checkpoint).
+    for (name, value) in &s.lifetime {
+        let _ = writeln!(
+            out,
+            "# TYPE cairn_lifetime_{name}_total counter\ncairn_lifetime_{name}_total {value}"
+        );
+    }
     for (name, value) in [
         ("dirty_blocks", s.dirty_blocks),
         ("clean_blocks", s.clean_blocks),

@@ -102,6 +102,13 @@ pub fn status_json(
         }
     }
     m.insert("settings".into(), settings);
+    // Since-start counters are the top-level keys; these span every run.
+    let lifetime: Map<String, Value> = s
+        .lifetime
+        .iter()
+        .map(|&(n, v)| (n.to_string(), json!(v)))
+        .collect();
+    m.insert("lifetime".into(), Value::Object(lifetime));
     if let Some(latency) = latency {
         m.insert("latency".into(), latency);
     }

@@ -660,6 +660,7 @@ impl Engine {
         let st = self.state.unchecked();
         let mut s = StatsSnapshot::default();
         env.counters.fill(&mut s);
+        s.lifetime = env.lifetime.totals(&s.counter_pairs());
         let index = &st.index;
         let log = &st.log;
         s.dirty_blocks = index.dirty_blocks();

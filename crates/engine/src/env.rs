@@ -9,6 +9,7 @@ use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
 
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
+use crate::lifetime::LifetimeBase;
 use crate::options::EngineConfig;
 use crate::sealed::RecordIo;
 use crate::sealed::RecordWriters;
@@ -28,6 +29,8 @@ pub(crate) struct Env {
     pub(crate) layout: Layout,
     /// Shared with the record writer threads.
     pub(crate) counters: Arc<Counters>,
+    /// The counters' totals from earlier runs (the checkpoint's).
+    pub(crate) lifetime: LifetimeBase,
     pub(crate) block_size_bytes: usize,
     pub(crate) volume_blocks: u64,
     pub(crate) config: EngineConfig,
@@ -77,6 +80,7 @@ impl Env {
             origin,
             layout,
             counters: Arc::new(Counters::default()),
+            lifetime: LifetimeBase::default(),
             block_size_bytes: block_size_bytes as usize,
             volume_blocks: superblock.origin_size_bytes / block_size_bytes as u64,
             config,

@@ -30,6 +30,7 @@ mod group;
 mod health;
 mod index;
 mod integrity;
+mod lifetime;
 mod log;
 mod open;
 mod options;

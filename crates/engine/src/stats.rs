@@ -53,6 +53,9 @@ macro_rules! counters {
             pub origin_queue_depth: u64,
             /// Origin reads of misses in flight now.
             pub origin_queue_in_flight: u64,
+            /// Each counter's total over every run of the cache (as of the
+            /// last checkpoint plus this run).
+            pub lifetime: Vec<(&'static str, u64)>,
         }
 
         impl Counters {

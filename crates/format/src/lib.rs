@@ -17,6 +17,7 @@
 
 mod codec;
 mod layout;
+mod lifetime;
 mod records;
 mod settings;
 mod superblock;
@@ -24,10 +25,13 @@ mod tags;
 
 pub use codec::{Reader, Writer};
 pub use layout::{Layout, LayoutError};
+pub use lifetime::{
+    decode_lifetime, encode_lifetime, lifetime_key, lifetime_pairs_max, LIFETIME_MAGIC,
+};
 pub use records::{
     CheckpointEntry, CheckpointHeader, PendingRange, RangeKind, RecordEntry, RecordHeader,
-    CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, LOST_BLOCK_BYTES, PENDING_RANGE_BYTES,
-    RECORD_ENTRY_BYTES, RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
+    CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, CHECKPOINT_LIFETIME_OFFSET, LOST_BLOCK_BYTES,
+    PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES, RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
 pub use settings::{StoredSettings, STORED_SETTINGS_BYTES};
 pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY_MAX_BYTES};

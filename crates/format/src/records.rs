@@ -254,6 +254,9 @@ pub const PENDING_RANGE_BYTES: usize = 32;
 /// A block lost to corruption, in a checkpoint's payload: its address.
 pub const LOST_BLOCK_BYTES: usize = 8;
 const CHECKPOINT_CRC_OFFSET: usize = 124;
+/// Where the lifetime counters start in the checkpoint header's block
+/// (after the header's crc; see `lifetime`).
+pub const CHECKPOINT_LIFETIME_OFFSET: usize = 128;
 
 /// One live cache slot in a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

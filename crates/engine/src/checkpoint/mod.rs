@@ -91,8 +91,15 @@ fn write_slot(env: &Env, st: &State) -> Result<CheckpointHeader, DeviceError> {
         payload_crc,
         lost_count: lost.len() as u32,
     };
-    // The header goes last, with the barrier that covers the payload.
-    let encoded = header.encode();
+    // The header goes last, with the barrier that covers the payload; the
+    // lifetime counters ride in its block.
+    let mut encoded = header.encode();
+    let mut since_start = crate::stats::StatsSnapshot::default();
+    env.counters.fill(&mut since_start);
+    cairn_format::encode_lifetime(
+        &mut encoded[cairn_format::CHECKPOINT_LIFETIME_OFFSET..],
+        &env.lifetime.keyed_totals(&since_start.counter_pairs()),
+    );
     env.cache.write_vectored_and_flush(slot_at, &[&encoded])?;
     Counters::add(&env.counters.cache_bytes_written, encoded.len() as u64);
     Counters::add(&env.counters.cache_barriers, 1);

@@ -22,6 +22,15 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         .map_err(EngineError::Cache)?;
     let header = CheckpointHeader::decode(&header_buf)
         .map_err(|e| checkpoint_damaged(env, format!("header: {e}")))?;
+    // Lifetime counters are statistics, not data: damaged ones restart from
+    // this run instead of refusing the cache.
+    match cairn_format::decode_lifetime(&header_buf[cairn_format::CHECKPOINT_LIFETIME_OFFSET..]) {
+        Ok(Some(pairs)) => env.lifetime.load(pairs),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(
+            "lifetime counters in the checkpoint are damaged ({e}); counting them from this run"
+        ),
+    }
     if header.sequence != superblock.checkpoint_sequence {
         return Err(checkpoint_damaged(
             env,
