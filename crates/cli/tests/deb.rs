@@ -56,7 +56,7 @@ fn the_deb_unpacks_to_a_working_cairn_with_pages_and_units() {
     let scratch = ctx.path("root");
     run_ok(tool("dpkg").arg("-x").arg(&deb).arg(&scratch), TOOL_TIMEOUT);
     let version = run_ok(
-        &mut std::process::Command::new(scratch.join("usr/bin/cairn")).arg("--version"),
+        std::process::Command::new(scratch.join("usr/bin/cairn")).arg("--version"),
         TOOL_TIMEOUT,
     );
     assert!(
