@@ -119,6 +119,7 @@ enum Command {
     ///
     ///   cairn set --cache C --sequential-cutoff 8M --writeback-high-pct 70
     ///   cairn set --cache C --reset writeback-rate
+    #[command(verbatim_doc_comment)]
     Set(cmd::set::SetArgs),
     /// Prefetch a range of the volume into the cache (like the NBD CACHE command).
     Warm {
@@ -155,6 +156,7 @@ enum Command {
     /// bash: cairn completions bash > /etc/bash_completion.d/cairn
     /// zsh: cairn completions zsh > "${fpath[1]}/_cairn"
     /// fish: cairn completions fish > ~/.config/fish/completions/cairn.fish
+    #[command(verbatim_doc_comment)]
     Completions {
         #[arg(value_enum)]
         shell: clap_complete::Shell,

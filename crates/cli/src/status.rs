@@ -96,6 +96,19 @@ pub fn status_json(
     for (name, value) in s.counter_pairs() {
         m.insert(name.into(), json!(value));
     }
+    insert_extras(&mut m, s, server, latency, settings);
+    Value::Object(m)
+}
+
+/// The NBD server's counters and the latencies (online), the settings in
+/// force and the lifetime counters.
+fn insert_extras(
+    m: &mut Map<String, Value>,
+    s: &StatsSnapshot,
+    server: Option<&ServerStats>,
+    latency: Option<Value>,
+    settings: Value,
+) {
     if let Some(n) = server {
         for (name, value) in server_pairs(n) {
             m.insert(format!("nbd_{name}"), json!(value));
@@ -112,7 +125,6 @@ pub fn status_json(
     if let Some(latency) = latency {
         m.insert("latency".into(), latency);
     }
-    Value::Object(m)
 }
 
 /// The NBD server's counters and limits, by name (status and metrics).
@@ -222,19 +234,7 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("origin_read_errors"),
         get("origin_write_errors")
     )?;
-    if let Some(settings) = v["settings"].as_object() {
-        let line: Vec<String> = settings
-            .iter()
-            .map(|(name, s)| {
-                format!(
-                    "{name}={} ({})",
-                    s["value"],
-                    s["source"].as_str().unwrap_or("?")
-                )
-            })
-            .collect();
-        writeln!(out, "  settings: {}", line.join(", "))?;
-    }
+    print_settings(&mut out, v)?;
     print_nbd(&mut out, v)?;
     writeln!(
         out,
@@ -273,5 +273,23 @@ fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
         get("nbd_max_buffered_bytes"),
         get("nbd_buffered_bytes")
     )?;
+    Ok(())
+}
+
+/// The settings line: each setting's value and source.
+fn print_settings(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+    if let Some(settings) = v["settings"].as_object() {
+        let line: Vec<String> = settings
+            .iter()
+            .map(|(name, s)| {
+                format!(
+                    "{name}={} ({})",
+                    s["value"],
+                    s["source"].as_str().unwrap_or("?")
+                )
+            })
+            .collect();
+        writeln!(out, "  settings: {}", line.join(", "))?;
+    }
     Ok(())
 }

@@ -9,6 +9,7 @@ pub mod flush;
 pub mod format;
 pub mod manpages;
 pub mod mode;
+mod policy_args;
 pub mod serve;
 pub mod set;
 pub mod status;

@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use cairn_engine::{Engine, EngineConfig, StoredSettings};
 
+use super::policy_args::PolicyArgs;
 use crate::admin::{client, AdminRequest};
-use crate::args::{parse_size, Mode};
+use crate::args::Mode;
 use crate::daemon::{serve_volume, ServeOptions};
 use crate::settings::{EffectiveSettings, SharedSettings};
 
@@ -33,15 +34,8 @@ pub struct ServeArgs {
     /// Keep dirty data on the cache until asked (write-back still runs when space runs out).
     #[arg(long)]
     pub no_writeback: bool,
-    /// Reads continuing a sequential stream longer than this bypass the cache
-    /// (not promoted, counted as bypassed). 0 disables. Suffixes K, M, G.
-    /// [default: stored with `cairn set`, else 4M]
-    #[arg(long, value_parser = parse_size)]
-    pub sequential_cutoff: Option<u64>,
-    /// Promote a missed block on its Nth miss (1 = always; Open CAS "nhit").
-    /// [default: stored, else 1]
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub promote_after: Option<u32>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Read cache hits with O_DIRECT only. By default hits are read through
     /// the host page cache, so the hottest blocks are served from RAM the
     /// kernel reclaims under memory pressure (it is not counted in cairn's
@@ -51,22 +45,6 @@ pub struct ServeArgs {
     /// page-cache reads on]
     #[arg(long)]
     pub no_page_cache_reads: bool,
-    /// Start cleaning when dirty data exceeds this share of the cache
-    /// (percent). [default: stored, else 50]
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
-    pub writeback_high_pct: Option<u64>,
-    /// Stop cleaning (while busy) once dirty data is below this share
-    /// (percent). [default: stored, else 10]
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
-    pub writeback_low_pct: Option<u64>,
-    /// Write back dirty data older than this even while foreground I/O is
-    /// busy. [default: stored, else 30]
-    #[arg(long)]
-    pub writeback_max_age_secs: Option<u64>,
-    /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no
-    /// cap). [default: stored, else 0]
-    #[arg(long, value_parser = parse_size)]
-    pub writeback_rate: Option<u64>,
     /// Most origin reads of cache misses in flight at once (on a remote
     /// origin, also the requests in flight on its connection). More wait
     /// their turn; they never fail for it. Cold random reads over a slow
@@ -91,15 +69,8 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The settings this run's flags give (the rest: stored or default).
     fn flag_settings(&self) -> StoredSettings {
-        StoredSettings {
-            sequential_cutoff_bytes: self.sequential_cutoff,
-            promote_after_misses: self.promote_after.map(u64::from),
-            writeback_high_pct: self.writeback_high_pct,
-            writeback_low_pct: self.writeback_low_pct,
-            writeback_max_age_secs: self.writeback_max_age_secs,
-            writeback_rate_bytes_per_sec: self.writeback_rate,
-            page_cache_reads: self.no_page_cache_reads.then_some(false),
-        }
+        self.policy
+            .settings(self.no_page_cache_reads.then_some(false))
     }
 }
 

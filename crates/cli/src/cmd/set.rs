@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
+use super::policy_args::PolicyArgs;
 use crate::admin::{AdminReply, AdminRequest, SettingsChange};
-use crate::args::parse_size;
 
 /// A setting, by its `serve` flag's name (for `--reset`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -46,25 +46,8 @@ pub struct SetArgs {
     /// The cache device or file (as given to `cairn format`).
     #[arg(long)]
     pub cache: PathBuf,
-    /// Reads continuing a sequential stream longer than this bypass the
-    /// cache; 0 disables. Suffixes K, M, G.
-    #[arg(long, value_parser = parse_size)]
-    pub sequential_cutoff: Option<u64>,
-    /// Promote a missed block on its Nth miss (1 = always).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=u32::MAX as u64))]
-    pub promote_after: Option<u64>,
-    /// Start cleaning when dirty data exceeds this share of the cache (percent).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
-    pub writeback_high_pct: Option<u64>,
-    /// Stop cleaning (while busy) once dirty data is below this share (percent).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
-    pub writeback_low_pct: Option<u64>,
-    /// Write back dirty data older than this even while foreground I/O is busy.
-    #[arg(long)]
-    pub writeback_max_age_secs: Option<u64>,
-    /// Cap write-back bandwidth (bytes per second, suffixes K, M, G; 0 = no cap).
-    #[arg(long, value_parser = parse_size)]
-    pub writeback_rate: Option<u64>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Read cache hits through the host page cache (on) or with O_DIRECT
     /// only (off). Takes effect at the next start of `serve`.
     #[arg(long, value_enum)]
@@ -78,14 +61,17 @@ pub struct SetArgs {
 }
 
 pub fn run(args: &SetArgs) -> Result<()> {
+    let given = args
+        .policy
+        .settings(args.page_cache_reads.map(|v| v == OnOff::On));
     let change = SettingsChange {
-        sequential_cutoff_bytes: args.sequential_cutoff,
-        promote_after_misses: args.promote_after,
-        writeback_high_pct: args.writeback_high_pct,
-        writeback_low_pct: args.writeback_low_pct,
-        writeback_max_age_secs: args.writeback_max_age_secs,
-        writeback_rate_bytes_per_sec: args.writeback_rate,
-        page_cache_reads: args.page_cache_reads.map(|v| v == OnOff::On),
+        sequential_cutoff_bytes: given.sequential_cutoff_bytes,
+        promote_after_misses: given.promote_after_misses,
+        writeback_high_pct: given.writeback_high_pct,
+        writeback_low_pct: given.writeback_low_pct,
+        writeback_max_age_secs: given.writeback_max_age_secs,
+        writeback_rate_bytes_per_sec: given.writeback_rate_bytes_per_sec,
+        page_cache_reads: given.page_cache_reads,
         reset: args.reset.iter().map(|n| n.key().to_string()).collect(),
     };
     if change.names().is_empty() {

@@ -22,15 +22,7 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         .map_err(EngineError::Cache)?;
     let header = CheckpointHeader::decode(&header_buf)
         .map_err(|e| checkpoint_damaged(env, format!("header: {e}")))?;
-    // Lifetime counters are statistics, not data: damaged ones restart from
-    // this run instead of refusing the cache.
-    match cairn_format::decode_lifetime(&header_buf[cairn_format::CHECKPOINT_LIFETIME_OFFSET..]) {
-        Ok(Some(pairs)) => env.lifetime.load(pairs),
-        Ok(None) => {}
-        Err(e) => tracing::warn!(
-            "lifetime counters in the checkpoint are damaged ({e}); counting them from this run"
-        ),
-    }
+    load_lifetime(env, &header_buf);
     if header.sequence != superblock.checkpoint_sequence {
         return Err(checkpoint_damaged(
             env,
@@ -117,4 +109,17 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         index.load_lost(lba);
     }
     Ok((header, index))
+}
+
+/// The lifetime counters in the checkpoint header's block. They are
+/// statistics, not data: damaged ones restart from this run instead of
+/// refusing the cache.
+fn load_lifetime(env: &Env, header_block: &[u8]) {
+    match cairn_format::decode_lifetime(&header_block[cairn_format::CHECKPOINT_LIFETIME_OFFSET..]) {
+        Ok(Some(pairs)) => env.lifetime.load(pairs),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(
+            "lifetime counters in the checkpoint are damaged ({e}); counting them from this run"
+        ),
+    }
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use ratatui::layout::{Constraint, Layout};
+use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Gauge, Paragraph, Row, Table};
@@ -39,6 +39,14 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
     ])
     .areas(frame.area());
 
+    draw_header(frame, view, header);
+    draw_io(frame, view, io);
+    draw_cache_and_writeback(frame, view, cache, writeback);
+    draw_latency(frame, view, latency);
+    frame.render_widget(Paragraph::new("q: quit"), footer);
+}
+
+fn draw_header(frame: &mut Frame, view: &View, header: Rect) {
     let state_style = |s: &str| {
         if s == "ok" {
             Style::default().fg(Color::Green)
@@ -55,7 +63,9 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
     ]))
     .block(Block::default().borders(Borders::ALL).title(" cairn top "));
     frame.render_widget(head, header);
+}
 
+fn draw_io(frame: &mut Frame, view: &View, io: Rect) {
     let hit = view
         .hit_ratio
         .map(|r| format!("{:.1}%", r * 100.0))
@@ -88,7 +98,9 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
     )
     .block(Block::default().borders(Borders::ALL).title(" I/O "));
     frame.render_widget(io_table, io);
+}
 
+fn draw_cache_and_writeback(frame: &mut Frame, view: &View, cache: Rect, writeback: Rect) {
     let gauge = Gauge::default()
         .block(Block::default().borders(Borders::ALL).title(" cache "))
         .gauge_style(Style::default().fg(Color::Yellow))
@@ -120,7 +132,9 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
     }
     let wb = Paragraph::new(wb).block(Block::default().borders(Borders::ALL).title(" write-back "));
     frame.render_widget(wb, writeback);
+}
 
+fn draw_latency(frame: &mut Frame, view: &View, latency: Rect) {
     let lat_rows: Vec<Row> = view
         .latencies
         .iter()
@@ -151,7 +165,6 @@ pub fn draw(frame: &mut Frame, screen: &Screen) {
         duration(view.interval)
     )));
     frame.render_widget(lat, latency);
-    frame.render_widget(Paragraph::new("q: quit"), footer);
 }
 
 fn mb(bytes_per_sec: f64) -> String {
