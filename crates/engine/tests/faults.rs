@@ -1560,3 +1560,27 @@ fn a_dirty_block_the_cache_fails_to_read_is_not_lost() {
         .expect("read after a restart");
     assert!(buf == data, "after a restart the block has its data");
 }
+
+/// One write larger than the whole log succeeds in write-back mode: space
+/// is reserved a fraction of the log at a time, and write-back makes room
+/// between the chunks; the data reads back, before and after a restart.
+/// (A cargo-mutants survivor reserved the write as one chunk of eight logs:
+/// no test wrote more than the log at once.)
+#[test]
+fn a_single_write_larger_than_the_log_succeeds() {
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    let blocks = layout.log_blocks * 3;
+    let mut rig = Rig::new(cache_bytes_small(), blocks + 8);
+    let data = pattern(4242, (blocks * BS) as usize);
+    rig.engine()
+        .write(4 * BS, &data, false)
+        .expect("a write of three logs");
+    rig.engine().flush().unwrap();
+    let mut back = vec![0u8; data.len()];
+    rig.engine().read(4 * BS, &mut back).unwrap();
+    assert!(back == data, "the write reads back");
+    rig.reopen_clean();
+    let mut back = vec![0u8; data.len()];
+    rig.engine().read(4 * BS, &mut back).unwrap();
+    assert!(back == data, "and after a restart");
+}
