@@ -110,6 +110,21 @@ fn settings_persist_flags_override_and_online_changes_apply_at_once() {
         (60.into(), "flag".into()),
         "the flag still holds"
     );
+    // A change that fits what is stored but not this run's flag (high 60)
+    // is refused while serving, and nothing is stored.
+    let clash = ctx.cairn(&["set", "--cache", &c, "--writeback-low-pct", "65"]);
+    assert!(!clash.status.success(), "{}", describe(&clash));
+    assert!(
+        stderr(&clash).contains("must not exceed"),
+        "{}",
+        describe(&clash)
+    );
+    let st = ctx.status(&cache);
+    assert_eq!(
+        setting(&st, "writeback_low_pct"),
+        (10.into(), "default".into()),
+        "{st}"
+    );
     // n-hit promotion at 2, live: the first miss of a block does not
     // promote it, the second does.
     let uri = server.uri();

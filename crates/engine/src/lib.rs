@@ -62,4 +62,4 @@ pub use read_data::ReadData;
 pub use stats::StatsSnapshot;
 pub use writeback::WritebackProgress;
 
-pub use cairn_format::{StoredSettings, Superblock};
+pub use cairn_format::{StoredSettings, Superblock, SETTINGS_COUNT};

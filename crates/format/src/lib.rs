@@ -33,7 +33,7 @@ pub use records::{
     CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, CHECKPOINT_LIFETIME_OFFSET, LOST_BLOCK_BYTES,
     PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES, RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
-pub use settings::{StoredSettings, STORED_SETTINGS_BYTES};
+pub use settings::{StoredSettings, SETTINGS_COUNT, STORED_SETTINGS_BYTES};
 pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY_MAX_BYTES};
 pub use tags::{
     fold_tag, origin_tag, tag_area_bytes_for, tag_matches, tag_pages_for, TagPage, TAGS_PER_PAGE,

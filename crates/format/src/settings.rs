@@ -11,7 +11,7 @@ use crate::codec::{Reader, Writer};
 use crate::DecodeError;
 
 /// Bytes the settings take in the superblock.
-pub const STORED_SETTINGS_BYTES: usize = 4 + 7 * 8;
+pub const STORED_SETTINGS_BYTES: usize = 4 + SETTINGS_COUNT * 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StoredSettings {
@@ -24,10 +24,14 @@ pub struct StoredSettings {
     pub page_cache_reads: Option<bool>,
 }
 
-const SETTINGS_KNOWN: u32 = (1 << 7) - 1;
+const SETTINGS_KNOWN: u32 = (1 << SETTINGS_COUNT) - 1;
+
+/// How many settings there are (the order of [`StoredSettings::to_array`]).
+pub const SETTINGS_COUNT: usize = 7;
 
 impl StoredSettings {
-    fn values(&self) -> [Option<u64>; 7] {
+    /// The settings in their fixed order (page-cache reads as 0/1).
+    pub fn to_array(&self) -> [Option<u64>; SETTINGS_COUNT] {
         [
             self.sequential_cutoff_bytes,
             self.promote_after_misses,
@@ -39,8 +43,22 @@ impl StoredSettings {
         ]
     }
 
+    /// The inverse of [`StoredSettings::to_array`] (any non-zero
+    /// page-cache value is on).
+    pub fn from_array(v: [Option<u64>; SETTINGS_COUNT]) -> StoredSettings {
+        StoredSettings {
+            sequential_cutoff_bytes: v[0],
+            promote_after_misses: v[1],
+            writeback_high_pct: v[2],
+            writeback_low_pct: v[3],
+            writeback_max_age_secs: v[4],
+            writeback_rate_bytes_per_sec: v[5],
+            page_cache_reads: v[6].map(|x| x != 0),
+        }
+    }
+
     pub fn encode(&self, w: &mut Writer) {
-        let values = self.values();
+        let values = self.to_array();
         let mask = values
             .iter()
             .enumerate()
@@ -62,7 +80,7 @@ impl StoredSettings {
                 value: mask as u64,
             });
         }
-        let mut values = [None; 7];
+        let mut values = [None; SETTINGS_COUNT];
         for (i, slot) in values.iter_mut().enumerate() {
             let v = r.u64()?;
             if mask & (1 << i) != 0 {
@@ -92,24 +110,13 @@ impl StoredSettings {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.values().iter().all(Option::is_none)
+        self.to_array().iter().all(Option::is_none)
     }
 
     /// `self` with every setting `other` stores replacing this one's.
     pub fn merged(&self, other: &StoredSettings) -> StoredSettings {
-        StoredSettings {
-            sequential_cutoff_bytes: other
-                .sequential_cutoff_bytes
-                .or(self.sequential_cutoff_bytes),
-            promote_after_misses: other.promote_after_misses.or(self.promote_after_misses),
-            writeback_high_pct: other.writeback_high_pct.or(self.writeback_high_pct),
-            writeback_low_pct: other.writeback_low_pct.or(self.writeback_low_pct),
-            writeback_max_age_secs: other.writeback_max_age_secs.or(self.writeback_max_age_secs),
-            writeback_rate_bytes_per_sec: other
-                .writeback_rate_bytes_per_sec
-                .or(self.writeback_rate_bytes_per_sec),
-            page_cache_reads: other.page_cache_reads.or(self.page_cache_reads),
-        }
+        let (mine, theirs) = (self.to_array(), other.to_array());
+        StoredSettings::from_array(std::array::from_fn(|i| theirs[i].or(mine[i])))
     }
 }
 

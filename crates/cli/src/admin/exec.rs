@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cairn_engine::{Engine, EngineError, ScrubOptions, StoredSettings};
 
 use super::{AdminReply, AdminRequest, SettingsChange};
-use crate::settings::{EffectiveSettings, SharedSettings, Source};
+use crate::settings::{EffectiveSettings, SharedSettings};
 
 /// The least time between two progress replies: a line per block would
 /// cost more than the work it reports.
@@ -127,45 +127,30 @@ fn set(
     let stored = change
         .apply(&engine.stored_settings())
         .map_err(CommandError::BadSettings)?;
-    engine.store_settings(stored)?;
     let mut restart_needed = Vec::new();
-    if let Some(shared) = &target.settings {
-        let running = shared.get();
-        // What this run's flags set stays, unless this change names it.
-        let named = change.names();
-        let mut flags = StoredSettings::default();
-        let kept = |i: usize| {
-            running.sources[i] == Source::Flag && !named.contains(&EffectiveSettings::NAMES[i])
-        };
-        let v = &running.values;
-        if kept(0) {
-            flags.sequential_cutoff_bytes = v.sequential_cutoff_bytes;
+    // While serving: what runs from now on, checked before anything is
+    // stored. This run's flags stay unless the change names them; the
+    // engine opened with the page-cache setting, which stays as it runs.
+    let live = match &target.settings {
+        Some(shared) => {
+            let running = shared.get();
+            let named = change.names();
+            let mut flags = running.flags_except(&named);
+            flags.page_cache_reads = running.values.page_cache_reads;
+            let mut now = EffectiveSettings::resolve(&flags, &stored);
+            now.sources[6] = running.sources[6];
+            if named.contains(&"page_cache_reads")
+                && stored.page_cache_reads != running.values.page_cache_reads
+            {
+                restart_needed.push("page_cache_reads".to_string());
+            }
+            now.check().map_err(CommandError::BadSettings)?;
+            Some((shared, now))
         }
-        if kept(1) {
-            flags.promote_after_misses = v.promote_after_misses;
-        }
-        if kept(2) {
-            flags.writeback_high_pct = v.writeback_high_pct;
-        }
-        if kept(3) {
-            flags.writeback_low_pct = v.writeback_low_pct;
-        }
-        if kept(4) {
-            flags.writeback_max_age_secs = v.writeback_max_age_secs;
-        }
-        if kept(5) {
-            flags.writeback_rate_bytes_per_sec = v.writeback_rate_bytes_per_sec;
-        }
-        // The engine opened with this one: it stays as it runs.
-        flags.page_cache_reads = v.page_cache_reads;
-        let mut now = EffectiveSettings::resolve(&flags, &stored);
-        now.sources[6] = running.sources[6];
-        if named.contains(&"page_cache_reads")
-            && stored.page_cache_reads != running.values.page_cache_reads
-        {
-            restart_needed.push("page_cache_reads".to_string());
-        }
-        now.check().map_err(CommandError::BadSettings)?;
+        None => None,
+    };
+    engine.store_settings(stored)?;
+    if let Some((shared, now)) = live {
         engine.set_read_policy(now.sequential_cutoff_bytes(), now.promote_after_misses());
         shared.set(now);
     }

@@ -41,20 +41,11 @@ impl SettingsChange {
 
     /// The names this change sets or resets.
     pub fn names(&self) -> Vec<&str> {
-        let set = self.as_stored();
-        let given = [
-            set.sequential_cutoff_bytes.is_some(),
-            set.promote_after_misses.is_some(),
-            set.writeback_high_pct.is_some(),
-            set.writeback_low_pct.is_some(),
-            set.writeback_max_age_secs.is_some(),
-            set.writeback_rate_bytes_per_sec.is_some(),
-            set.page_cache_reads.is_some(),
-        ];
+        let set = self.as_stored().to_array();
         EffectiveSettings::NAMES
             .iter()
-            .zip(given)
-            .filter(|(name, given)| *given || self.reset.iter().any(|r| r == *name))
+            .zip(set)
+            .filter(|(name, v)| v.is_some() || self.reset.iter().any(|r| r == *name))
             .map(|(name, _)| *name)
             .collect()
     }
@@ -64,24 +55,17 @@ impl SettingsChange {
         if self.as_stored().is_empty() && self.reset.is_empty() {
             return Err("nothing to set: name at least one setting".into());
         }
-        let mut out = stored.merged(&self.as_stored());
+        let mut values = stored.merged(&self.as_stored()).to_array();
         for name in &self.reset {
-            match name.as_str() {
-                "sequential_cutoff_bytes" => out.sequential_cutoff_bytes = None,
-                "promote_after_misses" => out.promote_after_misses = None,
-                "writeback_high_pct" => out.writeback_high_pct = None,
-                "writeback_low_pct" => out.writeback_low_pct = None,
-                "writeback_max_age_secs" => out.writeback_max_age_secs = None,
-                "writeback_rate_bytes_per_sec" => out.writeback_rate_bytes_per_sec = None,
-                "page_cache_reads" => out.page_cache_reads = None,
-                other => {
-                    return Err(format!(
-                        "no setting {other:?} to reset; the settings are {}",
-                        EffectiveSettings::NAMES.join(", ")
-                    ))
-                }
-            }
+            let Some(i) = EffectiveSettings::NAMES.iter().position(|n| n == name) else {
+                return Err(format!(
+                    "no setting {name:?} to reset; the settings are {}",
+                    EffectiveSettings::NAMES.join(", ")
+                ));
+            };
+            values[i] = None;
         }
+        let out = StoredSettings::from_array(values);
         if out.promote_after_misses == Some(0) {
             return Err("promote-after must be at least 1".into());
         }

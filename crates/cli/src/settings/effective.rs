@@ -1,6 +1,6 @@
 //! Every policy setting as this run uses it, and where its value came from.
 
-use cairn_engine::StoredSettings;
+use cairn_engine::{StoredSettings, SETTINGS_COUNT};
 use serde_json::{json, Map, Value};
 
 use crate::writeback::WritebackPolicy;
@@ -35,16 +35,27 @@ pub const DEFAULT_WRITEBACK_MAX_AGE_SECS: u64 = 30;
 pub const DEFAULT_WRITEBACK_RATE_BYTES_PER_SEC: u64 = 0;
 pub const DEFAULT_PAGE_CACHE_READS: bool = true;
 
+/// The defaults in [`EffectiveSettings::NAMES`] order.
+const DEFAULTS: [u64; SETTINGS_COUNT] = [
+    DEFAULT_SEQUENTIAL_CUTOFF_BYTES,
+    DEFAULT_PROMOTE_AFTER_MISSES,
+    DEFAULT_WRITEBACK_HIGH_PCT,
+    DEFAULT_WRITEBACK_LOW_PCT,
+    DEFAULT_WRITEBACK_MAX_AGE_SECS,
+    DEFAULT_WRITEBACK_RATE_BYTES_PER_SEC,
+    DEFAULT_PAGE_CACHE_READS as u64,
+];
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EffectiveSettings {
     pub values: StoredSettings,
     /// By setting, in [`EffectiveSettings::NAMES`] order.
-    pub sources: [Source; 7],
+    pub sources: [Source; SETTINGS_COUNT],
 }
 
 impl EffectiveSettings {
     /// The settings' names, as `status --json` and `cairn set` spell them.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; SETTINGS_COUNT] = [
         "sequential_cutoff_bytes",
         "promote_after_misses",
         "writeback_high_pct",
@@ -57,78 +68,39 @@ impl EffectiveSettings {
     /// Each setting from `flags` if given there, else from `stored`, else
     /// the default.
     pub fn resolve(flags: &StoredSettings, stored: &StoredSettings) -> EffectiveSettings {
-        let mut sources = [Source::Default; 7];
-        let mut pick =
-            |i: usize, flag: Option<u64>, stored: Option<u64>, default: u64| match (flag, stored) {
-                (Some(v), _) => {
-                    sources[i] = Source::Flag;
-                    v
-                }
-                (None, Some(v)) => {
-                    sources[i] = Source::Stored;
-                    v
-                }
-                (None, None) => default,
-            };
-        let values = StoredSettings {
-            sequential_cutoff_bytes: Some(pick(
-                0,
-                flags.sequential_cutoff_bytes,
-                stored.sequential_cutoff_bytes,
-                DEFAULT_SEQUENTIAL_CUTOFF_BYTES,
-            )),
-            promote_after_misses: Some(pick(
-                1,
-                flags.promote_after_misses,
-                stored.promote_after_misses,
-                DEFAULT_PROMOTE_AFTER_MISSES,
-            )),
-            writeback_high_pct: Some(pick(
-                2,
-                flags.writeback_high_pct,
-                stored.writeback_high_pct,
-                DEFAULT_WRITEBACK_HIGH_PCT,
-            )),
-            writeback_low_pct: Some(pick(
-                3,
-                flags.writeback_low_pct,
-                stored.writeback_low_pct,
-                DEFAULT_WRITEBACK_LOW_PCT,
-            )),
-            writeback_max_age_secs: Some(pick(
-                4,
-                flags.writeback_max_age_secs,
-                stored.writeback_max_age_secs,
-                DEFAULT_WRITEBACK_MAX_AGE_SECS,
-            )),
-            writeback_rate_bytes_per_sec: Some(pick(
-                5,
-                flags.writeback_rate_bytes_per_sec,
-                stored.writeback_rate_bytes_per_sec,
-                DEFAULT_WRITEBACK_RATE_BYTES_PER_SEC,
-            )),
-            page_cache_reads: Some(
-                pick(
-                    6,
-                    flags.page_cache_reads.map(u64::from),
-                    stored.page_cache_reads.map(u64::from),
-                    u64::from(DEFAULT_PAGE_CACHE_READS),
-                ) == 1,
-            ),
-        };
-        EffectiveSettings { values, sources }
+        let (flags, stored) = (flags.to_array(), stored.to_array());
+        let mut sources = [Source::Default; SETTINGS_COUNT];
+        let values = std::array::from_fn(|i| match (flags[i], stored[i]) {
+            (Some(v), _) => {
+                sources[i] = Source::Flag;
+                Some(v)
+            }
+            (None, Some(v)) => {
+                sources[i] = Source::Stored;
+                Some(v)
+            }
+            (None, None) => Some(DEFAULTS[i]),
+        });
+        EffectiveSettings {
+            values: StoredSettings::from_array(values),
+            sources,
+        }
+    }
+
+    /// This run's flag values, but for the settings `named`: what stays a
+    /// flag when `cairn set` changes those while serving.
+    pub fn flags_except(&self, named: &[&str]) -> StoredSettings {
+        let values = self.values.to_array();
+        StoredSettings::from_array(std::array::from_fn(|i| {
+            let kept = self.sources[i] == Source::Flag && !named.contains(&Self::NAMES[i]);
+            values[i].filter(|_| kept)
+        }))
     }
 
     fn value(&self, i: usize) -> Value {
-        let v = &self.values;
-        match i {
-            0 => json!(v.sequential_cutoff_bytes),
-            1 => json!(v.promote_after_misses),
-            2 => json!(v.writeback_high_pct),
-            3 => json!(v.writeback_low_pct),
-            4 => json!(v.writeback_max_age_secs),
-            5 => json!(v.writeback_rate_bytes_per_sec),
-            _ => json!(v.page_cache_reads),
+        match (i, self.values.to_array()[i]) {
+            (6, v) => json!(v.map(|x| x != 0)),
+            (_, v) => json!(v),
         }
     }
 

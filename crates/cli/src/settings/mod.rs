@@ -5,5 +5,5 @@
 mod effective;
 mod shared;
 
-pub use effective::{EffectiveSettings, Source};
+pub use effective::EffectiveSettings;
 pub use shared::SharedSettings;
