@@ -131,3 +131,68 @@ fn block_status_shows_origin_holes_tracked_zeroes_and_cached_data() {
     image[32 * MIB as usize..33 * MIB as usize].copy_from_slice(&written);
     assert_same_bytes("the copy", &std::fs::read(&copy).unwrap(), &image);
 }
+
+/// The same over an NBD origin: the origin's own block status (asked on a
+/// side connection of nbdkit's file plugin) shows its holes through cairn.
+#[test]
+fn block_status_shows_the_holes_of_an_nbd_origin() {
+    if !require_tools("block_status_nbd", &["nbdinfo", "nbdcopy", "nbdkit"]) {
+        return;
+    }
+    let ctx = Ctx::new("block_status_nbd");
+    let size = 64 * MIB;
+    let origin = ctx.file("origin.img", size);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&origin)
+            .unwrap();
+        f.seek(SeekFrom::Start(40 * MIB)).unwrap();
+        f.write_all(&pattern(0x44, MIB as usize)).unwrap();
+        f.sync_all().unwrap();
+    }
+    let origin_sock = ctx.path("origin.sock");
+    let _nbdkit = start_nbdkit(&ctx, &origin_sock, &["file", &origin.to_string_lossy()]);
+    let origin_uri = format!("nbd+unix:///?socket={}", origin_sock.display());
+    let cache = ctx.file("cache.img", 16 * MIB);
+    ctx.format(&cache, &origin_uri, &[]);
+    let sock = ctx.path("nbd.sock");
+    let server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+
+    let m = map(&uri);
+    assert_eq!(state_at(&m, 0), "hole,zero", "{m:?}");
+    assert_eq!(state_at(&m, 40 * MIB), "data", "{m:?}");
+    assert_eq!(state_at(&m, 41 * MIB - 1), "data", "{m:?}");
+    assert_eq!(state_at(&m, 41 * MIB), "hole,zero", "{m:?}");
+    assert_eq!(m.iter().map(|e| e.1).sum::<u64>(), size, "{m:?}");
+
+    // A write into a hole is data at once (dirty in the cache), and stays
+    // data after write-back reached the origin.
+    let written = pattern(0x45, MIB as usize);
+    nbd_write(&uri, 4 * MIB, &written, true);
+    assert_eq!(state_at(&map(&uri), 4 * MIB), "data");
+    assert!(
+        eventually(std::time::Duration::from_secs(30), || u64_of(
+            &ctx.status(&cache),
+            "dirty_blocks"
+        ) == 0),
+        "write-back did not drain"
+    );
+    assert_eq!(state_at(&map(&uri), 4 * MIB), "data");
+
+    let before = ctx.status(&cache);
+    let copy = ctx.path("copy.img");
+    run_ok(tool("nbdcopy").arg(&uri).arg(&copy), TOOL_TIMEOUT);
+    let after = ctx.status(&cache);
+    let read = u64_of(&after, "read_bytes") - u64_of(&before, "read_bytes");
+    assert!(
+        read <= 4 * MIB,
+        "nbdcopy read {read} bytes of a volume with 2 MiB of data"
+    );
+    let mut image = vec![0u8; size as usize];
+    image[4 * MIB as usize..5 * MIB as usize].copy_from_slice(&written);
+    image[40 * MIB as usize..41 * MIB as usize].copy_from_slice(&pattern(0x44, MIB as usize));
+    assert_same_bytes("the copy", &std::fs::read(&copy).unwrap(), &image);
+}

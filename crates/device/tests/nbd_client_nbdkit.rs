@@ -520,3 +520,88 @@ fn request_timeout_fires_and_the_device_recovers() {
     device.write_at(0, &[5u8; 4096]).unwrap();
     assert!(device.stats().reconnects >= 1);
 }
+
+/// `(length, allocated)` of each run, for comparing with what was written.
+fn runs_of(device: &dyn Device, offset: u64, len: u64) -> Vec<(u64, bool)> {
+    let runs = device.allocation(offset, len).unwrap();
+    assert_eq!(
+        runs.iter().map(|r| r.length_bytes).sum::<u64>(),
+        len,
+        "the runs cover the range: {runs:?}"
+    );
+    runs.iter().map(|r| (r.length_bytes, r.allocated)).collect()
+}
+
+#[test]
+fn allocation_is_the_exports_block_status() {
+    if !nbdkit_or_skip("allocation_is_the_exports_block_status") {
+        return;
+    }
+    const MIB: u64 = 1 << 20;
+    let kit = NbdKit::start("extents", &["memory", "64M"]);
+    let device = NbdDevice::open_with(&kit.uri(), fast_options()).unwrap();
+    assert_eq!(
+        runs_of(&device, 0, EXPORT_BYTES),
+        vec![(EXPORT_BYTES, false)]
+    );
+    device.write_at(8 * MIB, &pattern(9, MIB as usize)).unwrap();
+    device.flush().unwrap();
+    assert_eq!(
+        runs_of(&device, 0, EXPORT_BYTES),
+        vec![(8 * MIB, false), (MIB, true), (55 * MIB, false)]
+    );
+    // Inside a range, and a range that ends in the data.
+    assert_eq!(
+        runs_of(&device, 4 * MIB, 4 * MIB + 4096),
+        vec![(4 * MIB, false), (4096, true)]
+    );
+    // A write not yet flushed is data: block status flushes first, since
+    // the side connection is promised only flushed writes.
+    device.write_at(20 * MIB, &pattern(10, 4096)).unwrap();
+    let before = device.stats().requests;
+    let runs = runs_of(&device, 20 * MIB, MIB);
+    assert!(runs[0].1 && runs[0].0 >= 4096, "{runs:?}");
+    assert_eq!(
+        device.stats().requests,
+        before + 1,
+        "one FLUSH on the data connection first"
+    );
+    runs_of(&device, 20 * MIB, MIB);
+    assert_eq!(
+        device.stats().requests,
+        before + 1,
+        "no flush when none is owed"
+    );
+    // A trimmed range is a hole again; a zeroed one may be allocated
+    // zeroes, which is data (only unallocated zeroes are a hole).
+    device.discard(8 * MIB, MIB).unwrap();
+    device.flush().unwrap();
+    assert_eq!(runs_of(&device, 8 * MIB, MIB), vec![(MIB, false)]);
+    drop(device);
+
+    // No multi-conn: a second connection is not promised the first one's
+    // writes, so nothing is asked and everything is data.
+    let kit = NbdKit::start(
+        "extents-single",
+        &[
+            "--filter=multi-conn",
+            "memory",
+            "64M",
+            "multi-conn-mode=disable",
+        ],
+    );
+    let device = NbdDevice::open_with(&kit.uri(), fast_options()).unwrap();
+    assert_eq!(
+        runs_of(&device, 0, EXPORT_BYTES),
+        vec![(EXPORT_BYTES, true)]
+    );
+    drop(device);
+
+    // A server that stops answering: the question fails, the answer is
+    // data, and the data connection is unaffected once it is back.
+    let mut kit = NbdKit::start("extents-gone", &["memory", "64M"]);
+    let device = NbdDevice::open_with(&kit.uri(), fast_options()).unwrap();
+    assert_eq!(runs_of(&device, 0, MIB), vec![(MIB, false)]);
+    kit.kill();
+    assert_eq!(runs_of(&device, 0, MIB), vec![(MIB, true)]);
+}

@@ -15,6 +15,7 @@ use cairn_nbd_proto::proto::{
 use super::batch::Batch;
 use super::command::{chunks, first_len, first_offset, write_commands, Command};
 use super::conn::{Conn, SendError};
+use super::extents::Extents;
 use super::handshake::NegotiatedExport;
 use super::link::Link;
 use super::options::NbdOptions;
@@ -22,7 +23,9 @@ use super::stats::{Counters, NbdStats};
 use super::uri::NbdUri;
 use cairn_io::Reactor;
 
-use crate::{check_range, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult};
+use crate::{
+    check_range, AllocationRun, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult,
+};
 
 /// TRIM and WRITE_ZEROES carry no payload but a 32-bit length: split at 1 GiB
 /// (a multiple of every legal minimum block size).
@@ -48,6 +51,14 @@ pub struct NbdDevice {
     next_cookie: AtomicU64,
     counters: Arc<Counters>,
     zeroes: Vec<u8>,
+    /// Block status on a side connection; `None` when the server does not
+    /// promise that one connection sees another's flushed writes.
+    extents: Option<Extents>,
+    /// Write-type calls finished (successfully or not) and the count the
+    /// last successful FLUSH covered: block status flushes first when they
+    /// differ, so the side connection sees every write.
+    writes_finished: AtomicU64,
+    writes_flushed: AtomicU64,
 }
 
 impl NbdDevice {
@@ -74,7 +85,12 @@ impl NbdDevice {
             })?;
         let info = conn.info;
         log_connected(&name, &info);
+        let extents = (info.flags & FLAG_CAN_MULTI_CONN != 0)
+            .then(|| Extents::new(parsed.clone(), options, info.size_bytes));
         Ok(NbdDevice {
+            extents,
+            writes_finished: AtomicU64::new(0),
+            writes_flushed: AtomicU64::new(0),
             link: Link::new(name.clone(), parsed, options, Arc::clone(&counters), conn),
             name,
             size_bytes: info.size_bytes,
@@ -339,6 +355,14 @@ impl NbdDevice {
     fn flags(&self) -> u16 {
         self.info.flags
     }
+
+    /// Run a write-type batch, counting it finished whatever its outcome
+    /// (a failed write may still have reached the disk).
+    fn execute_write(&self, commands: &[Command<'_>]) -> DeviceResult<()> {
+        let result = self.execute(commands).map(drop);
+        self.writes_finished.fetch_add(1, Ordering::AcqRel);
+        result
+    }
 }
 
 fn log_connected(name: &str, info: &NegotiatedExport) {
@@ -361,6 +385,9 @@ fn log_connected(name: &str, info: &NegotiatedExport) {
 
 impl Drop for NbdDevice {
     fn drop(&mut self) {
+        if let Some(extents) = &self.extents {
+            extents.close();
+        }
         self.link.close();
     }
 }
@@ -456,16 +483,18 @@ impl Device for NbdDevice {
         for (offset, bufs) in requests {
             write_commands(*offset, bufs, limit, &mut commands);
         }
-        self.execute(&commands).map(drop)
+        self.execute_write(&commands)
     }
 
     fn flush(&self) -> DeviceResult<()> {
         // FLUSH covers every write already replied to, and every write call
         // returns only after its replies: nothing else to wait for.
-        if self.flags() & FLAG_SEND_FLUSH == 0 {
-            return Ok(());
+        let covers = self.writes_finished.load(Ordering::Acquire);
+        if self.flags() & FLAG_SEND_FLUSH != 0 {
+            self.execute(&[Command::bare(CMD_FLUSH, 0, 0)])?;
         }
-        self.execute(&[Command::bare(CMD_FLUSH, 0, 0)]).map(drop)
+        self.writes_flushed.fetch_max(covers, Ordering::AcqRel);
+        Ok(())
     }
 
     fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
@@ -478,7 +507,7 @@ impl Device for NbdDevice {
         let commands: Vec<Command<'_>> = chunks(offset, len, MAX_EFFECT_BYTES)
             .map(|(at, n)| Command::bare(CMD_TRIM, at, n as u32))
             .collect();
-        self.execute(&commands).map(drop)
+        self.execute_write(&commands)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
@@ -502,6 +531,39 @@ impl Device for NbdDevice {
                 })
                 .collect()
         };
-        self.execute(&commands).map(drop)
+        self.execute_write(&commands)
+    }
+
+    /// The export's `base:allocation` block status, asked on a side
+    /// connection (see [`super::extents`]). Anything it cannot tell, or a
+    /// failure to ask, is data.
+    fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
+        check_range(&self.name, "allocation", offset, len, self.size_bytes)?;
+        let all_data = || {
+            vec![AllocationRun {
+                length_bytes: len,
+                allocated: true,
+            }]
+        };
+        let Some(extents) = &self.extents else {
+            return Ok(all_data());
+        };
+        if len == 0 {
+            return Ok(all_data());
+        }
+        // The side connection sees only flushed writes (multi-conn's promise).
+        if self.writes_finished.load(Ordering::Acquire)
+            != self.writes_flushed.load(Ordering::Acquire)
+        {
+            self.flush()?;
+        }
+        match extents.query(offset, len) {
+            Ok(Some(runs)) => Ok(runs),
+            Ok(None) => Ok(all_data()),
+            Err(err) => {
+                tracing::debug!(device = %self.name, "block status of {offset}+{len} failed: {err}");
+                Ok(all_data())
+            }
+        }
     }
 }

@@ -6,16 +6,17 @@
 use std::io::{self, Read, Write};
 
 use cairn_nbd_proto::codec::option::{
-    decode_option_reply_header, encode_info_request, encode_option,
+    decode_option_reply_header, encode_info_request, encode_meta_context_request, encode_option,
 };
 use cairn_nbd_proto::codec::wire::{OPTION_HEADER_BYTES, OPTION_REPLY_HEADER_BYTES};
 use cairn_nbd_proto::codec::{client_flags_for, BlockSizes, Info, OptionReplyHeader, ReplyError};
 use cairn_nbd_proto::proto::{
-    option_name, DEFAULT_MAX_PAYLOAD_BYTES, EXPORT_NAME_PADDING_BYTES, FLAG_FIXED_NEWSTYLE,
-    FLAG_NO_ZEROES, IHAVEOPT, INFO_BLOCK_SIZE, MAX_MIN_BLOCK_BYTES, MAX_STRING_BYTES, NBDMAGIC,
-    OLDSTYLE_MAGIC, OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, REP_ACK, REP_ERR_BLOCK_SIZE_REQD,
-    REP_ERR_INVALID, REP_ERR_PLATFORM, REP_ERR_POLICY, REP_ERR_SHUTDOWN, REP_ERR_TLS_REQD,
-    REP_ERR_TOO_BIG, REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO,
+    option_name, BASE_ALLOCATION, DEFAULT_MAX_PAYLOAD_BYTES, EXPORT_NAME_PADDING_BYTES,
+    FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, INFO_BLOCK_SIZE, MAX_MIN_BLOCK_BYTES,
+    MAX_STRING_BYTES, NBDMAGIC, OLDSTYLE_MAGIC, OPT_ABORT, OPT_EXPORT_NAME, OPT_GO,
+    OPT_SET_META_CONTEXT, OPT_STRUCTURED_REPLY, REP_ACK, REP_ERR_BLOCK_SIZE_REQD, REP_ERR_INVALID,
+    REP_ERR_PLATFORM, REP_ERR_POLICY, REP_ERR_SHUTDOWN, REP_ERR_TLS_REQD, REP_ERR_TOO_BIG,
+    REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO, REP_META_CONTEXT,
 };
 
 use super::transport::Stream;
@@ -75,8 +76,8 @@ fn option_error_name(reply: u32) -> &'static str {
     }
 }
 
-/// Run the client side of the handshake up to the transmission phase.
-pub(super) fn handshake(stream: &mut Stream, export: &str) -> io::Result<NegotiatedExport> {
+/// Read the greeting and answer it with the client flags.
+fn greet(stream: &mut Stream, export: &str) -> io::Result<Greeting> {
     if export.len() > MAX_STRING_BYTES {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -107,6 +108,19 @@ pub(super) fn handshake(stream: &mut Stream, export: &str) -> io::Result<Negotia
     let fixed = server_flags & FLAG_FIXED_NEWSTYLE != 0;
     let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
     stream.write_all(&client_flags_for(server_flags).to_be_bytes())?;
+    Ok(Greeting { fixed, no_zeroes })
+}
+
+/// What the server's greeting allows.
+struct Greeting {
+    /// Fixed newstyle: options can be haggled over.
+    fixed: bool,
+    no_zeroes: bool,
+}
+
+/// Run the client side of the handshake up to the transmission phase.
+pub(super) fn handshake(stream: &mut Stream, export: &str) -> io::Result<NegotiatedExport> {
+    let Greeting { fixed, no_zeroes } = greet(stream, export)?;
     if fixed {
         if let Some(info) = option_go(stream, export)? {
             return Ok(info);
@@ -114,6 +128,61 @@ pub(super) fn handshake(stream: &mut Stream, export: &str) -> io::Result<Negotia
         tracing::debug!("server does not know NBD_OPT_GO; using NBD_OPT_EXPORT_NAME");
     }
     option_export_name(stream, export, no_zeroes)
+}
+
+/// The handshake of a connection that asks only for block status:
+/// structured replies, then the `base:allocation` context, then GO.
+/// `Ok(None)`: the server cannot give block status (no fixed newstyle, no
+/// structured replies, no such context, no GO); the caller closes the
+/// socket.
+pub(super) fn extents_handshake(
+    stream: &mut Stream,
+    export: &str,
+) -> io::Result<Option<(NegotiatedExport, u32)>> {
+    let Greeting { fixed, .. } = greet(stream, export)?;
+    if !fixed {
+        return Ok(None);
+    }
+    send_option(stream, OPT_STRUCTURED_REPLY, &[])?;
+    let (reply, _) = read_option_reply(stream, OPT_STRUCTURED_REPLY)?;
+    if reply.reply_type != REP_ACK {
+        abort(stream);
+        return Ok(None);
+    }
+    let mut data = Vec::with_capacity(export.len() + BASE_ALLOCATION.len() + 12);
+    encode_meta_context_request(&mut data, export, &[BASE_ALLOCATION]);
+    send_option(stream, OPT_SET_META_CONTEXT, &data)?;
+    let mut context_id: Option<u32> = None;
+    for _ in 0..MAX_GO_REPLIES {
+        let (reply, payload) = read_option_reply(stream, OPT_SET_META_CONTEXT)?;
+        match reply.reply_type {
+            // The context id, then its name.
+            REP_META_CONTEXT
+                if payload.len() >= 4 && &payload[4..] == BASE_ALLOCATION.as_bytes() =>
+            {
+                context_id = Some(u32::from_be_bytes([
+                    payload[0], payload[1], payload[2], payload[3],
+                ]));
+            }
+            REP_ACK => break,
+            _ if reply.is_error() => {
+                abort(stream);
+                return Ok(None);
+            }
+            _ => {}
+        }
+    }
+    let Some(context_id) = context_id else {
+        abort(stream);
+        return Ok(None);
+    };
+    Ok(option_go(stream, export)?.map(|info| (info, context_id)))
+}
+
+/// A soft disconnect during the handshake; errors only mean the server
+/// already went away.
+fn abort(stream: &mut Stream) {
+    let _ = send_option(stream, OPT_ABORT, &[]);
 }
 
 /// Read one reply to `option`: the header (the magic first, so garbage is

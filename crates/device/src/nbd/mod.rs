@@ -5,9 +5,10 @@
 //!
 //! Protocol: fixed-newstyle handshake with `NBD_OPT_GO` (asking for the
 //! server's block-size constraints), falling back to `NBD_OPT_EXPORT_NAME`
-//! when the server does not know GO. Transmission uses simple replies only;
-//! structured replies are never negotiated, so a reply is a fixed 16-byte
-//! header plus, for a successful read, exactly the bytes asked for.
+//! when the server does not know GO. The data connection uses simple replies
+//! only; structured replies are never negotiated on it, so a reply is a
+//! fixed 16-byte header plus, for a successful read, exactly the bytes asked
+//! for.
 //!
 //! Concurrency: one connection, fully pipelined. Callers write their
 //! requests straight to the socket (under a short writer lock) and a reader
@@ -18,6 +19,10 @@
 //! connection keeps ordering and FLUSH semantics simple (a FLUSH covers every
 //! write already replied to, without the CAN_MULTI_CONN caveats); it is not
 //! the bottleneck in front of a slow origin.
+//!
+//! Block status: `base:allocation` is asked on a second connection that
+//! negotiates structured replies, and only of a server with
+//! `NBD_FLAG_CAN_MULTI_CONN`; see [`extents`].
 //!
 //! Failure: every request has a deadline (`request_timeout_ms`). A request
 //! that misses it fails with `TimedOut` and tears the connection down, since
@@ -33,7 +38,8 @@
 //! (sockets, connect with a deadline), [`handshake`] (negotiation),
 //! [`conn`] (one pipelined connection: the writer side), [`reader`] (its
 //! reader thread and the table of requests in flight), [`batch`] and
-//! [`command`] (what one device call sends and collects), [`link`]
+//! [`command`] (what one device call sends and collects), [`extents`]
+//! (block status on its side connection), [`link`]
 //! (reconnect with backoff) and [`device`] (the [`crate::Device`] impl).
 //! Every frame and constant of the protocol comes from `cairn-nbd-proto`.
 
@@ -41,6 +47,7 @@ mod batch;
 mod command;
 mod conn;
 mod device;
+mod extents;
 mod handshake;
 mod link;
 mod options;
