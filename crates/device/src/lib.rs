@@ -6,6 +6,7 @@
 //!   O_DIRECT and batched submission.
 //! - [`NbdDevice`]: a remote export through an NBD client, so the origin can
 //!   live on another machine.
+//! - [`RbdDevice`]: a Ceph RBD image through librbd (loaded at run time).
 //! - `SimDevice` (feature `sim`): an in-memory device for tests that can
 //!   crash (dropping, tearing and reordering unflushed writes), flip bits,
 //!   misdirect a write and fail the Nth I/O, all reproducible from a seed.
@@ -17,8 +18,10 @@
 mod allocation;
 mod buf;
 mod file;
+mod flush_debt;
 mod local;
 mod nbd;
+mod rbd;
 #[cfg(any(test, feature = "sim"))]
 mod sim;
 mod uring;
@@ -31,6 +34,7 @@ pub use local::{
     IO_BACKEND_ENV,
 };
 pub use nbd::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
+pub use rbd::{RbdDevice, RbdSpec};
 #[cfg(any(test, feature = "sim"))]
 pub use sim::{
     build_crash_image, CrashPlan, FaultMode, Journal, JournalEvent, OpKinds, PendingWrite,

@@ -97,9 +97,10 @@ pub fn open_local_with(
     )
 }
 
-/// Open an origin or cache given either a local path or an NBD URI
-/// (`nbd://...`, `nbd+unix://...`), so front ends need not tell them apart.
-/// `mode` only applies to local paths: a remote export cannot be locked from
+/// Open an origin or cache given a local path, an NBD URI (`nbd://...`,
+/// `nbd+unix://...`) or an RBD image (`rbd:POOL/IMAGE`), so front ends need
+/// not tell them apart. `mode` applies to local paths (a file lock) and RBD
+/// images (the image's exclusive lock); an NBD export cannot be locked from
 /// here, so exclusivity there is the operator's job.
 pub fn open_path_or_uri(spec: &str, mode: OpenMode) -> DeviceResult<Box<dyn Device>> {
     open_path_or_uri_with(spec, mode, None)
@@ -112,6 +113,9 @@ pub fn open_path_or_uri_with(
     mode: OpenMode,
     queue_depth: Option<usize>,
 ) -> DeviceResult<Box<dyn Device>> {
+    if crate::RbdSpec::is_rbd(spec) {
+        return Ok(Box::new(crate::RbdDevice::open(spec, mode)?));
+    }
     let lower = spec.to_ascii_lowercase();
     if lower.starts_with("nbd://") || lower.starts_with("nbd+") || lower.starts_with("nbds") {
         let mut options = crate::NbdOptions::default();

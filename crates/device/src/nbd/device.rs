@@ -23,6 +23,7 @@ use super::stats::{Counters, NbdStats};
 use super::uri::NbdUri;
 use cairn_io::Reactor;
 
+use crate::flush_debt::FlushDebt;
 use crate::{
     check_range, AllocationRun, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult,
 };
@@ -54,11 +55,9 @@ pub struct NbdDevice {
     /// Block status on a side connection; `None` when the server does not
     /// promise that one connection sees another's flushed writes.
     extents: Option<Extents>,
-    /// Write-type calls finished (successfully or not) and the count the
-    /// last successful FLUSH covered: block status flushes first when they
-    /// differ, so the side connection sees every write.
-    writes_finished: AtomicU64,
-    writes_flushed: AtomicU64,
+    /// Block status flushes first when a write is not flushed yet, so the
+    /// side connection sees every write.
+    flush_debt: FlushDebt,
 }
 
 impl NbdDevice {
@@ -89,8 +88,7 @@ impl NbdDevice {
             .then(|| Extents::new(parsed.clone(), options, info.size_bytes));
         Ok(NbdDevice {
             extents,
-            writes_finished: AtomicU64::new(0),
-            writes_flushed: AtomicU64::new(0),
+            flush_debt: FlushDebt::default(),
             link: Link::new(name.clone(), parsed, options, Arc::clone(&counters), conn),
             name,
             size_bytes: info.size_bytes,
@@ -360,7 +358,7 @@ impl NbdDevice {
     /// (a failed write may still have reached the disk).
     fn execute_write(&self, commands: &[Command<'_>]) -> DeviceResult<()> {
         let result = self.execute(commands).map(drop);
-        self.writes_finished.fetch_add(1, Ordering::AcqRel);
+        self.flush_debt.write_finished();
         result
     }
 }
@@ -489,11 +487,11 @@ impl Device for NbdDevice {
     fn flush(&self) -> DeviceResult<()> {
         // FLUSH covers every write already replied to, and every write call
         // returns only after its replies: nothing else to wait for.
-        let covers = self.writes_finished.load(Ordering::Acquire);
+        let covers = self.flush_debt.flush_starts();
         if self.flags() & FLAG_SEND_FLUSH != 0 {
             self.execute(&[Command::bare(CMD_FLUSH, 0, 0)])?;
         }
-        self.writes_flushed.fetch_max(covers, Ordering::AcqRel);
+        self.flush_debt.flushed(covers);
         Ok(())
     }
 
@@ -552,9 +550,7 @@ impl Device for NbdDevice {
             return Ok(all_data());
         }
         // The side connection sees only flushed writes (multi-conn's promise).
-        if self.writes_finished.load(Ordering::Acquire)
-            != self.writes_flushed.load(Ordering::Acquire)
-        {
+        if self.flush_debt.owed() {
             self.flush()?;
         }
         match extents.query(offset, len) {

@@ -1,0 +1,311 @@
+//! [`Handles`]: the cluster connection, pool context and open image, torn
+//! down in the reverse order.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::io;
+
+use super::completion::errno_error;
+use super::library::{ImageT, IoCtxT, Library, RadosT, LOCK_MODE_EXCLUSIVE};
+use super::spec::RbdSpec;
+
+/// Defaults set before the configuration file is read (which, like
+/// `CEPH_ARGS`, may override them): an OSD or monitor that stops answering
+/// fails the request after this long instead of holding it forever, so the
+/// engine sees a failing origin and retries.
+const DEFAULT_TIMEOUTS: [(&str, &str); 3] = [
+    ("rados_osd_op_timeout", "30"),
+    ("rados_mon_op_timeout", "30"),
+    ("client_mount_timeout", "30"),
+];
+
+/// Lock owners named in an error at most.
+const MAX_LOCK_OWNERS: usize = 8;
+
+/// An open image (see the module documentation).
+pub(super) struct Handles {
+    lib: &'static Library,
+    cluster: RadosT,
+    ioctx: IoCtxT,
+    pub image: ImageT,
+    lock_held: bool,
+}
+
+// SAFETY: librados clusters and librbd images are thread-safe: their C
+// calls may come from any thread, concurrently (librbd serialises what it
+// must internally). The handles are only closed in Drop, with `&mut self`.
+unsafe impl Send for Handles {}
+// SAFETY: as above.
+unsafe impl Sync for Handles {}
+
+/// Why an image could not be opened: the message, and whether the image
+/// is held by another client (so the caller reports it busy).
+pub(super) struct OpenFailure {
+    pub error: io::Error,
+    pub locked_by_another: bool,
+}
+
+impl OpenFailure {
+    fn new(error: io::Error) -> OpenFailure {
+        OpenFailure {
+            error,
+            locked_by_another: false,
+        }
+    }
+}
+
+fn c_string(what: &str, value: &str) -> Result<CString, OpenFailure> {
+    CString::new(value).map_err(|_| {
+        OpenFailure::new(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("the {what} has a NUL byte"),
+        ))
+    })
+}
+
+fn failed(rc: c_int, what: String) -> OpenFailure {
+    let os = errno_error(rc as isize);
+    OpenFailure::new(io::Error::new(os.kind(), format!("{what}: {os}")))
+}
+
+impl Handles {
+    /// Connect, open the image and, when `exclusive`, take its exclusive
+    /// lock.
+    pub fn open(
+        lib: &'static Library,
+        spec: &RbdSpec,
+        exclusive: bool,
+    ) -> Result<Handles, OpenFailure> {
+        let mut handles = Handles {
+            lib,
+            cluster: std::ptr::null_mut(),
+            ioctx: std::ptr::null_mut(),
+            image: std::ptr::null_mut(),
+            lock_held: false,
+        };
+        let cluster_name = c_string("cluster name", "ceph")?;
+        let client = c_string("client id", &spec.client_name())?;
+        // SAFETY: out-parameter and two NUL-terminated strings that live
+        // across the call. On failure nothing was created.
+        let rc = unsafe {
+            (lib.rados_create2)(
+                &mut handles.cluster,
+                cluster_name.as_ptr(),
+                client.as_ptr(),
+                0,
+            )
+        };
+        if rc < 0 {
+            handles.cluster = std::ptr::null_mut();
+            return Err(failed(
+                rc,
+                format!("cannot create a Ceph client as {}", spec.client_name()),
+            ));
+        }
+        for (option, value) in DEFAULT_TIMEOUTS {
+            handles.conf_set(option, value)?;
+        }
+        let conf = spec
+            .conf
+            .as_deref()
+            .map(|c| c_string("conf path", c))
+            .transpose()?;
+        // SAFETY: the cluster handle is live; NULL asks librados to search
+        // ($CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf).
+        let rc = unsafe {
+            (lib.rados_conf_read_file)(
+                handles.cluster,
+                conf.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+            )
+        };
+        if rc < 0 {
+            let which = spec.conf.clone().unwrap_or_else(|| {
+                "none found in $CEPH_CONF or /etc/ceph/ceph.conf; pass ?conf=PATH".into()
+            });
+            return Err(failed(
+                rc,
+                format!("cannot read the Ceph configuration ({which})"),
+            ));
+        }
+        // SAFETY: the cluster handle is live; NULL means CEPH_ARGS.
+        let rc = unsafe { (lib.rados_conf_parse_env)(handles.cluster, std::ptr::null()) };
+        if rc < 0 {
+            return Err(failed(rc, "cannot parse CEPH_ARGS".into()));
+        }
+        if let Some(keyring) = &spec.keyring {
+            handles.conf_set("keyring", keyring)?;
+        }
+        // SAFETY: the cluster handle is live and configured.
+        let rc = unsafe { (lib.rados_connect)(handles.cluster) };
+        if rc < 0 {
+            return Err(failed(
+                rc,
+                format!(
+                    "cannot connect to the Ceph cluster as {} (are its monitors up, and the key right?)",
+                    spec.client_name()
+                ),
+            ));
+        }
+        let pool = c_string("pool name", &spec.pool)?;
+        // SAFETY: connected cluster, NUL-terminated name, out-parameter.
+        let rc =
+            unsafe { (lib.rados_ioctx_create)(handles.cluster, pool.as_ptr(), &mut handles.ioctx) };
+        if rc < 0 {
+            handles.ioctx = std::ptr::null_mut();
+            return Err(failed(rc, format!("cannot open pool {:?}", spec.pool)));
+        }
+        let image = c_string("image name", &spec.image)?;
+        // SAFETY: live pool context, NUL-terminated name, out-parameter;
+        // NULL snapshot: the image head, writable.
+        let rc = unsafe {
+            (lib.rbd_open)(
+                handles.ioctx,
+                image.as_ptr(),
+                &mut handles.image,
+                std::ptr::null(),
+            )
+        };
+        if rc < 0 {
+            handles.image = std::ptr::null_mut();
+            return Err(failed(
+                rc,
+                format!("cannot open image {:?} in pool {:?}", spec.image, spec.pool),
+            ));
+        }
+        if exclusive {
+            handles.lock_exclusive(spec)?;
+        }
+        Ok(handles)
+    }
+
+    fn conf_set(&self, option: &str, value: &str) -> Result<(), OpenFailure> {
+        let o = c_string("option", option)?;
+        let v = c_string("option value", value)?;
+        // SAFETY: live cluster handle, two NUL-terminated strings.
+        let rc = unsafe { (self.lib.rados_conf_set)(self.cluster, o.as_ptr(), v.as_ptr()) };
+        if rc < 0 {
+            return Err(failed(
+                rc,
+                format!("cannot set Ceph option {option}={value}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Take the image's exclusive lock, so no other client (another cairn,
+    /// rbd-nbd, a VM) writes to it while cairn writes back.
+    fn lock_exclusive(&mut self, spec: &RbdSpec) -> Result<(), OpenFailure> {
+        // SAFETY: open image handle.
+        let rc = unsafe { (self.lib.rbd_lock_acquire)(self.image, LOCK_MODE_EXCLUSIVE) };
+        if rc == 0 {
+            self.lock_held = true;
+            return Ok(());
+        }
+        let name = spec.image_name();
+        if rc == -libc::EROFS || rc == -libc::EBUSY {
+            let owners = self.lock_owners();
+            return Err(OpenFailure {
+                error: io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    format!(
+                        "{name} is locked by another client ({}); stop it first, or if it is dead remove its lock with `rbd lock rm`",
+                        if owners.is_empty() { "owner unknown".to_string() } else { owners.join(", ") }
+                    ),
+                ),
+                locked_by_another: true,
+            });
+        }
+        if rc == -libc::EINVAL || rc == -libc::EOPNOTSUPP {
+            return Err(failed(
+                rc,
+                format!(
+                    "cannot take the exclusive lock of {name}: enable the feature with `rbd feature enable {}/{} exclusive-lock`",
+                    spec.pool, spec.image
+                ),
+            ));
+        }
+        Err(failed(
+            rc,
+            format!("cannot take the exclusive lock of {name}"),
+        ))
+    }
+
+    /// Who holds the image's lock, as librbd names them.
+    fn lock_owners(&self) -> Vec<String> {
+        let mut mode: c_int = 0;
+        let mut owners: [*mut c_char; MAX_LOCK_OWNERS] = [std::ptr::null_mut(); MAX_LOCK_OWNERS];
+        let mut count: usize = MAX_LOCK_OWNERS;
+        // SAFETY: open image; `owners` has room for `count` pointers, which
+        // librbd fills with strings we free with the cleanup call.
+        let rc = unsafe {
+            (self.lib.rbd_lock_get_owners)(self.image, &mut mode, owners.as_mut_ptr(), &mut count)
+        };
+        if rc < 0 {
+            return Vec::new();
+        }
+        let count = count.min(MAX_LOCK_OWNERS);
+        let names = owners[..count]
+            .iter()
+            .filter(|p| !p.is_null())
+            // SAFETY: librbd returned NUL-terminated strings.
+            .map(|p| unsafe { CStr::from_ptr(*p) }.to_string_lossy().into_owned())
+            .collect();
+        // SAFETY: the strings librbd allocated in this call, freed once.
+        unsafe { (self.lib.rbd_lock_get_owners_cleanup)(owners.as_mut_ptr(), count) };
+        names
+    }
+
+    pub fn size_bytes(&self) -> io::Result<u64> {
+        let mut size = 0u64;
+        // SAFETY: open image, out-parameter.
+        let rc = unsafe { (self.lib.rbd_get_size)(self.image, &mut size) };
+        if rc < 0 {
+            return Err(errno_error(rc as isize));
+        }
+        Ok(size)
+    }
+
+    /// The image's id: stable for its life, new if it is deleted and made
+    /// again under the same name.
+    pub fn id(&self) -> io::Result<String> {
+        let mut buf = vec![0u8; 64];
+        for _ in 0..4 {
+            // SAFETY: open image; `buf` has `buf.len()` writable bytes.
+            let rc = unsafe {
+                (self.lib.rbd_get_id)(self.image, buf.as_mut_ptr() as *mut c_char, buf.len())
+            };
+            if rc == -libc::ERANGE {
+                buf = vec![0u8; buf.len() * 4];
+                continue;
+            }
+            if rc < 0 {
+                return Err(errno_error(rc as isize));
+            }
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+            return Ok(String::from_utf8_lossy(&buf[..end]).into_owned());
+        }
+        Err(io::Error::other("the image id does not fit in 4 KiB"))
+    }
+}
+
+impl Drop for Handles {
+    fn drop(&mut self) {
+        // SAFETY: each handle is released once, image before pool before
+        // cluster, and only if it was created. rbd_close waits for the
+        // image's ops still in flight (a read whose task was dropped: its
+        // buffer is the op's own).
+        unsafe {
+            if !self.image.is_null() {
+                if self.lock_held {
+                    let _ = (self.lib.rbd_lock_release)(self.image);
+                }
+                let _ = (self.lib.rbd_close)(self.image);
+            }
+            if !self.ioctx.is_null() {
+                (self.lib.rados_ioctx_destroy)(self.ioctx);
+            }
+            if !self.cluster.is_null() {
+                (self.lib.rados_shutdown)(self.cluster);
+            }
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! `rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]`: which image, and
+//! how to reach its cluster.
+
+use std::fmt;
+
+/// A parsed RBD origin spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RbdSpec {
+    pub pool: String,
+    pub image: String,
+    /// The cluster configuration file; `None`: librados' own search
+    /// (`$CEPH_CONF`, `/etc/ceph/ceph.conf`, ...).
+    pub conf: Option<String>,
+    /// The client id, without `client.` (`admin` by default).
+    pub id: Option<String>,
+    pub keyring: Option<String>,
+}
+
+/// The prefix that marks an RBD origin.
+pub const RBD_PREFIX: &str = "rbd:";
+
+impl RbdSpec {
+    /// Whether `spec` names an RBD image rather than a path or NBD URI.
+    pub fn is_rbd(spec: &str) -> bool {
+        spec.len() >= RBD_PREFIX.len() && spec[..RBD_PREFIX.len()].eq_ignore_ascii_case(RBD_PREFIX)
+    }
+
+    pub fn parse(spec: &str) -> Result<RbdSpec, String> {
+        if !RbdSpec::is_rbd(spec) {
+            return Err(format!("{spec:?} does not start with {RBD_PREFIX}"));
+        }
+        let rest = &spec[RBD_PREFIX.len()..];
+        let (path, query) = match rest.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (rest, None),
+        };
+        let usage = "expected rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]";
+        let (pool, image) = path
+            .split_once('/')
+            .ok_or_else(|| format!("{spec:?}: no image name; {usage}"))?;
+        if pool.is_empty() || image.is_empty() {
+            return Err(format!("{spec:?}: empty pool or image name; {usage}"));
+        }
+        if image.contains('/') {
+            return Err(format!(
+                "{spec:?}: RBD namespaces are not supported; {usage}"
+            ));
+        }
+        if image.contains('@') {
+            return Err(format!(
+                "{spec:?}: a snapshot is read-only and cannot be an origin; {usage}"
+            ));
+        }
+        for (what, name) in [("pool", pool), ("image", image)] {
+            if name.bytes().any(|b| b == 0 || b.is_ascii_control()) {
+                return Err(format!("{spec:?}: the {what} name has control characters"));
+            }
+        }
+        let mut parsed = RbdSpec {
+            pool: pool.to_string(),
+            image: image.to_string(),
+            conf: None,
+            id: None,
+            keyring: None,
+        };
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| format!("{spec:?}: parameter {pair:?} has no value; {usage}"))?;
+            if value.is_empty() || value.bytes().any(|b| b == 0) {
+                return Err(format!(
+                    "{spec:?}: parameter {key:?} has an empty or invalid value"
+                ));
+            }
+            let slot = match key {
+                "conf" => &mut parsed.conf,
+                "id" => &mut parsed.id,
+                "keyring" => &mut parsed.keyring,
+                _ => {
+                    return Err(format!(
+                        "{spec:?}: unknown parameter {key:?} (known: conf, id, keyring)"
+                    ))
+                }
+            };
+            if slot.replace(value.to_string()).is_some() {
+                return Err(format!("{spec:?}: parameter {key:?} given twice"));
+            }
+        }
+        if let Some(bare) = parsed
+            .id
+            .as_deref()
+            .and_then(|id| id.strip_prefix("client."))
+        {
+            return Err(format!(
+                "{spec:?}: id= names the client without \"client.\" (id={bare})"
+            ));
+        }
+        Ok(parsed)
+    }
+
+    /// `client.ID`, as librados names the user.
+    pub fn client_name(&self) -> String {
+        format!("client.{}", self.id.as_deref().unwrap_or("admin"))
+    }
+
+    /// `rbd:POOL/IMAGE`, without the connection parameters.
+    pub fn image_name(&self) -> String {
+        format!("{RBD_PREFIX}{}/{}", self.pool, self.image)
+    }
+}
+
+impl fmt::Display for RbdSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.image_name())?;
+        let mut sep = '?';
+        for (key, value) in [
+            ("conf", &self.conf),
+            ("id", &self.id),
+            ("keyring", &self.keyring),
+        ] {
+            if let Some(value) = value {
+                write!(f, "{sep}{key}={value}")?;
+                sep = '&';
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_print_back() {
+        let s = RbdSpec::parse("rbd:rbd/vol1").unwrap();
+        assert_eq!((s.pool.as_str(), s.image.as_str()), ("rbd", "vol1"));
+        assert_eq!(s.client_name(), "client.admin");
+        assert_eq!(s.to_string(), "rbd:rbd/vol1");
+        let full = "rbd:pool/img?conf=/tmp/c/ceph.conf&id=cairn&keyring=/tmp/k";
+        let s = RbdSpec::parse(full).unwrap();
+        assert_eq!(s.conf.as_deref(), Some("/tmp/c/ceph.conf"));
+        assert_eq!(s.client_name(), "client.cairn");
+        assert_eq!(s.to_string(), full);
+        assert_eq!(s.image_name(), "rbd:pool/img");
+        assert!(RbdSpec::is_rbd("RBD:x/y"));
+        assert!(!RbdSpec::is_rbd("/dev/rbd0"));
+    }
+
+    #[test]
+    fn bad_specs_are_refused_with_the_reason() {
+        for (spec, why) in [
+            ("rbd:pool", "no image"),
+            ("rbd:/img", "empty"),
+            ("rbd:pool/", "empty"),
+            ("rbd:pool/ns/img", "namespaces"),
+            ("rbd:pool/img@snap", "snapshot"),
+            ("rbd:pool/img?conf", "no value"),
+            ("rbd:pool/img?conf=", "empty"),
+            ("rbd:pool/img?user=x", "unknown parameter"),
+            ("rbd:pool/img?id=a&id=b", "twice"),
+            ("rbd:pool/img?id=client.admin", "without \"client.\""),
+            ("nbd://x", "does not start"),
+        ] {
+            let err = RbdSpec::parse(spec).unwrap_err();
+            assert!(err.contains(why), "{spec}: {err}");
+        }
+    }
+}
