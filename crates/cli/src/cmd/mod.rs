@@ -67,10 +67,12 @@ pub fn read_stored_settings(cache_path: &Path) -> Result<cairn_engine::StoredSet
 fn recorded_origin(cache: &dyn Device) -> Result<String> {
     let sb = Engine::read_superblock(cache)?;
     if cairn_device::RbdSpec::is_rbd(&sb.origin_identity) {
-        // `rbd:POOL/IMAGE#ID`: the image by name, the cluster found as
-        // librados finds it ($CEPH_CONF, /etc/ceph/ceph.conf).
-        let name = sb.origin_identity.split('#').next().unwrap_or_default();
-        return Ok(name.to_string());
+        // `SPEC#ID`: the spec opens the image again (the id is checked).
+        let spec = sb
+            .origin_identity
+            .rsplit_once('#')
+            .map_or(sb.origin_identity.as_str(), |(spec, _id)| spec);
+        return Ok(spec.to_string());
     }
     Ok(match sb.origin_identity.strip_prefix("file:") {
         Some(path) => path.to_string(),

@@ -1,27 +1,41 @@
 //! [`AioOp`]: one librbd asynchronous call, finished by librbd's callback
-//! and awaited by a thread (condvar) or a reactor task (waker).
+//! and awaited, within a deadline, by a thread (condvar) or a reactor task
+//! (waker).
 //!
 //! The callback runs on a librbd thread. It owns one reference to the op
 //! (given to librbd as the callback argument), records the return value,
-//! releases the completion and wakes the waiter. Memory librbd writes into
-//! is either the caller's, with the caller blocked until the op is done
-//! (the synchronous calls), or the op's own buffer (a reactor task's read),
-//! which lives until the callback drops its reference: a task dropped
-//! mid-read never frees memory librbd still writes to.
+//! releases the completion and wakes the waiter. The memory librbd reads
+//! or writes is always the op's own buffer, never the caller's: a caller
+//! that gives up on an op (its deadline passed, its task was dropped)
+//! returns at once, and the op with its buffer lives on until librbd is
+//! done with it. Such abandoned ops are counted in [`Stuck`], so the
+//! device can refuse new work instead of piling memory up behind a dead
+//! OSD.
 
 use std::ffi::c_void;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use super::library::{CompletionT, Library};
+
+/// Ops given up on whose librbd call has not finished yet.
+#[derive(Debug, Default)]
+pub(super) struct Stuck {
+    pub ops: AtomicU64,
+    pub bytes: AtomicU64,
+}
 
 struct OpState {
     /// librbd's return value, once the callback ran.
     result: Option<isize>,
     waker: Option<Waker>,
+    /// The caller gave up; the callback settles [`Stuck`].
+    abandoned: bool,
 }
 
 /// One asynchronous librbd call (see the module documentation).
@@ -29,22 +43,25 @@ pub(super) struct AioOp {
     library: &'static Library,
     state: Mutex<OpState>,
     done: Condvar,
-    /// The op's own read buffer, for reads whose caller may go away.
+    /// What librbd reads (a write) or fills (a read); allocated once and
+    /// never resized, so its address is stable while librbd uses it.
     buffer: Mutex<Vec<u8>>,
+    stuck: Arc<Stuck>,
 }
 
 impl AioOp {
-    /// An op; `buffer_bytes` of its own memory for a read into it (0 for
-    /// an op that uses the caller's memory, or none).
-    pub fn new(library: &'static Library, buffer_bytes: usize) -> Arc<AioOp> {
+    /// An op whose buffer is `buffer` (empty for flush, discard, zeroes).
+    pub fn new(library: &'static Library, buffer: Vec<u8>, stuck: &Arc<Stuck>) -> Arc<AioOp> {
         Arc::new(AioOp {
             library,
             state: Mutex::new(OpState {
                 result: None,
                 waker: None,
+                abandoned: false,
             }),
             done: Condvar::new(),
-            buffer: Mutex::new(vec![0u8; buffer_bytes]),
+            buffer: Mutex::new(buffer),
+            stuck: Arc::clone(stuck),
         })
     }
 
@@ -52,27 +69,32 @@ impl AioOp {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The op's own buffer. Its address does not change: it is allocated
-    /// once and never resized.
+    /// The op's buffer. Touch it only before `submit` or after the op is
+    /// done: librbd uses it in between.
     pub fn buffer(&self) -> MutexGuard<'_, Vec<u8>> {
         self.buffer.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A librbd completion whose callback finishes this op, and submit
-    /// with it. `submit` returns librbd's immediate return code: when it is
-    /// negative the call was refused and the callback will never run, so
-    /// the callback's reference is taken back here and the op is finished
-    /// with that code.
-    pub fn submit(self: &Arc<Self>, submit: impl FnOnce(CompletionT) -> i32) {
+    /// Create a librbd completion whose callback finishes this op, and
+    /// submit with it: `submit` gets the completion and the buffer's
+    /// address and length, and returns librbd's immediate return code.
+    /// When that is negative the call was refused and the callback will
+    /// never run, so its reference is taken back here and the op is
+    /// finished with that code.
+    pub fn submit(self: &Arc<Self>, submit: impl FnOnce(CompletionT, *mut u8, usize) -> i32) {
         let lib = self.library;
+        let (address, len) = {
+            let mut buffer = self.buffer();
+            (buffer.as_mut_ptr(), buffer.len())
+        };
         let arg = Arc::into_raw(Arc::clone(self)) as *mut c_void;
         let mut completion: CompletionT = std::ptr::null_mut();
         // SAFETY: `arg` is a live Arc reference that `on_complete` takes
         // over; `completion` is an out-parameter.
         let rc = unsafe { (lib.rbd_aio_create_completion)(arg, on_complete, &mut completion) };
         if rc < 0 || completion.is_null() {
-            // SAFETY: the completion was not created, so nothing else will
-            // ever turn `arg` back into the Arc it came from.
+            // SAFETY: no completion exists, so nothing else will ever turn
+            // `arg` back into the Arc it came from.
             drop(unsafe { Arc::from_raw(arg as *const AioOp) });
             self.finish(if rc < 0 {
                 rc as isize
@@ -81,7 +103,7 @@ impl AioOp {
             });
             return;
         }
-        let rc = submit(completion);
+        let rc = submit(completion, address, len);
         if rc < 0 {
             // SAFETY: librbd refused the call, so the completion was never
             // armed and its callback will not run: release it and take
@@ -97,6 +119,11 @@ impl AioOp {
             let mut state = self.lock();
             debug_assert!(state.result.is_none(), "an op finished twice");
             state.result = Some(result);
+            if state.abandoned {
+                let bytes = self.buffer().len() as u64;
+                self.stuck.ops.fetch_sub(1, Ordering::AcqRel);
+                self.stuck.bytes.fetch_sub(bytes, Ordering::AcqRel);
+            }
             state.waker.take()
         };
         self.done.notify_all();
@@ -106,17 +133,41 @@ impl AioOp {
         }
     }
 
-    /// Block until the op is done; librbd's return value.
-    pub fn wait(&self) -> isize {
+    /// Give up on the op unless it is done: `Some(result)` if it finished
+    /// after all, else `None` and the op counts as stuck until it does.
+    pub fn abandon(&self) -> Option<isize> {
+        let mut state = self.lock();
+        if let Some(result) = state.result {
+            return Some(result);
+        }
+        if !state.abandoned {
+            state.abandoned = true;
+            self.stuck.ops.fetch_add(1, Ordering::AcqRel);
+            self.stuck
+                .bytes
+                .fetch_add(self.buffer().len() as u64, Ordering::AcqRel);
+        }
+        None
+    }
+
+    /// Block until the op is done or `deadline` passes; `None` when it
+    /// passed (the op is abandoned).
+    pub fn wait_until(&self, deadline: Instant) -> Option<isize> {
         let mut state = self.lock();
         loop {
             if let Some(result) = state.result {
-                return result;
+                return Some(result);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left == Duration::ZERO {
+                drop(state);
+                return self.abandon();
             }
             state = self
                 .done
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+                .wait_timeout(state, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 
@@ -155,7 +206,7 @@ extern "C" fn on_complete(completion: CompletionT, arg: *mut c_void) {
     let op = unsafe { Arc::from_raw(arg as *const AioOp) };
     let lib = op.library;
     // SAFETY: the completion is done; it is read once and then released,
-    // as librbd asks (the callback may release it).
+    // as librbd allows from its callback.
     let result = unsafe { (lib.rbd_aio_get_return_value)(completion) };
     // SAFETY: as above; nothing uses the completion afterwards.
     unsafe { (lib.rbd_aio_release)(completion) };

@@ -2,13 +2,15 @@
 
 use std::ffi::{c_int, c_void};
 use std::io;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use cairn_io::Reactor;
+use cairn_io::{first_of, Either, Reactor};
 
-use super::completion::{errno_error, AioOp};
+use super::completion::{errno_error, AioOp, Stuck};
 use super::handles::Handles;
-use super::library::{library, Library};
+use super::library::{library, CompletionT, ImageT, Library};
 use super::spec::RbdSpec;
 use crate::flush_debt::FlushDebt;
 use crate::{
@@ -18,6 +20,13 @@ use crate::{
 /// Extents one allocation call collects at most; the rest is data.
 const MAX_EXTENTS: usize = 4096;
 
+/// Bytes of abandoned ops (deadline passed, librbd still working on them)
+/// beyond which new requests fail at once: a dead OSD must not make cairn
+/// pile up copies of every retried write-back.
+const MAX_STUCK_BYTES: u64 = 256 << 20;
+/// Abandoned ops beyond which new requests fail at once.
+const MAX_STUCK_OPS: u64 = 4096;
+
 /// An RBD image as a device (see the module documentation).
 pub struct RbdDevice {
     name: String,
@@ -25,16 +34,27 @@ pub struct RbdDevice {
     size_bytes: u64,
     lib: &'static Library,
     handles: Handles,
+    /// A request not finished after this long fails with `TimedOut`.
+    timeout: Duration,
+    stuck: Arc<Stuck>,
     /// Allocation asks the OSDs, which see only what librbd's cache has
     /// flushed: it flushes first when a write is not yet.
     flush_debt: FlushDebt,
 }
 
+/// One op of a batch, with what its caller needs to judge and use it.
+struct Pending {
+    op: Arc<AioOp>,
+    offset: u64,
+    len: u64,
+    expect: Expect,
+}
+
 impl RbdDevice {
-    /// Open `spec` (`rbd:POOL/IMAGE[?conf=..&id=..&keyring=..]`). With
-    /// [`OpenMode::Exclusive`] the image's exclusive lock is taken, and
+    /// Open `spec` (`rbd:POOL/IMAGE[?conf=..&id=..&keyring=..&timeout=..]`).
+    /// With [`OpenMode::Exclusive`] the image's exclusive lock is taken and
     /// held until the device is dropped; another holder makes this fail
-    /// with [`DeviceError::Busy`]-like error naming it.
+    /// with an error naming it.
     pub fn open(spec: &str, mode: OpenMode) -> DeviceResult<RbdDevice> {
         let open_error = |message: String| DeviceError::Open {
             device: spec.to_string(),
@@ -67,11 +87,13 @@ impl RbdDevice {
         let id = handles.id().map_err(describe)?;
         tracing::debug!(device = %name, id = %id, size_bytes, "opened RBD image");
         Ok(RbdDevice {
-            identity: format!("{name}#{id}"),
+            identity: format!("{parsed}#{id}"),
             name,
             size_bytes,
             lib,
             handles,
+            timeout: parsed.timeout(),
+            stuck: Arc::new(Stuck::default()),
             flush_debt: FlushDebt::default(),
         })
     }
@@ -85,60 +107,99 @@ impl RbdDevice {
         }
     }
 
-    /// Wait for `ops`, each of `(offset, len, expected)`: the first error,
-    /// after every op is done (their memory is the caller's).
-    fn wait_all(&self, ops: Vec<(Arc<AioOp>, u64, u64, Expect)>) -> DeviceResult<()> {
+    /// Refuse new work while too much is stuck behind a silent cluster.
+    fn check_not_stuck(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        let ops = self.stuck.ops.load(Ordering::Acquire);
+        let bytes = self.stuck.bytes.load(Ordering::Acquire);
+        if ops < MAX_STUCK_OPS && bytes < MAX_STUCK_BYTES {
+            return Ok(());
+        }
+        Err(self.io_error(
+            offset,
+            len,
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{ops} earlier requests ({bytes} bytes) to the image have not finished; refusing more until they do"),
+            ),
+        ))
+    }
+
+    fn timed_out(&self, offset: u64, len: u64) -> DeviceError {
+        tracing::warn!(device = %self.name, offset, len, timeout_secs = self.timeout.as_secs(), "an RBD request did not finish in time");
+        self.io_error(
+            offset,
+            len,
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no answer from the Ceph cluster in {} s",
+                    self.timeout.as_secs()
+                ),
+            ),
+        )
+    }
+
+    /// Start an op over `buffer` (its own memory); `call` makes the librbd
+    /// call from the image, the completion and the buffer's address and
+    /// length.
+    fn start(
+        &self,
+        offset: u64,
+        len: u64,
+        expect: Expect,
+        buffer: Vec<u8>,
+        call: impl FnOnce(&'static Library, ImageT, CompletionT, *mut u8, usize) -> c_int,
+    ) -> Pending {
+        let op = AioOp::new(self.lib, buffer, &self.stuck);
+        let image = self.handles.image;
+        let lib = self.lib;
+        op.submit(|completion, address, buffer_len| {
+            call(lib, image, completion, address, buffer_len)
+        });
+        Pending {
+            op,
+            offset,
+            len,
+            expect,
+        }
+    }
+
+    /// Wait for every op (one deadline for the batch): the first error.
+    /// Each successful read's data goes to `sink` with its index.
+    fn wait_all(&self, ops: &[Pending], mut sink: impl FnMut(usize, &[u8])) -> DeviceResult<()> {
+        let deadline = Instant::now() + self.timeout;
         let mut first_error = None;
-        for (op, offset, len, expect) in ops {
-            let rc = op.wait();
-            if let Err(source) = expect.check(rc, len) {
-                first_error.get_or_insert_with(|| self.io_error(offset, len, source));
+        for (index, p) in ops.iter().enumerate() {
+            let outcome = match p.op.wait_until(deadline) {
+                Some(rc) => p
+                    .expect
+                    .check(rc, p.len)
+                    .map_err(|source| self.io_error(p.offset, p.len, source)),
+                None => Err(self.timed_out(p.offset, p.len)),
+            };
+            match outcome {
+                Ok(()) if p.expect == Expect::Bytes => sink(index, &p.op.buffer()),
+                Ok(()) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         first_error.map_or(Ok(()), Err)
     }
 
-    /// Start a read of `buf.len()` bytes at `offset` into `buf`, which must
-    /// stay alive and untouched until the op is waited for.
-    fn start_read(&self, offset: u64, buf: *mut u8, len: usize) -> Arc<AioOp> {
-        let op = AioOp::new(self.lib, 0);
-        let image = self.handles.image;
-        op.submit(|completion| {
-            // SAFETY: open image; `buf` has `len` writable bytes that the
-            // caller keeps alive until the op is done.
-            unsafe { (self.lib.rbd_aio_read)(image, offset, len, buf as *mut _, completion) }
-        });
-        op
-    }
-
-    /// Start a write of `bufs` back to back from `offset`; the buffers
-    /// must stay alive until the op is waited for.
-    fn start_write(&self, offset: u64, bufs: &[&[u8]]) -> Arc<AioOp> {
-        let iov: Vec<libc::iovec> = bufs
-            .iter()
-            .filter(|b| !b.is_empty())
-            .map(|b| libc::iovec {
-                iov_base: b.as_ptr() as *mut c_void,
-                iov_len: b.len(),
-            })
-            .collect();
-        let op = AioOp::new(self.lib, 0);
-        let image = self.handles.image;
-        op.submit(|completion| {
-            // SAFETY: open image; the iovec array lives across the call
-            // (librbd builds its buffer list from it then) and the data it
-            // points to lives until the op is waited for.
-            unsafe {
-                (self.lib.rbd_aio_writev)(
-                    image,
-                    iov.as_ptr(),
-                    iov.len() as c_int,
-                    offset,
-                    completion,
-                )
-            }
-        });
-        op
+    fn start_read(&self, offset: u64, len: usize) -> Pending {
+        // SAFETY (in the closure): open image; the op's own buffer of
+        // `len` bytes, alive as long as the op.
+        self.start(
+            offset,
+            len as u64,
+            Expect::Bytes,
+            vec![0u8; len],
+            |lib, image, c, buf, n| unsafe {
+                (lib.rbd_aio_read)(image, offset, n, buf as *mut _, c)
+            },
+        )
     }
 
     fn write_runs(&self, requests: &[(u64, &[&[u8]])]) -> DeviceResult<()> {
@@ -146,58 +207,78 @@ impl RbdDevice {
         for (offset, bufs) in requests {
             let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
             check_range(&self.name, "write", *offset, len, self.size_bytes)?;
-            if len == 0 {
+            self.check_not_stuck(*offset, len)?;
+        }
+        for (offset, bufs) in requests {
+            // One copy into the op's own memory, so a write given up on
+            // never reads the caller's buffers after we return.
+            let data = bufs.concat();
+            if data.is_empty() {
                 continue;
             }
-            ops.push((
-                self.start_write(*offset, bufs),
-                *offset,
-                len,
+            let offset = *offset;
+            // SAFETY (in the closure): open image; the op's own buffer.
+            ops.push(self.start(
+                offset,
+                data.len() as u64,
                 Expect::Success,
+                data,
+                |lib, image, c, buf, n| unsafe {
+                    (lib.rbd_aio_write)(image, offset, n, buf as *const _, c)
+                },
             ));
         }
-        let result = self.wait_all(ops);
-        if !requests.is_empty() {
+        let result = self.wait_all(&ops, |_, _| {});
+        if !ops.is_empty() {
             self.flush_debt.write_finished();
         }
         result
     }
 
-    /// One op with no memory of the caller's, waited for.
+    /// One op without data, waited for.
     fn run(
         &self,
         offset: u64,
         len: u64,
-        start: impl FnOnce(&'static Library, *mut c_void, super::library::CompletionT) -> c_int,
+        call: impl FnOnce(&'static Library, ImageT, CompletionT) -> c_int,
     ) -> DeviceResult<()> {
-        let op = AioOp::new(self.lib, 0);
-        let image = self.handles.image;
-        op.submit(|completion| start(self.lib, image, completion));
-        self.wait_all(vec![(op, offset, len, Expect::Success)])
+        self.check_not_stuck(offset, len)?;
+        let op = self.start(
+            offset,
+            len,
+            Expect::Success,
+            Vec::new(),
+            |lib, image, c, _, _| call(lib, image, c),
+        );
+        self.wait_all(&[op], |_, _| {})
     }
 
-    async fn read_async(&self, offset: u64, mut slice: BufSlice) -> (DeviceResult<()>, BufSlice) {
+    async fn read_async(
+        &self,
+        reactor: Reactor,
+        offset: u64,
+        mut slice: BufSlice,
+    ) -> (DeviceResult<()>, BufSlice) {
         let len = slice.len();
-        if let Err(e) = check_range(&self.name, "read", offset, len as u64, self.size_bytes) {
+        if let Err(e) = check_range(&self.name, "read", offset, len as u64, self.size_bytes)
+            .and_then(|()| self.check_not_stuck(offset, len as u64))
+        {
             return (Err(e), slice);
         }
-        // The op reads into its own buffer, so a task dropped mid-read
-        // leaves librbd writing only to memory the op still owns.
-        let op = AioOp::new(self.lib, len);
-        let buf = op.buffer().as_mut_ptr();
-        let image = self.handles.image;
-        op.submit(|completion| {
-            // SAFETY: open image; `buf` is the op's own buffer of `len`
-            // bytes, allocated once and alive as long as the op.
-            unsafe { (self.lib.rbd_aio_read)(image, offset, len, buf as *mut _, completion) }
-        });
-        let rc = op.done().await;
-        let result = match Expect::Bytes.check(rc, len as u64) {
-            Ok(()) => {
-                slice.as_mut_slice().copy_from_slice(&op.buffer());
-                Ok(())
-            }
-            Err(source) => Err(self.io_error(offset, len as u64, source)),
+        let pending = self.start_read(offset, len);
+        let rc = match first_of(pending.op.done(), reactor.sleep(self.timeout)).await {
+            Either::Left(rc) => Some(rc),
+            Either::Right(()) => pending.op.abandon(),
+        };
+        let result = match rc {
+            Some(rc) => match pending.expect.check(rc, len as u64) {
+                Ok(()) => {
+                    slice.as_mut_slice().copy_from_slice(&pending.op.buffer());
+                    Ok(())
+                }
+                Err(source) => Err(self.io_error(offset, len as u64, source)),
+            },
+            None => Err(self.timed_out(offset, len as u64)),
         };
         (result, slice)
     }
@@ -214,7 +295,7 @@ impl RbdDevice {
 }
 
 /// What a successful return value looks like.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Expect {
     /// Zero or more (writes, flush, discard, zeroes).
     Success,
@@ -269,9 +350,10 @@ impl Device for RbdDevice {
         "rbd"
     }
 
-    /// `rbd:POOL/IMAGE#ID`: the image id changes when an image is deleted
-    /// and made again under its name, and does not depend on how the
-    /// cluster is reached (conf, user, keyring).
+    /// The spec as parsed (pool, image and how the cluster is reached, as
+    /// an NBD origin's identity holds its socket), then `#ID`: the image id
+    /// changes when an image is deleted and made again under its name.
+    /// Without the `#ID` it is the spec that opens the image again.
     fn identity(&self) -> String {
         self.identity.clone()
     }
@@ -291,11 +373,11 @@ impl Device for RbdDevice {
         offset: u64,
         mut slice: BufSlice,
     ) -> DeviceFuture<'a, (DeviceResult<()>, BufSlice)> {
-        if Reactor::current().is_none() {
+        let Some(reactor) = Reactor::current() else {
             let result = self.read_at(offset, slice.as_mut_slice());
             return Box::pin(std::future::ready((result, slice)));
-        }
-        Box::pin(self.read_async(offset, slice))
+        };
+        Box::pin(self.read_async(reactor, offset, slice))
     }
 
     /// Every read submitted before the first is waited for.
@@ -308,21 +390,13 @@ impl Device for RbdDevice {
                 buf.len() as u64,
                 self.size_bytes,
             )?;
+            self.check_not_stuck(*offset, buf.len() as u64)?;
         }
-        let ops = requests
-            .iter_mut()
-            .filter(|(_, buf)| !buf.is_empty())
-            .map(|(offset, buf)| {
-                let len = buf.len();
-                (
-                    self.start_read(*offset, buf.as_mut_ptr(), len),
-                    *offset,
-                    len as u64,
-                    Expect::Bytes,
-                )
-            })
+        let ops: Vec<Pending> = requests
+            .iter()
+            .map(|(offset, buf)| self.start_read(*offset, buf.len()))
             .collect();
-        self.wait_all(ops)
+        self.wait_all(&ops, |index, data| requests[index].1.copy_from_slice(data))
     }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {

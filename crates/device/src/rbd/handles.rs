@@ -8,14 +8,14 @@ use super::completion::errno_error;
 use super::library::{ImageT, IoCtxT, Library, RadosT, LOCK_MODE_EXCLUSIVE};
 use super::spec::RbdSpec;
 
-/// Defaults set before the configuration file is read (which, like
-/// `CEPH_ARGS`, may override them): an OSD or monitor that stops answering
-/// fails the request after this long instead of holding it forever, so the
-/// engine sees a failing origin and retries.
-const DEFAULT_TIMEOUTS: [(&str, &str); 3] = [
-    ("rados_osd_op_timeout", "30"),
-    ("rados_mon_op_timeout", "30"),
-    ("client_mount_timeout", "30"),
+/// librados timeouts set to the spec's request deadline before the
+/// configuration file is read (which, like `CEPH_ARGS`, may override
+/// them): an OSD or monitor that stops answering fails the request instead
+/// of holding it forever.
+const TIMEOUT_OPTIONS: [&str; 3] = [
+    "rados_osd_op_timeout",
+    "rados_mon_op_timeout",
+    "client_mount_timeout",
 ];
 
 /// Lock owners named in an error at most.
@@ -101,8 +101,9 @@ impl Handles {
                 format!("cannot create a Ceph client as {}", spec.client_name()),
             ));
         }
-        for (option, value) in DEFAULT_TIMEOUTS {
-            handles.conf_set(option, value)?;
+        let timeout_secs = spec.timeout().as_secs().to_string();
+        for option in TIMEOUT_OPTIONS {
+            handles.conf_set(option, &timeout_secs)?;
         }
         let conf = spec
             .conf

@@ -53,8 +53,8 @@ pub(super) struct Library {
     pub rbd_aio_get_return_value: unsafe extern "C" fn(CompletionT) -> isize,
     pub rbd_aio_release: unsafe extern "C" fn(CompletionT),
     pub rbd_aio_read: unsafe extern "C" fn(ImageT, u64, usize, *mut c_char, CompletionT) -> c_int,
-    pub rbd_aio_writev:
-        unsafe extern "C" fn(ImageT, *const libc::iovec, c_int, u64, CompletionT) -> c_int,
+    pub rbd_aio_write:
+        unsafe extern "C" fn(ImageT, u64, usize, *const c_char, CompletionT) -> c_int,
     pub rbd_aio_flush: unsafe extern "C" fn(ImageT, CompletionT) -> c_int,
     pub rbd_aio_discard: unsafe extern "C" fn(ImageT, u64, u64, CompletionT) -> c_int,
     pub rbd_aio_write_zeroes:
@@ -126,7 +126,7 @@ fn load() -> Result<Library, String> {
         rbd_aio_get_return_value: symbol!(rbd, LIBRBD, rbd_aio_get_return_value),
         rbd_aio_release: symbol!(rbd, LIBRBD, rbd_aio_release),
         rbd_aio_read: symbol!(rbd, LIBRBD, rbd_aio_read),
-        rbd_aio_writev: symbol!(rbd, LIBRBD, rbd_aio_writev),
+        rbd_aio_write: symbol!(rbd, LIBRBD, rbd_aio_write),
         rbd_aio_flush: symbol!(rbd, LIBRBD, rbd_aio_flush),
         rbd_aio_discard: symbol!(rbd, LIBRBD, rbd_aio_discard),
         rbd_aio_write_zeroes: symbol!(rbd, LIBRBD, rbd_aio_write_zeroes),

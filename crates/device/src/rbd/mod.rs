@@ -14,8 +14,8 @@
 //! read submits `rbd_aio_read` and sleeps until librbd's callback wakes
 //! it, so the engine's origin queue depth is the number of reads in
 //! flight; a batch call submits every piece, then waits for all of them.
-//! Identity: `rbd:POOL/IMAGE#ID`, the image's id, which a deleted and
-//! recreated image does not keep. Exclusivity: the image's exclusive lock
+//! Identity: the spec, then `#ID`, the image's id, which a deleted and
+//! recreated image does not keep; the spec part reopens the image. Exclusivity: the image's exclusive lock
 //! is taken at open ([`handles`]) and held until close, so two caches
 //! never write back to one image; a second is refused naming the holder.
 

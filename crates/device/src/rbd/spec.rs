@@ -14,7 +14,17 @@ pub struct RbdSpec {
     /// The client id, without `client.` (`admin` by default).
     pub id: Option<String>,
     pub keyring: Option<String>,
+    /// A request librbd has not finished after this long fails (and
+    /// librados' own OSD and monitor timeouts default to it); `None`:
+    /// [`DEFAULT_TIMEOUT_SECS`].
+    pub timeout_secs: Option<u64>,
 }
+
+/// The request deadline without `timeout=`, as the NBD client's.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 30;
+
+/// The longest `timeout=` accepted.
+pub const MAX_TIMEOUT_SECS: u64 = 3600;
 
 /// The prefix that marks an RBD origin.
 pub const RBD_PREFIX: &str = "rbd:";
@@ -29,12 +39,16 @@ impl RbdSpec {
         if !RbdSpec::is_rbd(spec) {
             return Err(format!("{spec:?} does not start with {RBD_PREFIX}"));
         }
+        if spec.contains('#') {
+            // `#` ends the spec in the identity recorded at format time.
+            return Err(format!("{spec:?}: '#' is not allowed in an RBD spec"));
+        }
         let rest = &spec[RBD_PREFIX.len()..];
         let (path, query) = match rest.split_once('?') {
             Some((path, query)) => (path, Some(query)),
             None => (rest, None),
         };
-        let usage = "expected rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]";
+        let usage = "expected rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH&timeout=SECS]";
         let (pool, image) = path
             .split_once('/')
             .ok_or_else(|| format!("{spec:?}: no image name; {usage}"))?;
@@ -62,6 +76,7 @@ impl RbdSpec {
             conf: None,
             id: None,
             keyring: None,
+            timeout_secs: None,
         };
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair
@@ -72,13 +87,26 @@ impl RbdSpec {
                     "{spec:?}: parameter {key:?} has an empty or invalid value"
                 ));
             }
+            if key == "timeout" {
+                let secs = value
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|s| (1..=MAX_TIMEOUT_SECS).contains(s))
+                    .ok_or_else(|| {
+                        format!("{spec:?}: timeout={value} is not a number of seconds from 1 to {MAX_TIMEOUT_SECS}")
+                    })?;
+                if parsed.timeout_secs.replace(secs).is_some() {
+                    return Err(format!("{spec:?}: parameter \"timeout\" given twice"));
+                }
+                continue;
+            }
             let slot = match key {
                 "conf" => &mut parsed.conf,
                 "id" => &mut parsed.id,
                 "keyring" => &mut parsed.keyring,
                 _ => {
                     return Err(format!(
-                        "{spec:?}: unknown parameter {key:?} (known: conf, id, keyring)"
+                        "{spec:?}: unknown parameter {key:?} (known: conf, id, keyring, timeout)"
                     ))
                 }
             };
@@ -103,12 +131,18 @@ impl RbdSpec {
         format!("client.{}", self.id.as_deref().unwrap_or("admin"))
     }
 
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS))
+    }
+
     /// `rbd:POOL/IMAGE`, without the connection parameters.
     pub fn image_name(&self) -> String {
         format!("{RBD_PREFIX}{}/{}", self.pool, self.image)
     }
 }
 
+/// The spec as the identity records it: image and how the cluster is
+/// reached, without `timeout=` (tuning, which may change between runs).
 impl fmt::Display for RbdSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.image_name())?;
@@ -137,11 +171,12 @@ mod tests {
         assert_eq!((s.pool.as_str(), s.image.as_str()), ("rbd", "vol1"));
         assert_eq!(s.client_name(), "client.admin");
         assert_eq!(s.to_string(), "rbd:rbd/vol1");
-        let full = "rbd:pool/img?conf=/tmp/c/ceph.conf&id=cairn&keyring=/tmp/k";
+        let full = "rbd:pool/img?conf=/tmp/c/ceph.conf&id=cairn&keyring=/tmp/k&timeout=5";
         let s = RbdSpec::parse(full).unwrap();
         assert_eq!(s.conf.as_deref(), Some("/tmp/c/ceph.conf"));
         assert_eq!(s.client_name(), "client.cairn");
-        assert_eq!(s.to_string(), full);
+        assert_eq!(s.timeout_secs, Some(5));
+        assert_eq!(s.to_string(), full.trim_end_matches("&timeout=5"));
         assert_eq!(s.image_name(), "rbd:pool/img");
         assert!(RbdSpec::is_rbd("RBD:x/y"));
         assert!(!RbdSpec::is_rbd("/dev/rbd0"));
@@ -161,6 +196,10 @@ mod tests {
             ("rbd:pool/img?id=a&id=b", "twice"),
             ("rbd:pool/img?id=client.admin", "without \"client.\""),
             ("nbd://x", "does not start"),
+            ("rbd:pool/img?conf=/a#b", "'#'"),
+            ("rbd:pool/img?timeout=0", "from 1 to"),
+            ("rbd:pool/img?timeout=x", "from 1 to"),
+            ("rbd:pool/img?timeout=5&timeout=6", "twice"),
         ] {
             let err = RbdSpec::parse(spec).unwrap_err();
             assert!(err.contains(why), "{spec}: {err}");

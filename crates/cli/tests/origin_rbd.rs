@@ -1,0 +1,209 @@
+//! cairn in front of a Ceph RBD image (issue 19), against a real
+//! single-node cluster from `scripts/ceph-dev-cluster.sh`:
+//!
+//! 1. format over an image; a second client is refused while cairn holds
+//!    the image's exclusive lock, and the refusal names the holder;
+//! 2. fio writes a verified region (fsync'd), more load runs, `kill -9`;
+//!    restart (the dead daemon's lock is taken over), `fio --verify_only`
+//!    reports 0 errors; drain, stop, and `rbd export` of the image equals
+//!    the volume read through cairn;
+//! 3. the OSD stopped (SIGSTOP) while serving: cached reads still work,
+//!    fsync'd writes are absorbed, status says the origin is failing; the
+//!    OSD resumed, write-back drains, and the image holds every write.
+//!
+//! Needs ceph-mon, ceph-osd, ceph-mgr, ceph, rbd (Debian's ceph packages),
+//! fio and nbdcopy; skips without them, fails under CI=true.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+const VOLUME_BYTES: u64 = 128 * MIB;
+
+fn fio_verified(uri: &str, verify_only: bool) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--name=verified",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=1",
+        "--offset=0",
+        "--size=8M",
+        "--fsync=1",
+        "--verify=crc32c",
+        "--randseed=19",
+        "--output-format=json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.push(
+        if verify_only {
+            "--verify_only"
+        } else {
+            "--do_verify=0"
+        }
+        .into(),
+    );
+    a
+}
+
+fn fio(ctx: &Ctx, args: &[String]) -> serde_json::Value {
+    let out = run(
+        tool("fio").current_dir(&ctx.dir.path).args(args),
+        TOOL_TIMEOUT,
+    );
+    assert!(out.status.success(), "fio: {}", describe(&out));
+    let job = json_in(&stdout(&out))["jobs"][0].clone();
+    assert_eq!(job["error"], 0, "{job}");
+    job
+}
+
+/// The whole volume through cairn.
+fn volume_image(ctx: &Ctx, uri: &str, name: &str) -> Vec<u8> {
+    let path = ctx.path(name);
+    run_ok(tool("nbdcopy").arg(uri).arg(&path), TOOL_TIMEOUT);
+    std::fs::read(&path).unwrap()
+}
+
+fn image_export(ctx: &Ctx, ceph: &CephCluster, name: &str) -> Vec<u8> {
+    let path = ctx.path(name);
+    ceph.rbd(&["export", "rbd/vol", &path.to_string_lossy()]);
+    std::fs::read(&path).unwrap()
+}
+
+fn wait_drained(ctx: &Ctx, cache: &std::path::Path) {
+    ctx.flush(cache);
+    assert!(
+        eventually(Duration::from_secs(120), || {
+            let st = ctx.status(cache);
+            u64_of(&st, "dirty_blocks") == 0
+        }),
+        "write-back did not drain: {}",
+        ctx.status(cache)
+    );
+}
+
+#[test]
+fn rbd_origin_survives_kill9_and_a_stopped_osd() {
+    if !require_ceph("origin_rbd") || !require_tools("origin_rbd", &["fio", "nbdcopy"]) {
+        return;
+    }
+    let ctx = Ctx::new("origin_rbd");
+    let ceph = CephCluster::start(&ctx);
+    ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);
+    let spec = ceph.spec("vol");
+    let cache = ctx.file("cache.img", 32 * MIB);
+    ctx.format(&cache, &spec, &[]);
+    let st = ctx.status(&cache);
+    assert!(
+        st["origin"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with(&format!("{spec}#")),
+        "the identity is the image and its id: {st}"
+    );
+    let sock = ctx.path("nbd.sock");
+    // Requests to a silent OSD fail after 5 s instead of the default 30 s,
+    // so the test sees a failing origin quickly.
+    let serving_spec = format!("{spec}&timeout=5");
+    let env = [];
+    let serve_args = ["--origin", serving_spec.as_str()];
+
+    // 1. Exclusive: while cairn serves, another cache cannot take the image.
+    let mut server = ctx.serve_env(&cache, &sock, &serve_args, &env);
+    let other = ctx.file("other.img", 32 * MIB);
+    let refused = ctx.cairn(&[
+        "format",
+        "--cache",
+        &other.to_string_lossy(),
+        "--origin",
+        &spec,
+    ]);
+    assert_clean_failure(&refused, &["locked by another client"]);
+
+    // 2. kill -9 under load, restart, verify.
+    let uri = server.uri();
+    let job = fio(&ctx, &fio_verified(&uri, false));
+    assert_eq!(job["write"]["io_bytes"], 8 * MIB, "{job}");
+    let mut load = ctx.spawn(
+        "fio-load",
+        tool("fio").current_dir(&ctx.dir.path).args([
+            "--name=load",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=4",
+            "--offset=16M",
+            "--size=32M",
+            "--fsync=1",
+            "--time_based",
+            "--runtime=30",
+        ]),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    server.kill9();
+    let _ = load.wait_timeout(Duration::from_secs(60));
+    let mut server = ctx.serve_env(&cache, &sock, &serve_args, &env);
+    let uri = server.uri();
+    let job = fio(&ctx, &fio_verified(&uri, true));
+    assert_eq!(
+        job["read"]["io_bytes"],
+        8 * MIB,
+        "every verified block read: {job}"
+    );
+    wait_drained(&ctx, &cache);
+    let volume = volume_image(&ctx, &uri, "volume-1.img");
+    assert_eq!(volume.len() as u64, VOLUME_BYTES);
+    server.terminate();
+    assert_same_bytes(
+        "rbd export after kill -9, restart and drain",
+        &image_export(&ctx, &ceph, "export-1.img"),
+        &volume,
+    );
+
+    // 3. The OSD stops while cairn serves.
+    let mut server = ctx.serve_env(&cache, &sock, &serve_args, &env);
+    let uri = server.uri();
+    let cached = pattern(0x19, MIB as usize);
+    nbd_write(&uri, 64 * MIB, &cached, true);
+    assert_eq!(nbd_read(&uri, 64 * MIB, MIB as usize), cached);
+    wait_drained(&ctx, &cache);
+    ceph.script("pause-osd");
+    assert_eq!(
+        nbd_read(&uri, 64 * MIB, MIB as usize),
+        cached,
+        "a cached read while the OSD is stopped"
+    );
+    let absorbed = pattern(0x20, MIB as usize);
+    nbd_write(&uri, 96 * MIB, &absorbed, true);
+    let failing = eventually(Duration::from_secs(60), || {
+        ctx.status(&cache)["origin_state"] == "failing"
+    });
+    let st = ctx.status(&cache);
+    ceph.script("resume-osd");
+    assert!(failing, "status says the origin is failing: {st}");
+    assert!(u64_of(&st, "dirty_blocks") > 0, "{st}");
+    wait_drained(&ctx, &cache);
+    assert!(
+        eventually(Duration::from_secs(60), || ctx.status(&cache)
+            ["origin_state"]
+            == "ok"),
+        "{}",
+        ctx.status(&cache)
+    );
+    let volume = volume_image(&ctx, &uri, "volume-2.img");
+    server.terminate();
+    let export = image_export(&ctx, &ceph, "export-2.img");
+    assert_same_bytes("rbd export after the OSD came back", &export, &volume);
+    assert_same_bytes(
+        "the write absorbed while the OSD was stopped",
+        &export[96 * MIB as usize..97 * MIB as usize],
+        &absorbed,
+    );
+}
