@@ -36,6 +36,10 @@ struct OpState {
     waker: Option<Waker>,
     /// The caller gave up; the callback settles [`Stuck`].
     abandoned: bool,
+    /// A thread waits on the condvar. Only then is it notified: on Linux a
+    /// notify is a futex syscall whether anyone waits or not, and the
+    /// callback runs on librbd's one completion thread.
+    thread_waiting: bool,
 }
 
 /// One asynchronous librbd call (see the module documentation).
@@ -58,6 +62,7 @@ impl AioOp {
                 result: None,
                 waker: None,
                 abandoned: false,
+                thread_waiting: false,
             }),
             done: Condvar::new(),
             buffer: Mutex::new(buffer),
@@ -115,7 +120,7 @@ impl AioOp {
     }
 
     fn finish(&self, result: isize) {
-        let waker = {
+        let (waker, thread_waiting) = {
             let mut state = self.lock();
             debug_assert!(state.result.is_none(), "an op finished twice");
             state.result = Some(result);
@@ -124,9 +129,11 @@ impl AioOp {
                 self.stuck.ops.fetch_sub(1, Ordering::AcqRel);
                 self.stuck.bytes.fetch_sub(bytes, Ordering::AcqRel);
             }
-            state.waker.take()
+            (state.waker.take(), state.thread_waiting)
         };
-        self.done.notify_all();
+        if thread_waiting {
+            self.done.notify_all();
+        }
         // Outside the lock: a waker may run arbitrary code.
         if let Some(waker) = waker {
             waker.wake();
@@ -160,9 +167,11 @@ impl AioOp {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left == Duration::ZERO {
+                state.thread_waiting = false;
                 drop(state);
                 return self.abandon();
             }
+            state.thread_waiting = true;
             state = self
                 .done
                 .wait_timeout(state, left)
