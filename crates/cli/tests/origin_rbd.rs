@@ -9,7 +9,8 @@
 //!    the volume read through cairn;
 //! 3. the OSD stopped (SIGSTOP) while serving: cached reads still work,
 //!    fsync'd writes are absorbed, status says the origin is failing; the
-//!    OSD resumed, write-back drains, and the image holds every write.
+//!    OSD resumed, write-back drains, and the image holds every write;
+//! 4. the image deleted and made again under its name is refused.
 //!
 //! Needs ceph-mon, ceph-osd, ceph-mgr, ceph, rbd (Debian's ceph packages),
 //! fio and nbdcopy; skips without them, fails under CI=true.
@@ -206,4 +207,11 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
         &export[96 * MIB as usize..97 * MIB as usize],
         &absorbed,
     );
+
+    // 4. An image deleted and made again under the same name is another
+    //    origin: its id differs, and the cache refuses it.
+    ceph.rbd(&["rm", "rbd/vol"]);
+    ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);
+    let refused = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
+    assert_clean_failure(&refused, &["formatted for origin"]);
 }
