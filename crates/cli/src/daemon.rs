@@ -30,6 +30,8 @@ pub struct ServeOptions {
     pub metrics: Option<String>,
     /// Under socket activation: exit after this long with no client.
     pub idle_exit_secs: u64,
+    /// Connection limits and read-only.
+    pub connection: crate::cmd::connection_args::ConnectionArgs,
     /// Called once the volume is being served (the demo prints its hints).
     pub on_ready: Option<ReadyHook>,
 }
@@ -49,11 +51,12 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
 
     let (metrics_listener, listener) = bind_listeners(&opts)?;
     let description = listener.description().to_string();
-    let config = ServerConfig {
+    let mut config = ServerConfig {
         stop_when_idle: std::env::var_os("LISTEN_FDS").is_some(),
         idle_grace_ms: opts.idle_exit_secs.saturating_mul(1000),
         ..ServerConfig::default()
     };
+    opts.connection.apply(&mut config);
     let export = Arc::new(EngineExport {
         engine: engine.clone(),
         latencies: latencies.clone(),

@@ -128,11 +128,13 @@ fn insert_extras(
 }
 
 /// The NBD server's counters and limits, by name (status and metrics).
-pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 11] {
+pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 13] {
     [
         ("connections_active", n.connections_active),
         ("connections_accepted", n.connections_accepted),
         ("connections_refused", n.connections_refused),
+        ("connections_handshaking", n.connections_handshaking),
+        ("handshakes_evicted", n.handshakes_evicted),
         ("protocol_errors", n.protocol_errors),
         ("requests", n.requests),
         ("in_flight_limit_waits", n.in_flight_limit_waits),
@@ -256,11 +258,13 @@ fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
     writeln!(
         out,
-        "  nbd: {} connections ({} accepted, {} refused at the limit of {}), {} requests, {} protocol errors",
+        "  nbd: {} connections ({} in the handshake; {} accepted, {} refused at the limit of {}, {} handshakes pushed out), {} requests, {} protocol errors",
         get("nbd_connections_active"),
+        get("nbd_connections_handshaking"),
         get("nbd_connections_accepted"),
         get("nbd_connections_refused"),
         get("nbd_max_connections"),
+        get("nbd_handshakes_evicted"),
         get("nbd_requests"),
         get("nbd_protocol_errors")
     )?;

@@ -424,14 +424,52 @@ fn too_many_connections_are_refused() {
     };
     let server = TestServer::start(export, config);
     let mut first = Client::open(&server.socket, Mode::Simple, false).unwrap();
-    let mut second = UnixStream::connect(&server.socket).unwrap();
-    assert!(closed_by_server(&mut second));
+    // A second client may start its handshake, but is closed instead of
+    // entering transmission: it gets no reply to its GO.
+    assert!(Client::open(&server.socket, Mode::Simple, false).is_err());
     assert_eq!(server.handle().stats().connections_refused, 1);
     assert_serving(&mut first);
     first.disconnect().unwrap();
     eventually("slot free", || server.handle().active_connections() == 0);
     let mut third = Client::open(&server.socket, Mode::Simple, false).unwrap();
     assert_serving(&mut third);
+}
+
+#[test]
+fn handshakes_that_never_finish_do_not_lock_out_real_clients() {
+    let export = Arc::new(MemExport::new(SIZE));
+    let config = ServerConfig {
+        max_connections: 4,
+        max_handshakes: 8,
+        max_handshakes_per_peer: 4,
+        ..ServerConfig::default()
+    };
+    let server = TestServer::start(export, config);
+    let mut working = Client::open(&server.socket, Mode::Structured, false).unwrap();
+    // 100 connections that never say a word, far more than the handshake
+    // limit (and the established one).
+    let mut silent: Vec<UnixStream> = (0..100)
+        .map(|_| UnixStream::connect(&server.socket).unwrap())
+        .collect();
+    // The established client goes on, and new clients still get in, each
+    // pushing out the oldest silent handshakes.
+    for i in 0..3u64 {
+        assert_eq!(working.write(i * 4096, &pattern(i as u8, 4096)).unwrap(), 0);
+        let mut fresh = Client::open(&server.socket, Mode::Simple, false).unwrap();
+        assert_serving(&mut fresh);
+        fresh.disconnect().unwrap();
+    }
+    assert_serving(&mut working);
+    let stats = server.handle().stats();
+    assert!(
+        stats.handshakes_evicted >= 90,
+        "the silent handshakes were pushed out: {stats:?}"
+    );
+    assert!(stats.connections_handshaking <= 8, "{stats:?}");
+    // The oldest silent ones see their socket closed.
+    assert!(closed_by_server(&mut silent[0]));
+    drop(silent);
+    working.disconnect().unwrap();
 }
 
 // ------------------------------------------------------ replies & flow ---

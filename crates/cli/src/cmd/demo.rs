@@ -68,6 +68,7 @@ pub fn run(dir: &Path) -> Result<()> {
             no_writeback: false,
             metrics: None,
             idle_exit_secs: 30,
+            connection: Default::default(),
             on_ready: Some(on_ready),
         },
     )

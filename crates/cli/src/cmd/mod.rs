@@ -4,6 +4,7 @@
 
 pub mod check;
 pub mod completions;
+pub mod connection_args;
 pub mod demo;
 pub mod flush;
 pub mod format;

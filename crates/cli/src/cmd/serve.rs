@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use cairn_engine::{Engine, EngineConfig, StoredSettings};
 
+use super::connection_args::ConnectionArgs;
 use super::policy_args::PolicyArgs;
 use crate::admin::{client, AdminRequest};
 use crate::args::Mode;
@@ -36,6 +37,8 @@ pub struct ServeArgs {
     pub no_writeback: bool,
     #[command(flatten)]
     pub policy: PolicyArgs,
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
     /// Read cache hits with O_DIRECT only. By default hits are read through
     /// the host page cache, so the hottest blocks are served from RAM the
     /// kernel reclaims under memory pressure (it is not counted in cairn's
@@ -116,6 +119,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             no_writeback: args.no_writeback,
             metrics: args.metrics,
             idle_exit_secs: args.idle_exit_secs,
+            connection: args.connection,
             on_ready: None,
         },
     )

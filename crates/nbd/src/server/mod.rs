@@ -12,6 +12,7 @@
 //! taking requests when full), and all connections together hold at most
 //! `max_buffered_bytes` of read/write payload buffers.
 
+mod admission;
 mod budget;
 mod conn;
 mod listener;
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::codec::{BlockSizes, ExportInfo, Limits};
 use crate::export::{Export, ExportError};
+use admission::{Admission, AdmissionLimits, PeerKey};
 use budget::ByteBudget;
 use listener::Stream;
 
@@ -40,8 +42,15 @@ pub struct ServerConfig {
     pub export_description: Option<String>,
     /// Advertise READ_ONLY and refuse writes with EPERM.
     pub read_only: bool,
-    /// Connections beyond this are accepted and closed at once.
+    /// Established connections (past the handshake) at most; one that
+    /// finishes its handshake beyond this is closed instead of served.
     pub max_connections: usize,
+    /// Connections still in the handshake at most; a new one beyond this
+    /// closes the oldest handshake (see `admission`).
+    pub max_handshakes: usize,
+    /// Handshakes of one peer (IP address, or user id on the Unix socket)
+    /// at most; beyond this a new one closes that peer's oldest.
+    pub max_handshakes_per_peer: usize,
     /// Requests queued or running per connection before its reader stops
     /// reading (backpressure).
     pub max_in_flight_per_connection: usize,
@@ -88,6 +97,8 @@ impl Default for ServerConfig {
             export_description: None,
             read_only: false,
             max_connections: 32,
+            max_handshakes: 64,
+            max_handshakes_per_peer: 16,
             max_in_flight_per_connection: 32,
             max_option_bytes: limits.max_option_bytes,
             max_name_bytes: limits.max_name_bytes,
@@ -99,7 +110,7 @@ impl Default for ServerConfig {
             max_discard_bytes: limits.max_discard_bytes,
             max_block_status_extents: limits.max_block_status_extents,
             extended_headers: true,
-            handshake_timeout_ms: 10_000,
+            handshake_timeout_ms: 5_000,
             write_timeout_ms: 30_000,
             stop_when_idle: false,
             idle_grace_ms: 0,
@@ -111,9 +122,13 @@ impl ServerConfig {
     /// Check the limits are consistent with each other and the spec.
     pub fn validate(&self) -> Result<(), ServerError> {
         let bad = |m: String| Err(ServerError::Config(m));
-        if self.max_connections == 0 || self.max_in_flight_per_connection == 0 {
+        if self.max_connections == 0
+            || self.max_in_flight_per_connection == 0
+            || self.max_handshakes == 0
+            || self.max_handshakes_per_peer == 0
+        {
             return bad(
-                "max_connections and max_in_flight_per_connection must be at least 1".into(),
+                "max_connections, max_handshakes, max_handshakes_per_peer and max_in_flight_per_connection must be at least 1".into(),
             );
         }
         if !self.min_block_bytes.is_power_of_two()
@@ -222,8 +237,13 @@ pub enum ServerError {
 pub struct ServerStats {
     pub connections_active: u64,
     pub connections_accepted: u64,
-    /// Turned away at `max_connections`.
+    /// Turned away at `max_connections` (after their handshake).
     pub connections_refused: u64,
+    /// Connections in the handshake right now.
+    pub connections_handshaking: u64,
+    /// Handshakes closed to make room for newer ones (`max_handshakes`,
+    /// `max_handshakes_per_peer`).
+    pub handshakes_evicted: u64,
     pub protocol_errors: u64,
     pub requests: u64,
     /// A connection's reader paused at `max_in_flight_per_connection`.
@@ -242,6 +262,7 @@ pub struct ServerStats {
 pub(crate) struct Counters {
     connections_accepted: AtomicU64,
     connections_refused: AtomicU64,
+    handshakes_evicted: AtomicU64,
     protocol_errors: AtomicU64,
     requests: AtomicU64,
     pub(crate) in_flight_limit_waits: AtomicU64,
@@ -277,6 +298,7 @@ struct Shared {
     budget: ByteBudget,
     wake_tx: UnixStream,
     counters: Counters,
+    admission: Admission,
 }
 
 impl Shared {
@@ -286,6 +308,8 @@ impl Shared {
             connections_active: lock(&self.connections).len() as u64,
             connections_accepted: c.connections_accepted.load(Ordering::Relaxed),
             connections_refused: c.connections_refused.load(Ordering::Relaxed),
+            connections_handshaking: self.admission.counts().0 as u64,
+            handshakes_evicted: c.handshakes_evicted.load(Ordering::Relaxed),
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
             in_flight_limit_waits: c.in_flight_limit_waits.load(Ordering::Relaxed),
@@ -352,6 +376,11 @@ pub fn serve(
         budget: ByteBudget::new(config.max_buffered_bytes),
         wake_tx,
         counters: Counters::default(),
+        admission: Admission::new(AdmissionLimits {
+            max_handshakes: config.max_handshakes,
+            max_handshakes_per_peer: config.max_handshakes_per_peer,
+            max_connections: config.max_connections,
+        }),
         export,
         config,
     });
@@ -524,27 +553,25 @@ fn accept_loop(
 }
 
 fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
-    let mut conns = lock(&shared.connections);
-    if conns.len() >= shared.config.max_connections {
-        drop(conns);
-        shared
-            .counters
-            .connections_refused
-            .fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(
-            max = shared.config.max_connections,
-            "too many connections; closing the new one"
-        );
-        stream.shutdown(std::net::Shutdown::Both);
-        return;
-    }
-    let control = match stream.try_clone() {
-        Ok(c) => c,
-        Err(e) => {
+    let (control, admission_handle) = match (stream.try_clone(), stream.try_clone()) {
+        (Ok(c), Ok(a)) => (c, a),
+        (Err(e), _) | (_, Err(e)) => {
             tracing::warn!(error = %e, "cannot clone client socket; closing it");
             return;
         }
     };
+    let admitted = shared
+        .admission
+        .admit(id, PeerKey::of(&stream), admission_handle);
+    for evicted in admitted.evicted {
+        shared
+            .counters
+            .handshakes_evicted
+            .fetch_add(1, Ordering::Relaxed);
+        // Its thread sees EOF and ends; it never reached transmission.
+        evicted.shutdown(std::net::Shutdown::Both);
+    }
+    let mut conns = lock(&shared.connections);
     conns.insert(id, control);
     *lock(&shared.idle_since) = None;
     drop(conns);
@@ -557,10 +584,12 @@ fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
         .name(format!("nbd-conn-{id}"))
         .spawn(move || {
             conn::run(&conn_shared, id, stream);
+            conn_shared.admission.finished(id);
             conn_shared.connection_finished(id);
         });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot start a connection thread; closing it");
+        shared.admission.finished(id);
         shared.connection_finished(id);
     }
 }

@@ -16,6 +16,8 @@ pub(super) enum End {
     MidMessage,
     Protocol(ProtocolError),
     HandshakeTimeout,
+    /// The handshake ended with every established slot taken.
+    TooManyConnections,
     WriteFailed,
     Io(io::Error),
 }

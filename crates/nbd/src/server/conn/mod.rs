@@ -76,7 +76,7 @@ pub(crate) fn run(shared: &Arc<Shared>, id: u64, mut stream: Stream) {
     }
     tracing::info!(conn = id, %peer, "client connected");
     let mut input = InBuf::new();
-    let end = match negotiate::negotiate(shared, &mut stream, &mut input) {
+    let end = match negotiate::negotiate(shared, id, &mut stream, &mut input) {
         Ok(session) => {
             tracing::debug!(conn = id, ?session, "entered transmission");
             input.shrink();
@@ -136,6 +136,18 @@ fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
         }
         End::HandshakeTimeout => {
             tracing::warn!(conn = id, %peer, "handshake timed out; disconnecting client");
+        }
+        End::TooManyConnections => {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                conn = id,
+                %peer,
+                max = shared.config.max_connections,
+                "too many connections; closing this one at the end of its handshake"
+            );
         }
         End::Io(e) => tracing::warn!(conn = id, %peer, error = %e, "connection I/O error"),
         End::MidMessage => {

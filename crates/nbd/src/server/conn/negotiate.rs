@@ -11,6 +11,7 @@ use crate::server::Shared;
 
 pub(super) fn negotiate(
     shared: &Shared,
+    id: u64,
     stream: &mut Stream,
     input: &mut InBuf,
 ) -> Result<Session, End> {
@@ -28,6 +29,11 @@ pub(super) fn negotiate(
         let step = negotiation
             .step(input.filled(), &mut out)
             .map_err(End::Protocol)?;
+        // An established slot before the reply that enters transmission:
+        // without one the client gets no reply, just the closed socket.
+        if matches!(step, NegotiationStep::Transmission { .. }) && !shared.admission.establish(id) {
+            return Err(End::TooManyConnections);
+        }
         if !out.is_empty() {
             stream.write_all(&out).map_err(|_| End::WriteFailed)?;
         }

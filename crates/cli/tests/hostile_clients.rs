@@ -1,0 +1,204 @@
+//! Clients that misbehave must not lock out the others (issue 17): 300
+//! connections that never finish the handshake, clients that declare a
+//! 4 GiB option and a 4 GiB write payload, all while a normal client
+//! (python3-libnbd) keeps writing, flushing and reading. The normal client
+//! never fails, a new client still gets in, and the daemon's RSS grows by
+//! less than 64 MiB. Also `--read-only`: advertised, and writes refused
+//! with EPERM. Needs python3-libnbd and nbdinfo; skips without them,
+//! fails under CI=true.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const OPT_EXPORT_NAME: u32 = 1;
+const OPT_GO: u32 = 7;
+const CMD_WRITE: u16 = 1;
+
+/// The normal client: write, flush, read back and compare, for `secs`.
+const NORMAL_CLIENT: &str = r#"
+import nbd, sys, time, os
+uri, secs = sys.argv[1], float(sys.argv[2])
+h = nbd.NBD()
+h.connect_uri(uri)
+end = time.time() + secs
+i = 0
+while time.time() < end:
+    off = (i % 256) * 65536
+    data = os.urandom(65536)
+    h.pwrite(data, off)
+    h.flush()
+    if h.pread(65536, off) != data:
+        print("mismatch at", off, flush=True)
+        sys.exit(1)
+    i += 1
+print("rounds", i, flush=True)
+"#;
+
+fn rss_bytes(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Read the fixed-newstyle greeting and answer it (fixed newstyle, no
+/// zeroes).
+fn greet(s: &mut UnixStream) -> bool {
+    let mut greeting = [0u8; 18];
+    if s.read_exact(&mut greeting).is_err() {
+        return false;
+    }
+    assert_eq!(&greeting[..8], &NBDMAGIC.to_be_bytes());
+    s.write_all(&3u32.to_be_bytes()).is_ok()
+}
+
+fn option_header(option: u32, length: u32) -> Vec<u8> {
+    let mut h = Vec::new();
+    h.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    h.extend_from_slice(&option.to_be_bytes());
+    h.extend_from_slice(&length.to_be_bytes());
+    h
+}
+
+/// A client that declares a 4 GiB option and sends 1 MiB of it.
+fn huge_option(socket: &Path) -> Option<UnixStream> {
+    let mut s = UnixStream::connect(socket).ok()?;
+    if !greet(&mut s) {
+        return Some(s);
+    }
+    let _ = s.write_all(&option_header(OPT_GO, u32::MAX));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = s.write_all(&vec![0u8; MIB as usize]);
+    Some(s)
+}
+
+/// A client that enters transmission, then declares a 4 GiB write and
+/// sends 1 MiB of it.
+fn huge_write(socket: &Path) -> Option<UnixStream> {
+    let mut s = UnixStream::connect(socket).ok()?;
+    if !greet(&mut s) {
+        return Some(s);
+    }
+    s.write_all(&option_header(OPT_EXPORT_NAME, 0)).ok()?;
+    let mut export = [0u8; 10];
+    s.read_exact(&mut export).ok()?;
+    let mut req = Vec::new();
+    req.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    req.extend_from_slice(&0u16.to_be_bytes());
+    req.extend_from_slice(&CMD_WRITE.to_be_bytes());
+    req.extend_from_slice(&7u64.to_be_bytes());
+    req.extend_from_slice(&0u64.to_be_bytes());
+    req.extend_from_slice(&u32::MAX.to_be_bytes());
+    let _ = s.write_all(&req);
+    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = s.write_all(&vec![0u8; MIB as usize]);
+    Some(s)
+}
+
+#[test]
+fn hostile_clients_do_not_lock_out_a_normal_one() {
+    if !require_python_nbd("hostile_clients") || !require_tools("hostile_clients", &["nbdinfo"]) {
+        return;
+    }
+    let ctx = Ctx::new("hostile_clients");
+    let (cache, _origin) = ctx.setup(64 * MIB, 256 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let pid = server.proc.pid();
+    let rss_before = rss_bytes(pid);
+
+    let mut normal = ctx.spawn(
+        "normal-client",
+        std::process::Command::new(python())
+            .arg("-c")
+            .arg(NORMAL_CLIENT)
+            .arg(&uri)
+            .arg("12"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    let mut peak_rss = rss_before;
+    let mut hostile: Vec<UnixStream> = Vec::new();
+    for i in 0..300 {
+        if let Ok(s) = UnixStream::connect(&sock) {
+            hostile.push(s);
+        }
+        if i % 15 == 0 {
+            hostile.extend(huge_option(&sock));
+            hostile.extend(huge_write(&sock));
+            peak_rss = peak_rss.max(rss_bytes(pid));
+        }
+    }
+    // A new client gets in while the silent ones are still connected.
+    let info = run(tool("nbdinfo").arg("--size").arg(&uri), TOOL_TIMEOUT);
+    assert!(
+        info.status.success(),
+        "a new client during the flood: {}",
+        describe(&info)
+    );
+    assert_eq!(stdout(&info).trim(), (256 * MIB).to_string());
+    while started.elapsed() < Duration::from_secs(8) {
+        peak_rss = peak_rss.max(rss_bytes(pid));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = normal
+        .wait_timeout(Duration::from_secs(60))
+        .expect("the normal client finishes");
+    let log = normal.log_text();
+    assert!(status.success(), "the normal client failed:\n{log}");
+    assert!(log.contains("rounds"), "{log}");
+    let growth = peak_rss.saturating_sub(rss_before);
+    assert!(
+        growth < 64 * MIB,
+        "RSS grew by {growth} bytes ({rss_before} -> {peak_rss})"
+    );
+    let st = ctx.status(&cache);
+    assert!(u64_of(&st, "nbd_handshakes_evicted") > 0, "{st}");
+    assert!(u64_of(&st, "nbd_connections_handshaking") <= 64, "{st}");
+    let _ = std::io::stderr().write_all(
+        format!(
+            "hostile clients: RSS {rss_before} -> peak {peak_rss} (+{growth} bytes), {} handshakes pushed out, normal client {}\n",
+            u64_of(&st, "nbd_handshakes_evicted"),
+            log.trim()
+        )
+        .as_bytes(),
+    );
+    drop(hostile);
+}
+
+#[test]
+fn read_only_serving_refuses_writes_with_eperm() {
+    if !require_python_nbd("read_only") || !require_tools("read_only", &["nbdinfo"]) {
+        return;
+    }
+    let ctx = Ctx::new("read_only");
+    let (cache, _origin) = ctx.setup(16 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let server = ctx.serve(&cache, &sock, &["--read-only"]);
+    let uri = server.uri();
+    let info = run_ok(tool("nbdinfo").arg("--json").arg(&uri), TOOL_TIMEOUT);
+    let v = json_in(&stdout(&info));
+    assert_eq!(v["exports"][0]["is_read_only"], true, "{v}");
+    let script = format!(
+        "import nbd, errno\nh = nbd.NBD()\nh.connect_uri({uri:?})\nh.pread(4096, 0)\n# Send the write anyway: the server must refuse it, not libnbd.\nh.set_strict_mode(0)\ntry:\n    h.pwrite(b'x' * 4096, 0)\nexcept nbd.Error as e:\n    print('refused', e.errnum == errno.EPERM)\n"
+    );
+    let out = run_ok(
+        std::process::Command::new(python()).arg("-c").arg(&script),
+        TOOL_TIMEOUT,
+    );
+    assert_eq!(stdout(&out).trim(), "refused True", "{}", describe(&out));
+    assert_eq!(u64_of(&ctx.status(&cache), "writes"), 0);
+}
