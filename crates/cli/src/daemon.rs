@@ -168,7 +168,11 @@ fn bind_listeners(opts: &ServeOptions) -> Result<(Option<TcpListener>, Listener)
         None => None,
     };
     // Socket activation, TCP when asked, else a unix socket.
-    let data = if let Some(l) = Listener::from_systemd().context("socket activation")? {
+    let activated = Listener::from_systemd().context("socket activation")?;
+    let access = opts
+        .connection
+        .socket_access(opts.listen.is_some(), activated.is_some())?;
+    let data = if let Some(l) = activated {
         l
     } else if let Some(addr) = &opts.listen {
         Listener::bind_tcp(addr.as_str()).with_context(|| format!("listening on {addr}"))?
@@ -177,7 +181,8 @@ fn bind_listeners(opts: &ServeOptions) -> Result<(Option<TcpListener>, Listener)
             .socket
             .clone()
             .unwrap_or_else(|| PathBuf::from("cairn.sock"));
-        Listener::bind_unix(&sock).with_context(|| format!("listening on {}", sock.display()))?
+        Listener::bind_unix_with(&sock, &access)
+            .with_context(|| format!("listening on {}", sock.display()))?
     };
     Ok((metrics, data))
 }

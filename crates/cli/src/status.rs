@@ -128,13 +128,14 @@ fn insert_extras(
 }
 
 /// The NBD server's counters and limits, by name (status and metrics).
-pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 13] {
+pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 14] {
     [
         ("connections_active", n.connections_active),
         ("connections_accepted", n.connections_accepted),
         ("connections_refused", n.connections_refused),
         ("connections_handshaking", n.connections_handshaking),
         ("handshakes_evicted", n.handshakes_evicted),
+        ("connections_denied", n.connections_denied),
         ("protocol_errors", n.protocol_errors),
         ("requests", n.requests),
         ("in_flight_limit_waits", n.in_flight_limit_waits),

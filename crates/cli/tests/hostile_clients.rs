@@ -202,3 +202,108 @@ fn read_only_serving_refuses_writes_with_eperm() {
     assert_eq!(stdout(&out).trim(), "refused True", "{}", describe(&out));
     assert_eq!(u64_of(&ctx.status(&cache), "writes"), 0);
 }
+
+#[test]
+fn the_unix_socket_has_the_mode_and_group_asked_for() {
+    if !require_tools("socket_access", &["nbdinfo", "setpriv"]) {
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let ctx = Ctx::new("socket_access");
+    let (cache, _origin) = ctx.setup(16 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(
+        &cache,
+        &sock,
+        &["--socket-mode", "0660", "--socket-group", "1"],
+    );
+    let meta = std::fs::metadata(&sock).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o660);
+    assert_eq!(meta.gid(), 1);
+    let uri = server.uri();
+    run_ok(tool("nbdinfo").arg("--size").arg(&uri), TOOL_TIMEOUT);
+    // Nobody, in no group, may not connect.
+    let denied = run(
+        tool("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "nbdinfo",
+                "--size",
+            ])
+            .arg(&uri),
+        TOOL_TIMEOUT,
+    );
+    assert!(!denied.status.success(), "{}", describe(&denied));
+    assert!(
+        stderr(&denied).to_lowercase().contains("permission denied"),
+        "{}",
+        describe(&denied)
+    );
+
+    server.terminate();
+
+    // Wrong uses are refused with the reason.
+    let c = cache.to_string_lossy().into_owned();
+    let other = ctx.path("other.sock");
+    for (args, needle) in [
+        (vec!["--socket-mode", "0999"], "octal file mode"),
+        (vec!["--allow", "10.0.0.0/8"], "--allow applies to TCP"),
+        (vec!["--allow", "not-a-net"], "is not a network"),
+        (
+            vec!["--socket-group", "no-such-group-here"],
+            "no such group",
+        ),
+    ] {
+        let mut all = vec!["serve", "--cache", &c, "--socket"];
+        let o = other.to_string_lossy().into_owned();
+        all.push(&o);
+        all.extend(args.iter().copied());
+        let out = run(&mut ctx.cmd(&all), TOOL_TIMEOUT);
+        assert_clean_failure(&out, &[needle]);
+    }
+}
+
+#[test]
+fn tcp_clients_outside_the_allow_list_are_closed_at_once() {
+    if !require_tools("allow_list", &["nbdinfo"]) {
+        return;
+    }
+    let ctx = Ctx::new("allow_list");
+    let (cache, _origin) = ctx.setup(16 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().into_owned();
+    for (allow, served) in [("10.0.0.0/8", false), ("127.0.0.0/8", true)] {
+        let port = free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let mut proc = ctx.spawn(
+            "serve-tcp",
+            &mut ctx.cmd(&["serve", "--cache", &c, "--listen", &addr, "--allow", allow]),
+        );
+        assert!(
+            eventually(Duration::from_secs(30), || std::net::TcpStream::connect(
+                &addr
+            )
+            .is_ok()),
+            "{}",
+            proc.log_text()
+        );
+        let out = run(
+            tool("nbdinfo").arg("--size").arg(format!("nbd://{addr}")),
+            TOOL_TIMEOUT,
+        );
+        assert_eq!(
+            out.status.success(),
+            served,
+            "--allow {allow}: {}",
+            describe(&out)
+        );
+        let st = ctx.status(&cache);
+        assert_eq!(
+            u64_of(&st, "nbd_connections_denied") > 0,
+            !served,
+            "--allow {allow}: {st}"
+        );
+        proc.terminate(Duration::from_secs(30));
+    }
+}

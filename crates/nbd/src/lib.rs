@@ -33,5 +33,5 @@ pub use export::{
 };
 pub use server::{
     serve, Listener, ServerConfig, ServerError, ServerHandle, ServerStats, ShutdownTrigger,
-    StatsReader,
+    SocketAccess, StatsReader,
 };

@@ -1,7 +1,10 @@
 //! `serve`'s options for who may connect and how many at once, shared
 //! with the demo (which takes the defaults).
 
-use cairn_nbd::ServerConfig;
+use std::ffi::{CStr, CString};
+
+use anyhow::{bail, Context, Result};
+use cairn_nbd::{ServerConfig, SocketAccess};
 
 const DEFAULT_MAX_CONNECTIONS: u32 = 32;
 const DEFAULT_MAX_HANDSHAKES: u32 = 64;
@@ -33,6 +36,76 @@ pub struct ConnectionArgs {
     /// already in the cache goes on.
     #[arg(long)]
     pub read_only: bool,
+    /// File mode of the Unix socket, in octal (e.g. 0660): who may connect.
+    /// Set before the socket appears, so no client connects under a wider
+    /// mode. [default: what the umask gives]
+    #[arg(long, value_name = "OCTAL", value_parser = parse_mode)]
+    pub socket_mode: Option<u32>,
+    /// Group of the Unix socket (a name or a number), so that group's
+    /// members may connect under --socket-mode 0660.
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
+    /// With --listen: accept TCP clients only from this network (CIDR, e.g.
+    /// 192.168.1.0/24 or fd00::/8; a bare address is one host). Repeat for
+    /// several; others are closed at once, before the handshake. Without
+    /// it every address that reaches the port is served.
+    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
+    pub allow: Vec<ipnet::IpNet>,
+}
+
+fn parse_mode(value: &str) -> Result<u32, String> {
+    let digits = value.strip_prefix("0o").unwrap_or(value);
+    match u32::from_str_radix(digits, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        _ => Err(format!(
+            "{value:?} is not an octal file mode from 0 to 0777 (e.g. 0660)"
+        )),
+    }
+}
+
+fn parse_cidr(value: &str) -> Result<ipnet::IpNet, String> {
+    if let Ok(net) = value.parse::<ipnet::IpNet>() {
+        return Ok(net.trunc());
+    }
+    value
+        .parse::<std::net::IpAddr>()
+        .map(ipnet::IpNet::from)
+        .map_err(|_| format!("{value:?} is not a network (e.g. 10.0.0.0/8) or an address"))
+}
+
+/// A group name or number, as its id.
+fn group_id(group: &str) -> Result<u32> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let name = CString::new(group).context("the group name has a NUL byte")?;
+    let mut grp: libc::group = unsafe_zeroed_group();
+    let mut buf = vec![0u8; 16 << 10];
+    let mut result: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: getgrnam_r fills `grp` with pointers into `buf`, both live
+    // across the call; `result` is an out-parameter.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            name.as_ptr(),
+            &mut grp,
+            buf.as_mut_ptr() as *mut libc::c_char,
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() {
+        bail!("--socket-group {group}: no such group");
+    }
+    // SAFETY: on success `grp.gr_name` points at a NUL-terminated name in `buf`.
+    let found = unsafe { CStr::from_ptr(grp.gr_name) };
+    tracing::debug!(group = %found.to_string_lossy(), gid = grp.gr_gid, "socket group");
+    Ok(grp.gr_gid)
+}
+
+fn unsafe_zeroed_group() -> libc::group {
+    // SAFETY: libc::group is a plain C struct of pointers and integers, for
+    // which all zeroes is a valid (empty) value.
+    unsafe { std::mem::zeroed() }
 }
 
 impl Default for ConnectionArgs {
@@ -43,6 +116,9 @@ impl Default for ConnectionArgs {
             max_handshakes_per_peer: DEFAULT_MAX_HANDSHAKES_PER_PEER,
             handshake_timeout_secs: DEFAULT_HANDSHAKE_TIMEOUT_SECS,
             read_only: false,
+            socket_mode: None,
+            socket_group: None,
+            allow: Vec::new(),
         }
     }
 }
@@ -55,5 +131,25 @@ impl ConnectionArgs {
         config.max_handshakes_per_peer = self.max_handshakes_per_peer as usize;
         config.handshake_timeout_ms = u64::from(self.handshake_timeout_secs) * 1000;
         config.read_only = self.read_only;
+        config.allow = self.allow.clone();
+    }
+
+    /// The Unix socket's mode and group, checked against how the daemon
+    /// listens (`tcp`: --listen; `activated`: a socket from systemd).
+    pub fn socket_access(&self, tcp: bool, activated: bool) -> Result<SocketAccess> {
+        let wants_access = self.socket_mode.is_some() || self.socket_group.is_some();
+        if activated && wants_access {
+            bail!("under socket activation the socket's mode and group come from the .socket unit (SocketMode=, SocketGroup=); drop --socket-mode and --socket-group");
+        }
+        if tcp && wants_access {
+            bail!("--socket-mode and --socket-group apply to the Unix socket, not to --listen");
+        }
+        if !tcp && !activated && !self.allow.is_empty() {
+            bail!("--allow applies to TCP clients (--listen); the Unix socket is governed by --socket-mode and --socket-group");
+        }
+        Ok(SocketAccess {
+            mode: self.socket_mode,
+            gid: self.socket_group.as_deref().map(group_id).transpose()?,
+        })
     }
 }

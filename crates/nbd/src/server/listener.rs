@@ -50,9 +50,19 @@ impl Listener {
     /// under a temporary name and renamed into place once it is listening,
     /// so clients never see a path that refuses connections.
     pub fn bind_unix(path: impl AsRef<Path>) -> Result<Listener, ServerError> {
+        Self::bind_unix_with(path, &SocketAccess::default())
+    }
+
+    /// [`Listener::bind_unix`] with the socket file's mode and group set
+    /// before clients can see it: under its temporary name, before the
+    /// rename puts it in place.
+    pub fn bind_unix_with(
+        path: impl AsRef<Path>,
+        access: &SocketAccess,
+    ) -> Result<Listener, ServerError> {
         let path = path.as_ref();
         check_existing_socket(path)?;
-        let listener = match bind_via_rename(path) {
+        let listener = match bind_via_rename(path, access) {
             Ok(l) => l,
             // A long path may leave no room for the temporary name; fall
             // back to binding in place (the stale file, if any, goes first).
@@ -60,6 +70,17 @@ impl Listener {
                 if e.raw_os_error() == Some(libc::ENAMETOOLONG)
                     || e.kind() == io::ErrorKind::InvalidInput =>
             {
+                if *access != SocketAccess::default() {
+                    // Bound in place, the socket would accept clients
+                    // under the umask's mode before its own is set.
+                    return Err(ServerError::Bind {
+                        what: path.display().to_string(),
+                        source: io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            "the socket path is too long to set its mode and group before clients see it; use a shorter path",
+                        ),
+                    });
+                }
                 remove_stale(path)?;
                 UnixListener::bind(path).map_err(|source| ServerError::Bind {
                     what: path.display().to_string(),
@@ -260,7 +281,28 @@ fn remove_stale(path: &Path) -> Result<(), ServerError> {
     }
 }
 
-fn bind_via_rename(path: &Path) -> io::Result<UnixListener> {
+/// Who may open the Unix socket: its file mode and group (the owner is
+/// the daemon's user). `None` keeps what bind made (the umask's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SocketAccess {
+    pub mode: Option<u32>,
+    pub gid: Option<u32>,
+}
+
+impl SocketAccess {
+    fn apply(&self, path: &Path) -> io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        if let Some(gid) = self.gid {
+            std::os::unix::fs::lchown(path, None, Some(gid))?;
+        }
+        if let Some(mode) = self.mode {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+        }
+        Ok(())
+    }
+}
+
+fn bind_via_rename(path: &Path, access: &SocketAccess) -> io::Result<UnixListener> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -269,6 +311,10 @@ fn bind_via_rename(path: &Path) -> io::Result<UnixListener> {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let tmp = dir.join(format!(".cairn.{}.{n}", std::process::id()));
     let listener = UnixListener::bind(&tmp)?;
+    if let Err(e) = access.apply(&tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     if let Err(e) = std::fs::rename(&tmp, path) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);

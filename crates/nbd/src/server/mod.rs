@@ -17,7 +17,7 @@ mod budget;
 mod conn;
 mod listener;
 
-pub use listener::Listener;
+pub use listener::{Listener, SocketAccess};
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -51,6 +51,10 @@ pub struct ServerConfig {
     /// Handshakes of one peer (IP address, or user id on the Unix socket)
     /// at most; beyond this a new one closes that peer's oldest.
     pub max_handshakes_per_peer: usize,
+    /// TCP clients allowed, by network; empty allows every address. A
+    /// client outside them is closed at accept, before a byte is sent.
+    /// Unix-socket clients are governed by the socket's mode and group.
+    pub allow: Vec<ipnet::IpNet>,
     /// Requests queued or running per connection before its reader stops
     /// reading (backpressure).
     pub max_in_flight_per_connection: usize,
@@ -99,6 +103,7 @@ impl Default for ServerConfig {
             max_connections: 32,
             max_handshakes: 64,
             max_handshakes_per_peer: 16,
+            allow: Vec::new(),
             max_in_flight_per_connection: 32,
             max_option_bytes: limits.max_option_bytes,
             max_name_bytes: limits.max_name_bytes,
@@ -244,6 +249,8 @@ pub struct ServerStats {
     /// Handshakes closed to make room for newer ones (`max_handshakes`,
     /// `max_handshakes_per_peer`).
     pub handshakes_evicted: u64,
+    /// TCP clients closed at accept: not in the allow list.
+    pub connections_denied: u64,
     pub protocol_errors: u64,
     pub requests: u64,
     /// A connection's reader paused at `max_in_flight_per_connection`.
@@ -263,6 +270,7 @@ pub(crate) struct Counters {
     connections_accepted: AtomicU64,
     connections_refused: AtomicU64,
     handshakes_evicted: AtomicU64,
+    connections_denied: AtomicU64,
     protocol_errors: AtomicU64,
     requests: AtomicU64,
     pub(crate) in_flight_limit_waits: AtomicU64,
@@ -310,6 +318,7 @@ impl Shared {
             connections_refused: c.connections_refused.load(Ordering::Relaxed),
             connections_handshaking: self.admission.counts().0 as u64,
             handshakes_evicted: c.handshakes_evicted.load(Ordering::Relaxed),
+            connections_denied: c.connections_denied.load(Ordering::Relaxed),
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
             in_flight_limit_waits: c.in_flight_limit_waits.load(Ordering::Relaxed),
@@ -553,6 +562,15 @@ fn accept_loop(
 }
 
 fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
+    if !allowed(&shared.config.allow, &stream) {
+        shared
+            .counters
+            .connections_denied
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(peer = %stream.peer(), "connection from an address not in the allow list; closing it");
+        stream.shutdown(std::net::Shutdown::Both);
+        return;
+    }
     let (control, admission_handle) = match (stream.try_clone(), stream.try_clone()) {
         (Ok(c), Ok(a)) => (c, a),
         (Err(e), _) | (_, Err(e)) => {
@@ -592,6 +610,29 @@ fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
         shared.admission.finished(id);
         shared.connection_finished(id);
     }
+}
+
+/// Whether a TCP client's address is in `allow` (an IPv4 client on an
+/// IPv6 socket counts by its IPv4 address too); Unix-socket clients and an
+/// empty list always pass. An address that cannot be read does not.
+fn allowed(allow: &[ipnet::IpNet], stream: &Stream) -> bool {
+    let Stream::Tcp(tcp) = stream else {
+        return true;
+    };
+    if allow.is_empty() {
+        return true;
+    }
+    let Ok(peer) = tcp.peer_addr() else {
+        return false;
+    };
+    let ip = peer.ip();
+    let mapped = match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4),
+        std::net::IpAddr::V4(_) => None,
+    };
+    allow
+        .iter()
+        .any(|net| net.contains(&ip) || mapped.is_some_and(|v4| net.contains(&v4)))
 }
 
 /// Shut every connection's reading side, wait for them to finish their
