@@ -220,6 +220,12 @@ mod tests {
         let (s, _p5) = stream();
         let admitted = admission.admit(5, PeerKey::Unknown, s);
         assert_eq!(admitted.evicted.len(), 1);
+        for s in admitted.evicted {
+            s.shutdown(std::net::Shutdown::Both);
+        }
+        assert!(closed(&peers[1]), "the oldest of all (2) was cut off");
+        assert!(!closed(&peers[2]), "3 is younger");
+        assert!(!closed(&p4), "4 is the youngest but one");
         assert_eq!(admission.counts(), (3, 0));
         // One established slot.
         assert!(admission.establish(3));
