@@ -8,7 +8,8 @@
 #   scripts/ceph-dev-cluster.sh stop-osd DIR  clean OSD shutdown (memstore is saved to DIR/osd.0)
 #   scripts/ceph-dev-cluster.sh start-osd DIR start the OSD again (memstore reloaded), wait for HEALTH_OK
 #   scripts/ceph-dev-cluster.sh pause-osd DIR SIGSTOP the OSD: I/O to it blocks, nothing is lost
-#   scripts/ceph-dev-cluster.sh resume-osd DIR SIGCONT the OSD: blocked I/O completes
+#   scripts/ceph-dev-cluster.sh resume-osd DIR SIGCONT the OSD (and re-peer it after a long
+#                                             pause): blocked I/O completes
 #
 # Clients: CEPH_CONF=DIR/ceph.conf rbd create --size 1G rbd/img; rbd ls; rbd export ...;
 # fio --ioengine=rbd --clientname=admin --pool=rbd --rbdname=img ... with CEPH_CONF set.
@@ -31,13 +32,20 @@
 # to be several times what is stored (1-2.4 GB for 256-512 MiB were seen).
 #
 # Stopping the OSD while it serves: use pause-osd/resume-osd. SIGSTOP freezes the OSD
-# with its memory intact, client I/O to it hangs (librados retries forever by default)
-# and completes after resume-osd. stop-osd/start-osd instead really restarts the OSD;
-# memstore keeps its data only because this script turns osd_fast_shutdown off, so a
-# SIGTERM makes the OSD write its store to DIR/osd.0 before exiting and start-osd
-# loads it back. A crashed or SIGKILLed OSD loses everything. Keep pauses short of the
-# OSD's suicide timeouts: they are raised here to 10 minutes, and after 15 minutes
-# without reports (mon osd report timeout) the monitor marks the OSD down.
+# with its memory intact; client I/O to it hangs (librados retries forever by default)
+# and completes after resume-osd. A pause shorter than the heartbeat grace (20 s) ends
+# with SIGCONT alone. After a longer one resume-osd also marks the OSD down, as its
+# peers would in a real cluster: the OSD rejoins, its PGs re-peer and blocked ops are
+# resent; resume-osd returns once the cluster is HEALTH_OK again (a few seconds). That
+# re-peer is also what revives an OSD whose PGs are stuck "laggy" (see the read lease
+# note in write_conf). The OSD's op thread suicide timeout is raised to 10 minutes; the
+# monitor marks an OSD that has not reported for 15 minutes down on its own.
+#
+# stop-osd/start-osd really restart the OSD. memstore keeps its data across that only
+# because this script turns osd_fast_shutdown off: on SIGTERM the OSD writes its store
+# to DIR/osd.0 and start-osd loads it back (checked: an rbd export before and after is
+# identical). An OSD that crashed or got SIGKILL loses everything; stop and start the
+# cluster then. I/O to the cluster blocks while the OSD is stopped.
 #
 # Health: the config switches off the warnings that a one-node, one-copy cluster
 # raises by design (no redundancy, insecure global_id reclaim, low disk space for the
@@ -53,6 +61,8 @@ TIMEOUT=${CEPH_DEV_TIMEOUT:-90}
 MON_ID=a
 MGR_ID=x
 OSD_ID=0
+# osd heartbeat grace, Ceph's default, written into ceph.conf: resume-osd uses it.
+HEARTBEAT_GRACE=20
 # Files and directories start creates in DIR; stop removes exactly these.
 OWNED=(ceph.conf client.admin.keyring mon.keyring monmap "mon.$MON_ID" "mgr.$MGR_ID"
   "osd.$OSD_ID" log run crash .ceph-dev-cluster)
@@ -65,6 +75,7 @@ usage: $PROG start|stop|status|stop-osd|start-osd|pause-osd|resume-osd DIR
   status DIR      ceph -s
   stop-osd DIR    stop the OSD cleanly (memstore saved to disk); start-osd DIR brings it back
   pause-osd DIR   SIGSTOP the OSD (I/O blocks, data kept); resume-osd DIR sends SIGCONT
+                  (and re-peers the OSD if it was paused for over 20 s)
 env: CEPH_DEV_MEMSTORE_BYTES (default 2147483648), CEPH_DEV_TIMEOUT (default 90 s)
 clients: CEPH_CONF=DIR/ceph.conf rbd ls; fio --ioengine=rbd --clientname=admin ...
 EOF
@@ -99,16 +110,18 @@ wait_for() {
   done
 }
 
+gone() { ! kill -0 "$1" 2>/dev/null; }
+
 # Send SIGTERM (or $2) to daemon $1 and wait until it is gone; SIGKILL after 30 s.
 kill_daemon() {
   local name=$1 sig=${2:-TERM} pid
   pid=$(daemon_pid "$name") || return 0
   kill -CONT "$pid" 2>/dev/null || true # a paused daemon cannot act on SIGTERM
   kill "-$sig" "$pid" 2>/dev/null || true
-  if ! wait_for 30 bash -c "! kill -0 $pid"; then
+  if ! wait_for 30 gone "$pid"; then
     log "$name (pid $pid) still there after 30 s, sending SIGKILL"
     kill -KILL "$pid" 2>/dev/null || true
-    wait_for 10 bash -c "! kill -0 $pid" || die "$name (pid $pid) does not die"
+    wait_for 10 gone "$pid" || die "$name (pid $pid) does not die"
   fi
   rm -f "$RUN/$name.pid"
 }
@@ -178,6 +191,16 @@ mon data avail crit = 1
 # PG states reach the mon through the mgr, every 5 s by default; start waits on them.
 mgr stats period = 1
 mon mgr digest period = 1
+# Ceph's default; resume-osd re-peers an OSD paused for longer than this.
+osd heartbeat grace = $HEARTBEAT_GRACE
+# Read leases: a PG serves I/O only while its lease (heartbeat grace * this ratio,
+# 16 s by default) holds; the OSD renews it on a timer. After a pause longer than the
+# lease its PGs go "laggy" until the renewal comes, and once (1 of 5 pauses of
+# 10-170 s) it never came: client ops waited "for readable" until the OSD was marked
+# down. A 1-hour lease keeps a pause from touching the lease at all; with one OSD there
+# is no other primary a long lease could hold up (a re-peer after mark-down or restart
+# took the usual few seconds).
+osd pool default read lease ratio = 180
 
 [mon]
 mon data = $DIR/mon.\$id
@@ -209,6 +232,9 @@ memstore device bytes = $MEMSTORE_BYTES
 osd fast shutdown = false
 # A paused (SIGSTOPped) OSD must not kill itself for slow threads when resumed.
 osd op thread suicide timeout = 600
+# resume-osd marks a long-paused OSD down; by default the 6th mark-down within 10
+# minutes makes the OSD shut itself down.
+osd max markdown count = 1000
 
 [client]
 keyring = $DIR/client.admin.keyring
@@ -255,6 +281,7 @@ cmd_start() {
         running=1
       else
         log "warning: $name is not running"
+        [[ $name != osd.* ]] || log "'$PROG start-osd $DIR' starts it"
       fi
     done
     if ((running)); then
@@ -367,6 +394,7 @@ cmd_stop_osd() {
   require_cluster
   daemon_pid "osd.$OSD_ID" >/dev/null || { log "osd.$OSD_ID is not running"; return; }
   kill_daemon "osd.$OSD_ID"
+  rm -f "$RUN/osd.$OSD_ID.paused"
   # A clean shutdown tells the monitor already; after a SIGKILL it would not know for
   # 15 minutes, so say it (a no-op if it is down already).
   cephc osd down "$OSD_ID" >/dev/null 2>&1 || true
@@ -384,18 +412,56 @@ cmd_start_osd() {
   log "osd.$OSD_ID started"
 }
 
-cmd_signal_osd() {
-  local sig=$1 pid
+# Is process $1 stopped (SIGSTOP)? Field 3 of /proc/PID/stat is the state, T for stopped.
+is_stopped() { [[ $(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) == T ]]; }
+
+cmd_pause_osd() {
+  local pid
   require_cluster
   pid=$(daemon_pid "osd.$OSD_ID") || die "osd.$OSD_ID is not running"
-  kill "-$sig" "$pid"
-  log "sent SIG$sig to osd.$OSD_ID (pid $pid)"
+  if is_stopped "$pid"; then
+    log "osd.$OSD_ID is already paused"
+    return
+  fi
+  date +%s >"$RUN/osd.$OSD_ID.paused"
+  kill -STOP "$pid"
+  log "osd.$OSD_ID (pid $pid) paused; I/O to it blocks until resume-osd"
+}
+
+cmd_resume_osd() {
+  local pid since paused
+  require_cluster
+  pid=$(daemon_pid "osd.$OSD_ID") || die "osd.$OSD_ID is not running"
+  if ! is_stopped "$pid"; then
+    log "osd.$OSD_ID is not paused"
+    rm -f "$RUN/osd.$OSD_ID.paused"
+    return
+  fi
+  since=$(cat "$RUN/osd.$OSD_ID.paused" 2>/dev/null || echo 0) # 0: paused by someone else
+  paused=$(($(date +%s) - since))
+  kill -CONT "$pid"
+  rm -f "$RUN/osd.$OSD_ID.paused"
+  if ((paused < HEARTBEAT_GRACE)); then
+    log "osd.$OSD_ID (pid $pid) resumed after ${paused}s"
+    return
+  fi
+  # Paused for longer than the heartbeat grace, a real cluster would have marked the OSD
+  # down and it would rejoin on waking. Do that here too: it is also the one thing that
+  # reliably revives PGs that an OSD of Ceph 16 left "laggy" (ops stuck "waiting for
+  # readable" for good, seen once after a 170 s pause). Blocked client ops are resent.
+  log "osd.$OSD_ID (pid $pid) resumed after ${paused}s; marking it down so that it re-peers"
+  cephc osd down "$OSD_ID" >/dev/null 2>&1 || true
+  wait_for "$TIMEOUT" osd_up || die "osd.$OSD_ID not back up after ${TIMEOUT}s; see $LOGS/osd.$OSD_ID.log"
+  wait_healthy
+  log "osd.$OSD_ID is serving again"
 }
 
 [[ $# == 2 ]] || usage
 [[ -n $2 ]] || usage
 # Absolute paths: they go into ceph.conf and are compared against daemon command lines.
 DIR=$(realpath -m -- "$2")
+# ceph.conf values are not quoted, and "mon cluster log file" is a space-separated list.
+[[ $DIR != *[[:space:]]* ]] || die "DIR must not contain white space: '$DIR'"
 CONF=$DIR/ceph.conf
 LOGS=$DIR/log
 RUN=$DIR/run
@@ -408,7 +474,7 @@ case $1 in
   status) cmd_status ;;
   stop-osd) cmd_stop_osd ;;
   start-osd) cmd_start_osd ;;
-  pause-osd) cmd_signal_osd STOP ;;
-  resume-osd) cmd_signal_osd CONT ;;
+  pause-osd) cmd_pause_osd ;;
+  resume-osd) cmd_resume_osd ;;
   *) usage ;;
 esac
