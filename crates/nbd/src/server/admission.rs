@@ -194,7 +194,7 @@ mod tests {
     #[test]
     fn the_oldest_handshake_makes_room_and_established_ones_are_capped() {
         let admission = Admission::new(AdmissionLimits {
-            max_handshakes: 3,
+            max_handshakes: 4,
             max_handshakes_per_peer: 2,
             max_connections: 1,
         });
@@ -207,34 +207,36 @@ mod tests {
             peers.push(p);
         }
         assert_eq!(admission.counts(), (3, 0));
-        // Peer a is at its cap: its own oldest (1) goes, not b's.
+        let cut = |admitted: Admitted| {
+            let n = admitted.evicted.len();
+            for s in admitted.evicted {
+                s.shutdown(std::net::Shutdown::Both);
+            }
+            n
+        };
+        // Peer a is at its cap (the table is not full): its own oldest (1)
+        // goes, not b's.
         let (s, p4) = stream();
-        let admitted = admission.admit(4, a, s);
-        assert_eq!(admitted.evicted.len(), 1);
-        for s in admitted.evicted {
-            s.shutdown(std::net::Shutdown::Both);
-        }
+        assert_eq!(cut(admission.admit(4, a, s)), 1);
         assert!(closed(&peers[0]), "the oldest of peer a was cut off");
-        assert!(!closed(&peers[2]), "peer b's handshake was left alone");
-        // Full overall: the oldest of all (2) goes for a new peer.
-        let (s, _p5) = stream();
-        let admitted = admission.admit(5, PeerKey::Unknown, s);
-        assert_eq!(admitted.evicted.len(), 1);
-        for s in admitted.evicted {
-            s.shutdown(std::net::Shutdown::Both);
-        }
+        assert!(!closed(&peers[1]) && !closed(&peers[2]));
+        // Room for one more of another peer.
+        let (s, p5) = stream();
+        assert_eq!(cut(admission.admit(5, PeerKey::Unknown, s)), 0);
+        // Full overall: the oldest of all (2) goes.
+        let (s, _p6) = stream();
+        assert_eq!(cut(admission.admit(6, PeerKey::Unknown, s)), 1);
         assert!(closed(&peers[1]), "the oldest of all (2) was cut off");
-        assert!(!closed(&peers[2]), "3 is younger");
-        assert!(!closed(&p4), "4 is the youngest but one");
-        assert_eq!(admission.counts(), (3, 0));
+        assert!(!closed(&peers[2]) && !closed(&p4) && !closed(&p5));
+        assert_eq!(admission.counts(), (4, 0));
         // One established slot.
         assert!(admission.establish(3));
         assert!(!admission.establish(4), "the established slot is taken");
-        assert_eq!(admission.counts(), (1, 1));
+        assert_eq!(admission.counts(), (2, 1));
         admission.finished(4);
         admission.finished(3);
-        assert_eq!(admission.counts(), (1, 0));
+        assert_eq!(admission.counts(), (2, 0));
         assert!(admission.establish(5));
-        drop(p4);
+        assert_eq!(admission.counts(), (1, 1));
     }
 }
