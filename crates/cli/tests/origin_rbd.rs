@@ -7,9 +7,10 @@
 //!    restart (the dead daemon's lock is taken over), `fio --verify_only`
 //!    reports 0 errors; drain, stop, and `rbd export` of the image equals
 //!    the volume read through cairn;
-//! 3. the OSD stopped (SIGSTOP) while serving: cached reads still work,
-//!    fsync'd writes are absorbed, status says the origin is failing; the
-//!    OSD resumed, write-back drains, and the image holds every write;
+//! 3. the OSD frozen (SIGSTOP), and then its process stopped, while
+//!    serving: cached reads still work, fsync'd writes are absorbed, status
+//!    says the origin is failing; the OSD back, write-back drains, and the
+//!    image holds every write;
 //! 4. the image deleted and made again under its name is refused.
 //!
 //! Needs ceph-mon, ceph-osd, ceph-mgr, ceph, rbd (Debian's ceph packages),
@@ -89,6 +90,66 @@ fn wait_drained(ctx: &Ctx, cache: &std::path::Path) {
     );
 }
 
+/// An OSD outage (`verbs`: the cluster script's stop and start) while
+/// cairn serves: a cached read still works, an fsync'd write is absorbed,
+/// status says the origin is failing; after the OSD is back, write-back
+/// drains and the image holds every write.
+fn osd_outage(
+    ctx: &Ctx,
+    ceph: &CephCluster,
+    cache: &std::path::Path,
+    serve_args: &[&str],
+    verbs: (&str, &str),
+    round: u64,
+) {
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(cache, &sock, serve_args);
+    let uri = server.uri();
+    let at = (64 + 8 * round) * MIB;
+    let cached = pattern(0x19 + round, MIB as usize);
+    nbd_write(&uri, at, &cached, true);
+    assert_eq!(nbd_read(&uri, at, MIB as usize), cached);
+    wait_drained(ctx, cache);
+    ceph.script(verbs.0);
+    assert_eq!(
+        nbd_read(&uri, at, MIB as usize),
+        cached,
+        "a cached read while the OSD is out ({})",
+        verbs.0
+    );
+    let absorbed_at = (96 + 8 * round) * MIB;
+    let absorbed = pattern(0x20 + round, MIB as usize);
+    nbd_write(&uri, absorbed_at, &absorbed, true);
+    let failing = eventually(Duration::from_secs(60), || {
+        ctx.status(cache)["origin_state"] == "failing"
+    });
+    let st = ctx.status(cache);
+    ceph.script(verbs.1);
+    assert!(
+        failing,
+        "{}: status says the origin is failing: {st}",
+        verbs.0
+    );
+    assert!(u64_of(&st, "dirty_blocks") > 0, "{st}");
+    wait_drained(ctx, cache);
+    assert!(
+        eventually(Duration::from_secs(60), || ctx.status(cache)
+            ["origin_state"]
+            == "ok"),
+        "{}",
+        ctx.status(cache)
+    );
+    let volume = volume_image(ctx, &uri, &format!("volume-{}.img", verbs.0));
+    server.terminate();
+    let export = image_export(ctx, ceph, &format!("export-{}.img", verbs.0));
+    assert_same_bytes(&format!("rbd export after {}", verbs.1), &export, &volume);
+    assert_same_bytes(
+        "the write absorbed while the OSD was out",
+        &export[absorbed_at as usize..(absorbed_at + MIB) as usize],
+        &absorbed,
+    );
+}
+
 #[test]
 fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     if !require_ceph("origin_rbd") || !require_tools("origin_rbd", &["fio", "nbdcopy"]) {
@@ -112,11 +173,10 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     // Requests to a silent OSD fail after 5 s instead of the default 30 s,
     // so the test sees a failing origin quickly.
     let serving_spec = format!("{spec}&timeout=5");
-    let env = [];
     let serve_args = ["--origin", serving_spec.as_str()];
 
     // 1. Exclusive: while cairn serves, another cache cannot take the image.
-    let mut server = ctx.serve_env(&cache, &sock, &serve_args, &env);
+    let mut server = ctx.serve(&cache, &sock, &serve_args);
     let other = ctx.file("other.img", 32 * MIB);
     let refused = ctx.cairn(&[
         "format",
@@ -150,7 +210,7 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     std::thread::sleep(Duration::from_secs(3));
     server.kill9();
     let _ = load.wait_timeout(Duration::from_secs(60));
-    let mut server = ctx.serve_env(&cache, &sock, &serve_args, &env);
+    let mut server = ctx.serve(&cache, &sock, &serve_args);
     let uri = server.uri();
     let job = fio(&ctx, &fio_verified(&uri, true));
     assert_eq!(
@@ -168,44 +228,23 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
         &volume,
     );
 
-    // 3. The OSD stops while cairn serves.
-    let mut server = ctx.serve_env(&cache, &sock, &serve_args, &env);
-    let uri = server.uri();
-    let cached = pattern(0x19, MIB as usize);
-    nbd_write(&uri, 64 * MIB, &cached, true);
-    assert_eq!(nbd_read(&uri, 64 * MIB, MIB as usize), cached);
-    wait_drained(&ctx, &cache);
-    ceph.script("pause-osd");
-    assert_eq!(
-        nbd_read(&uri, 64 * MIB, MIB as usize),
-        cached,
-        "a cached read while the OSD is stopped"
+    // 3. The OSD frozen (SIGSTOP), then the OSD process stopped and
+    //    started again, while cairn serves.
+    osd_outage(
+        &ctx,
+        &ceph,
+        &cache,
+        &serve_args,
+        ("pause-osd", "resume-osd"),
+        0,
     );
-    let absorbed = pattern(0x20, MIB as usize);
-    nbd_write(&uri, 96 * MIB, &absorbed, true);
-    let failing = eventually(Duration::from_secs(60), || {
-        ctx.status(&cache)["origin_state"] == "failing"
-    });
-    let st = ctx.status(&cache);
-    ceph.script("resume-osd");
-    assert!(failing, "status says the origin is failing: {st}");
-    assert!(u64_of(&st, "dirty_blocks") > 0, "{st}");
-    wait_drained(&ctx, &cache);
-    assert!(
-        eventually(Duration::from_secs(60), || ctx.status(&cache)
-            ["origin_state"]
-            == "ok"),
-        "{}",
-        ctx.status(&cache)
-    );
-    let volume = volume_image(&ctx, &uri, "volume-2.img");
-    server.terminate();
-    let export = image_export(&ctx, &ceph, "export-2.img");
-    assert_same_bytes("rbd export after the OSD came back", &export, &volume);
-    assert_same_bytes(
-        "the write absorbed while the OSD was stopped",
-        &export[96 * MIB as usize..97 * MIB as usize],
-        &absorbed,
+    osd_outage(
+        &ctx,
+        &ceph,
+        &cache,
+        &serve_args,
+        ("stop-osd", "start-osd"),
+        1,
     );
 
     // 4. An image deleted and made again under the same name is another
