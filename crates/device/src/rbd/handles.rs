@@ -101,6 +101,19 @@ impl Handles {
                 format!("cannot create a Ceph client as {}", spec.client_name()),
             ));
         }
+        handles.configure_and_connect(spec)?;
+        handles.open_image(spec)?;
+        if exclusive {
+            handles.lock_exclusive(spec)?;
+        }
+        Ok(handles)
+    }
+
+    /// Timeouts, the configuration file, `CEPH_ARGS` and the keyring, then
+    /// connect to the monitors.
+    fn configure_and_connect(&mut self, spec: &RbdSpec) -> Result<(), OpenFailure> {
+        let lib = self.lib;
+        let handles = self;
         let timeout_secs = spec.timeout().as_secs().to_string();
         for option in TIMEOUT_OPTIONS {
             handles.conf_set(option, &timeout_secs)?;
@@ -146,6 +159,13 @@ impl Handles {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// The pool's context and the image in it.
+    fn open_image(&mut self, spec: &RbdSpec) -> Result<(), OpenFailure> {
+        let lib = self.lib;
+        let handles = self;
         let pool = c_string("pool name", &spec.pool)?;
         // SAFETY: connected cluster, NUL-terminated name, out-parameter.
         let rc =
@@ -172,10 +192,7 @@ impl Handles {
                 format!("cannot open image {:?} in pool {:?}", spec.image, spec.pool),
             ));
         }
-        if exclusive {
-            handles.lock_exclusive(spec)?;
-        }
-        Ok(handles)
+        Ok(())
     }
 
     fn conf_set(&self, option: &str, value: &str) -> Result<(), OpenFailure> {
