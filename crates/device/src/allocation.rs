@@ -12,6 +12,33 @@ pub struct AllocationRun {
     pub allocated: bool,
 }
 
+impl AllocationRun {
+    /// The whole of `len` bytes as one allocated run: the answer when a
+    /// backend cannot tell (a hole claimed over data would make a copy
+    /// skip it).
+    pub fn all_data(len: u64) -> Vec<AllocationRun> {
+        vec![AllocationRun {
+            length_bytes: len,
+            allocated: true,
+        }]
+    }
+}
+
+/// Append a run, merged into the last one when their kinds match; empty
+/// runs are dropped.
+pub(crate) fn push_run(runs: &mut Vec<AllocationRun>, length_bytes: u64, allocated: bool) {
+    if length_bytes == 0 {
+        return;
+    }
+    match runs.last_mut() {
+        Some(last) if last.allocated == allocated => last.length_bytes += length_bytes,
+        _ => runs.push(AllocationRun {
+            length_bytes,
+            allocated,
+        }),
+    }
+}
+
 /// Runs found per call at most: a file with more extents than this in the
 /// range is reported allocated after them (the caller asks again).
 const RUNS_MAX: usize = 4096;
@@ -27,24 +54,11 @@ pub(crate) fn file_allocation(
     len: u64,
 ) -> Vec<AllocationRun> {
     let end = offset.saturating_add(len);
-    let all_allocated = || {
-        vec![AllocationRun {
-            length_bytes: len,
-            allocated: true,
-        }]
-    };
     if is_block_device || len == 0 {
-        return all_allocated();
+        return AllocationRun::all_data(len);
     }
     let mut runs: Vec<AllocationRun> = Vec::new();
-    let push =
-        |runs: &mut Vec<AllocationRun>, length_bytes: u64, allocated: bool| match runs.last_mut() {
-            Some(last) if last.allocated == allocated => last.length_bytes += length_bytes,
-            _ => runs.push(AllocationRun {
-                length_bytes,
-                allocated,
-            }),
-        };
+    let push = push_run;
     let mut at = offset;
     while at < end && runs.len() < RUNS_MAX {
         let data = match seek(file, at, libc::SEEK_DATA) {

@@ -253,10 +253,7 @@ pub trait Device: Send + Sync {
     /// make a copy skip it.
     fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
         check_range(self.name(), "allocation", offset, len, self.size_bytes())?;
-        Ok(vec![AllocationRun {
-            length_bytes: len,
-            allocated: true,
-        }])
+        Ok(AllocationRun::all_data(len))
     }
 
     /// Make the range read back as zeroes.

@@ -537,12 +537,7 @@ impl Device for NbdDevice {
     /// failure to ask, is data.
     fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
         check_range(&self.name, "allocation", offset, len, self.size_bytes)?;
-        let all_data = || {
-            vec![AllocationRun {
-                length_bytes: len,
-                allocated: true,
-            }]
-        };
+        let all_data = || AllocationRun::all_data(len);
         let Some(extents) = &self.extents else {
             return Ok(all_data());
         };

@@ -32,6 +32,7 @@ use super::handshake::{extents_handshake, protocol_error};
 use super::options::NbdOptions;
 use super::transport::Stream;
 use super::uri::NbdUri;
+use crate::allocation::push_run as push;
 use crate::AllocationRun;
 
 /// Longest range asked in one request: the length field is 32 bits; stay
@@ -335,15 +336,5 @@ impl ExtentsConn {
         // Best effort: the socket is shut down either way.
         let _ = self.stream.write_all(&header.to_compact());
         self.stream.shutdown();
-    }
-}
-
-fn push(runs: &mut Vec<AllocationRun>, length_bytes: u64, allocated: bool) {
-    match runs.last_mut() {
-        Some(last) if last.allocated == allocated => last.length_bytes += length_bytes,
-        _ => runs.push(AllocationRun {
-            length_bytes,
-            allocated,
-        }),
     }
 }

@@ -12,6 +12,7 @@ use super::completion::{errno_error, AioOp, Stuck};
 use super::handles::Handles;
 use super::library::{library, CompletionT, ImageT, Library};
 use super::spec::RbdSpec;
+use crate::allocation::push_run;
 use crate::flush_debt::FlushDebt;
 use crate::{
     check_range, AllocationRun, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult, OpenMode,
@@ -464,12 +465,7 @@ impl Device for RbdDevice {
     /// a write is still in librbd's cache.
     fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
         check_range(&self.name, "allocation", offset, len, self.size_bytes)?;
-        let all_data = || {
-            vec![AllocationRun {
-                length_bytes: len,
-                allocated: true,
-            }]
-        };
+        let all_data = || AllocationRun::all_data(len);
         if len == 0 {
             return Ok(all_data());
         }
@@ -500,18 +496,8 @@ impl Device for RbdDevice {
         }
         let end = offset + len;
         let mut runs: Vec<AllocationRun> = Vec::new();
-        let mut push = |length_bytes: u64, allocated: bool| {
-            if length_bytes == 0 {
-                return;
-            }
-            match runs.last_mut() {
-                Some(last) if last.allocated == allocated => last.length_bytes += length_bytes,
-                _ => runs.push(AllocationRun {
-                    length_bytes,
-                    allocated,
-                }),
-            }
-        };
+        let mut push =
+            |length_bytes: u64, allocated: bool| push_run(&mut runs, length_bytes, allocated);
         let mut at = offset;
         for (start, length) in state.extents {
             // Whole objects may reach outside the range; extents come in
