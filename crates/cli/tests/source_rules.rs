@@ -47,3 +47,20 @@ fn no_file_level_import_cycles() {
 fn no_function_over_100_lines_without_a_reason() {
     run_script("scripts/long-functions.py", &["100"]);
 }
+
+/// The README's quick start is `cargo run --release -- demo` at the
+/// workspace root: with two binaries in the workspace, cargo refuses to
+/// choose unless the default members hold only the cairn binary's crate.
+#[test]
+fn cargo_run_at_the_root_runs_cairn() {
+    let manifest = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
+    let line = manifest
+        .lines()
+        .find(|l| l.trim_start().starts_with("default-members"))
+        .expect("the workspace Cargo.toml sets default-members");
+    assert_eq!(
+        line.split('=').nth(1).map(str::trim),
+        Some(r#"["crates/cli"]"#),
+        "{line}"
+    );
+}
