@@ -34,6 +34,28 @@ fn state_at(map: &[(u64, u64, String)], at: u64) -> &str {
         .unwrap_or_else(|| panic!("no extent covers {at}: {map:?}"))
 }
 
+/// A sparse file of `size` bytes holding `data` at `at` only.
+fn sparse_file(ctx: &Ctx, name: &str, size: u64, at: u64, data: &[u8]) -> std::path::PathBuf {
+    use std::io::{Seek, SeekFrom, Write};
+    let path = ctx.file(name, size);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.write_all(data).unwrap();
+    f.sync_all().unwrap();
+    path
+}
+
+/// `nbdcopy` of the whole volume: the copy's bytes, and how many bytes the
+/// daemon read to make it (status `read_bytes` before and after).
+fn copy_volume(ctx: &Ctx, cache: &std::path::Path, uri: &str) -> (Vec<u8>, u64) {
+    let before = ctx.status(cache);
+    let copy = ctx.path("copy.img");
+    run_ok(tool("nbdcopy").arg(uri).arg(&copy), TOOL_TIMEOUT);
+    let after = ctx.status(cache);
+    let read = u64_of(&after, "read_bytes") - u64_of(&before, "read_bytes");
+    (std::fs::read(&copy).unwrap(), read)
+}
+
 #[test]
 fn block_status_shows_origin_holes_tracked_zeroes_and_cached_data() {
     if !require_tools("block_status", &["nbdinfo", "nbdcopy"])
@@ -44,17 +66,13 @@ fn block_status_shows_origin_holes_tracked_zeroes_and_cached_data() {
     let ctx = Ctx::new("block_status");
     let size = 64 * MIB;
     // A sparse origin: data only in [8 MiB, 10 MiB).
-    let origin = ctx.file("origin.img", size);
-    {
-        use std::io::{Seek, SeekFrom, Write};
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&origin)
-            .unwrap();
-        f.seek(SeekFrom::Start(8 * MIB)).unwrap();
-        f.write_all(&pattern(0x42, 2 * MIB as usize)).unwrap();
-        f.sync_all().unwrap();
-    }
+    let origin = sparse_file(
+        &ctx,
+        "origin.img",
+        size,
+        8 * MIB,
+        &pattern(0x42, 2 * MIB as usize),
+    );
     let cache = ctx.file("cache.img", 16 * MIB);
     ctx.format(&cache, &origin.to_string_lossy(), &[]);
     let sock = ctx.path("nbd.sock");
@@ -111,11 +129,7 @@ fn block_status_shows_origin_holes_tracked_zeroes_and_cached_data() {
 
     // nbdcopy reads only the data: 1 MiB of the origin's and the 1 MiB
     // written, not 64 MiB.
-    let before = ctx.status(&cache);
-    let copy = ctx.path("copy.img");
-    run_ok(tool("nbdcopy").arg(&uri).arg(&copy), TOOL_TIMEOUT);
-    let after = ctx.status(&cache);
-    let read = u64_of(&after, "read_bytes") - u64_of(&before, "read_bytes");
+    let (copy, read) = copy_volume(&ctx, &cache, &uri);
     assert!(
         read <= 4 * MIB,
         "nbdcopy read {read} bytes of a volume with 2 MiB of data"
@@ -129,7 +143,7 @@ fn block_status_shows_origin_holes_tracked_zeroes_and_cached_data() {
     image[9 * MIB as usize..10 * MIB as usize]
         .copy_from_slice(&pattern(0x42, 2 * MIB as usize)[MIB as usize..]);
     image[32 * MIB as usize..33 * MIB as usize].copy_from_slice(&written);
-    assert_same_bytes("the copy", &std::fs::read(&copy).unwrap(), &image);
+    assert_same_bytes("the copy", &copy, &image);
 }
 
 /// The same over an NBD origin: the origin's own block status (asked on a
@@ -141,17 +155,13 @@ fn block_status_shows_the_holes_of_an_nbd_origin() {
     }
     let ctx = Ctx::new("block_status_nbd");
     let size = 64 * MIB;
-    let origin = ctx.file("origin.img", size);
-    {
-        use std::io::{Seek, SeekFrom, Write};
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&origin)
-            .unwrap();
-        f.seek(SeekFrom::Start(40 * MIB)).unwrap();
-        f.write_all(&pattern(0x44, MIB as usize)).unwrap();
-        f.sync_all().unwrap();
-    }
+    let origin = sparse_file(
+        &ctx,
+        "origin.img",
+        size,
+        40 * MIB,
+        &pattern(0x44, MIB as usize),
+    );
     let origin_sock = ctx.path("origin.sock");
     let _nbdkit = start_nbdkit(&ctx, &origin_sock, &["file", &origin.to_string_lossy()]);
     let origin_uri = format!("nbd+unix:///?socket={}", origin_sock.display());
@@ -182,11 +192,7 @@ fn block_status_shows_the_holes_of_an_nbd_origin() {
     );
     assert_eq!(state_at(&map(&uri), 4 * MIB), "data");
 
-    let before = ctx.status(&cache);
-    let copy = ctx.path("copy.img");
-    run_ok(tool("nbdcopy").arg(&uri).arg(&copy), TOOL_TIMEOUT);
-    let after = ctx.status(&cache);
-    let read = u64_of(&after, "read_bytes") - u64_of(&before, "read_bytes");
+    let (copy, read) = copy_volume(&ctx, &cache, &uri);
     assert!(
         read <= 4 * MIB,
         "nbdcopy read {read} bytes of a volume with 2 MiB of data"
@@ -194,5 +200,5 @@ fn block_status_shows_the_holes_of_an_nbd_origin() {
     let mut image = vec![0u8; size as usize];
     image[4 * MIB as usize..5 * MIB as usize].copy_from_slice(&written);
     image[40 * MIB as usize..41 * MIB as usize].copy_from_slice(&pattern(0x44, MIB as usize));
-    assert_same_bytes("the copy", &std::fs::read(&copy).unwrap(), &image);
+    assert_same_bytes("the copy", &copy, &image);
 }

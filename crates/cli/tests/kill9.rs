@@ -46,32 +46,6 @@ const BLOCK: usize = 4096;
 const PY_BASE: u64 = 64 * MIB;
 const PY_BLOCKS: u64 = 16384;
 
-fn phase1_args(uri: &str, seed: u64, verify_only: bool) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--name=verified",
-        "--ioengine=nbd",
-        &format!("--uri={uri}"),
-        "--rw=randwrite",
-        "--bs=4k",
-        "--iodepth=1",
-        "--offset=0",
-        "--size=8M",
-        "--fsync=1",
-        "--verify=crc32c",
-        &format!("--randseed={seed}"),
-        "--output-format=json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    if verify_only {
-        a.push("--verify_only".into());
-    } else {
-        a.push("--do_verify=0".into());
-    }
-    a
-}
-
 fn fio(ctx: &Ctx, args: &[String]) -> std::process::Output {
     run(
         tool("fio").current_dir(&ctx.dir.path).args(args),
@@ -125,7 +99,7 @@ fn kill9_under_fio_load_then_verify() {
         let uri = server.uri();
 
         // Phase 1: the verified region, written and flushed completely.
-        let out = fio(&ctx, &phase1_args(&uri, seed, false));
+        let out = fio(&ctx, &fio_verified_args(&uri, seed, false));
         assert!(out.status.success(), "phase 1 fio: {}", describe(&out));
         let job = &json_in(&stdout(&out))["jobs"][0];
         assert_eq!(job["error"], 0, "{job}");
@@ -193,7 +167,7 @@ fn kill9_under_fio_load_then_verify() {
         // Phase 3: restart and verify.
         let mut server = ctx.serve(&cache, &sock, &[]);
         let uri = server.uri();
-        let out = fio(&ctx, &phase1_args(&uri, seed, true));
+        let out = fio(&ctx, &fio_verified_args(&uri, seed, true));
         assert!(
             out.status.success(),
             "verify-only pass after kill -9: {}",
@@ -232,7 +206,7 @@ fn kill9_under_fio_load_then_verify() {
         }
 
         // Negative control: the verifier fails on data fio never wrote.
-        let mut neg = phase1_args(&uri, seed, true);
+        let mut neg = fio_verified_args(&uri, seed, true);
         neg.retain(|a| !a.starts_with("--offset"));
         neg.push("--offset=8M".into());
         let out = fio(&ctx, &neg);

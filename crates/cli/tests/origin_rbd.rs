@@ -25,35 +25,6 @@ use common::*;
 const MIB: u64 = 1 << 20;
 const VOLUME_BYTES: u64 = 128 * MIB;
 
-fn fio_verified(uri: &str, verify_only: bool) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--name=verified",
-        "--ioengine=nbd",
-        &format!("--uri={uri}"),
-        "--rw=randwrite",
-        "--bs=4k",
-        "--iodepth=1",
-        "--offset=0",
-        "--size=8M",
-        "--fsync=1",
-        "--verify=crc32c",
-        "--randseed=19",
-        "--output-format=json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.push(
-        if verify_only {
-            "--verify_only"
-        } else {
-            "--do_verify=0"
-        }
-        .into(),
-    );
-    a
-}
-
 fn fio(ctx: &Ctx, args: &[String]) -> serde_json::Value {
     let out = run(
         tool("fio").current_dir(&ctx.dir.path).args(args),
@@ -189,7 +160,7 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
 
     // 2. kill -9 under load, restart, verify.
     let uri = server.uri();
-    let job = fio(&ctx, &fio_verified(&uri, false));
+    let job = fio(&ctx, &fio_verified_args(&uri, 19, false));
     assert_eq!(job["write"]["io_bytes"], 8 * MIB, "{job}");
     let mut load = ctx.spawn(
         "fio-load",
@@ -212,7 +183,7 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     let _ = load.wait_timeout(Duration::from_secs(60));
     let mut server = ctx.serve(&cache, &sock, &serve_args);
     let uri = server.uri();
-    let job = fio(&ctx, &fio_verified(&uri, true));
+    let job = fio(&ctx, &fio_verified_args(&uri, 19, true));
     assert_eq!(
         job["read"]["io_bytes"],
         8 * MIB,

@@ -30,8 +30,8 @@ pub use allocation::AllocationRun;
 pub use buf::{Backing, BlockBuf, BufPool, BufSlice, PooledBuf, SharedBuf, SizeClassPool};
 pub use file::{FileDevice, OpenMode};
 pub use local::{
-    open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, IoBackend, LocalOptions,
-    IO_BACKEND_ENV,
+    open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, spec_of_identity,
+    IoBackend, LocalOptions, IO_BACKEND_ENV,
 };
 pub use nbd::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 pub use rbd::{RbdDevice, RbdSpec};
@@ -100,6 +100,21 @@ impl DeviceError {
 }
 
 pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// `requests` as runs of one buffer each, for a backend whose
+/// [`Device::write_many`] is its [`Device::write_many_vectored`].
+pub(crate) fn as_single_buffer_runs<R>(
+    requests: &[(u64, &[u8])],
+    write: impl FnOnce(&[(u64, &[&[u8]])]) -> R,
+) -> R {
+    let bufs: Vec<[&[u8]; 1]> = requests.iter().map(|(_, buf)| [*buf]).collect();
+    let runs: Vec<(u64, &[&[u8]])> = requests
+        .iter()
+        .zip(&bufs)
+        .map(|((offset, _), buf)| (*offset, buf.as_slice()))
+        .collect();
+    write(&runs)
+}
 
 /// An asynchronous device operation. It runs on the current thread's
 /// reactor (see `cairn_io::Reactor::current`), so it is not `Send`.

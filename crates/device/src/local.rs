@@ -127,6 +127,19 @@ pub fn open_path_or_uri_with(
     open_local(Path::new(spec), mode)
 }
 
+/// The spec that opens a device again from the identity it reported
+/// ([`crate::Device::identity`], as a cache records its origin): a local
+/// file's `file:PATH` is its path, an RBD image's `SPEC#ID` its spec (the
+/// id is checked once it is open), an NBD export's identity its URI.
+pub fn spec_of_identity(identity: &str) -> &str {
+    if crate::RbdSpec::is_rbd(identity) {
+        return identity
+            .rsplit_once('#')
+            .map_or(identity, |(spec, _id)| spec);
+    }
+    identity.strip_prefix("file:").unwrap_or(identity)
+}
+
 /// The policy, with ring setup and file opening injectable so tests can
 /// exercise the fallbacks on a machine where everything works.
 pub(crate) fn open_local_impl(
@@ -193,6 +206,19 @@ mod tests {
             .set_len(size_bytes)
             .unwrap();
         path
+    }
+
+    #[test]
+    fn identities_turn_back_into_specs() {
+        assert_eq!(spec_of_identity("file:/dev/sdb"), "/dev/sdb");
+        assert_eq!(
+            spec_of_identity("rbd:rbd/vol?conf=/c#a1b2"),
+            "rbd:rbd/vol?conf=/c"
+        );
+        assert_eq!(
+            spec_of_identity("nbd+unix:///?socket=/s"),
+            "nbd+unix:///?socket=/s"
+        );
     }
 
     fn no_uring(_: &UringOptions) -> std::io::Result<RingPool> {

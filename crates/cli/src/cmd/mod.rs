@@ -67,18 +67,7 @@ pub fn read_stored_settings(cache_path: &Path) -> Result<cairn_engine::StoredSet
 /// The origin recorded in the superblock, as something we can open.
 fn recorded_origin(cache: &dyn Device) -> Result<String> {
     let sb = Engine::read_superblock(cache)?;
-    if cairn_device::RbdSpec::is_rbd(&sb.origin_identity) {
-        // `SPEC#ID`: the spec opens the image again (the id is checked).
-        let spec = sb
-            .origin_identity
-            .rsplit_once('#')
-            .map_or(sb.origin_identity.as_str(), |(spec, _id)| spec);
-        return Ok(spec.to_string());
-    }
-    Ok(match sb.origin_identity.strip_prefix("file:") {
-        Some(path) => path.to_string(),
-        None => sb.origin_identity,
-    })
+    Ok(cairn_device::spec_of_identity(&sb.origin_identity).to_string())
 }
 
 pub fn open_engine(cache_path: &Path, origin: Option<&str>, force: bool) -> Result<Arc<Engine>> {

@@ -478,42 +478,19 @@ impl Ctx {
 
     /// Spawn `cairn serve --cache C --socket S EXTRA` without waiting.
     pub fn spawn_serve(&self, cache: &Path, socket: &Path, extra: &[&str]) -> Proc {
-        self.spawn_serve_env(cache, socket, extra, &[])
-    }
-
-    /// [`Ctx::spawn_serve`] with extra environment variables.
-    pub fn spawn_serve_env(
-        &self,
-        cache: &Path,
-        socket: &Path,
-        extra: &[&str],
-        env: &[(&str, &str)],
-    ) -> Proc {
         let c = cache.to_string_lossy();
         let s = socket.to_string_lossy();
         let mut args = vec!["serve", "--cache", &c, "--socket", &s];
         args.extend_from_slice(extra);
         let mut cmd = self.cmd(&args);
         cmd.env("CAIRN_LOG", "info");
-        cmd.envs(env.iter().copied());
         let log = self.path(&format!("serve-{}.log", self.next_serial()));
         Proc::spawn("cairn serve", &mut cmd, log)
     }
 
     /// Start `cairn serve` and wait until it accepts connections.
     pub fn serve(&self, cache: &Path, socket: &Path, extra: &[&str]) -> Server {
-        self.serve_env(cache, socket, extra, &[])
-    }
-
-    /// [`Ctx::serve`] with extra environment variables.
-    pub fn serve_env(
-        &self,
-        cache: &Path,
-        socket: &Path,
-        extra: &[&str],
-        env: &[(&str, &str)],
-    ) -> Server {
-        let proc = self.spawn_serve_env(cache, socket, extra, env);
+        let proc = self.spawn_serve(cache, socket, extra);
         let mut server = Server {
             proc,
             socket: socket.to_path_buf(),
@@ -630,6 +607,40 @@ pub fn start_nbdkit(ctx: &Ctx, socket: &Path, args: &[&str]) -> Proc {
         p.log_text()
     );
     p
+}
+
+/// fio over `uri`: 4 KiB random writes over [0, 8 MiB), each followed by
+/// a flush, with crc32c verify headers and a fixed seed, to completion
+/// (`verify_only`: the verify pass of those same writes). The region is
+/// written and flushed whole before anything is cut, so every block of it
+/// may be verified after a crash.
+pub fn fio_verified_args(uri: &str, seed: u64, verify_only: bool) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--name=verified",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=1",
+        "--offset=0",
+        "--size=8M",
+        "--fsync=1",
+        "--verify=crc32c",
+        &format!("--randseed={seed}"),
+        "--output-format=json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.push(
+        if verify_only {
+            "--verify_only"
+        } else {
+            "--do_verify=0"
+        }
+        .into(),
+    );
+    a
 }
 
 // ---------------------------------------------------------------- data ---

@@ -456,13 +456,7 @@ impl Device for NbdDevice {
     }
 
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {
-        let runs: Vec<[&[u8]; 1]> = requests.iter().map(|(_, buf)| [*buf]).collect();
-        let requests: Vec<(u64, &[&[u8]])> = requests
-            .iter()
-            .zip(&runs)
-            .map(|((offset, _), run)| (*offset, run.as_slice()))
-            .collect();
-        self.write_many_vectored(&requests)
+        crate::as_single_buffer_runs(requests, |runs| self.write_many_vectored(runs))
     }
 
     /// Every run pipelined on the connection, each sent from the caller's

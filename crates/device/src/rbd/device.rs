@@ -409,13 +409,7 @@ impl Device for RbdDevice {
     }
 
     fn write_many(&self, requests: &[(u64, &[u8])]) -> DeviceResult<()> {
-        let runs: Vec<[&[u8]; 1]> = requests.iter().map(|(_, buf)| [*buf]).collect();
-        let requests: Vec<(u64, &[&[u8]])> = requests
-            .iter()
-            .zip(&runs)
-            .map(|((offset, _), run)| (*offset, run.as_slice()))
-            .collect();
-        self.write_runs(&requests)
+        crate::as_single_buffer_runs(requests, |runs| self.write_runs(runs))
     }
 
     /// Every run submitted at once, then waited for.

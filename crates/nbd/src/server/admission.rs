@@ -63,11 +63,10 @@ fn peer_uid(fd: std::os::fd::RawFd) -> Option<u32> {
     (rc == 0).then_some(cred.uid)
 }
 
-/// A connection in its handshake, with the handle that cuts it off.
+/// A connection in its handshake.
 struct Handshake {
     id: u64,
     peer: PeerKey,
-    control: Stream,
 }
 
 struct State {
@@ -90,12 +89,6 @@ pub(super) struct Admission {
     state: Mutex<State>,
 }
 
-/// What admitting a new connection did to the others.
-pub(super) struct Admitted {
-    /// Handshakes pushed out to make room; shut them down.
-    pub evicted: Vec<Stream>,
-}
-
 impl Admission {
     pub fn new(limits: AdmissionLimits) -> Admission {
         assert!(limits.max_handshakes >= 1 && limits.max_handshakes_per_peer >= 1);
@@ -113,28 +106,26 @@ impl Admission {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A new connection starts its handshake. Always admitted; the
-    /// handshakes it pushes out are returned.
-    pub fn admit(&self, id: u64, peer: PeerKey, control: Stream) -> Admitted {
+    /// A new connection starts its handshake. Always admitted; returns the
+    /// ids of the handshakes it pushes out (the caller shuts them down).
+    pub fn admit(&self, id: u64, peer: PeerKey) -> Vec<u64> {
         let mut state = self.lock();
         let mut evicted = Vec::new();
         let same_peer = state.handshaking.iter().filter(|h| h.peer == peer).count();
         if same_peer >= self.limits.max_handshakes_per_peer {
             if let Some(at) = state.handshaking.iter().position(|h| h.peer == peer) {
-                if let Some(h) = state.handshaking.remove(at) {
-                    evicted.push(h.control);
-                }
+                evicted.extend(state.handshaking.remove(at).map(|h| h.id));
             }
         }
         while state.handshaking.len() >= self.limits.max_handshakes {
             match state.handshaking.pop_front() {
-                Some(h) => evicted.push(h.control),
+                Some(h) => evicted.push(h.id),
                 None => break,
             }
         }
         debug_assert!(state.handshaking.len() < self.limits.max_handshakes);
-        state.handshaking.push_back(Handshake { id, peer, control });
-        Admitted { evicted }
+        state.handshaking.push_back(Handshake { id, peer });
+        evicted
     }
 
     /// The connection finished its handshake: `true` if it may serve,
@@ -170,25 +161,12 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
 
-    fn stream() -> (Stream, UnixStream) {
-        let (a, b) = UnixStream::pair().unwrap();
-        (Stream::Unix(a), b)
-    }
-
-    /// Whether the other end of an evicted handshake sees it closed.
-    fn closed(peer: &UnixStream) -> bool {
-        use std::io::Read;
-        peer.set_nonblocking(true).unwrap();
-        let mut b = [0u8; 1];
-        matches!((&*peer).read(&mut b), Ok(0))
-    }
-
     #[test]
     fn a_unix_peer_is_its_user() {
-        let (s, _p) = stream();
+        let (a, _b) = UnixStream::pair().unwrap();
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };
-        assert_eq!(PeerKey::of(&s), PeerKey::Uid(uid));
+        assert_eq!(PeerKey::of(&Stream::Unix(a)), PeerKey::Uid(uid));
     }
 
     #[test]
@@ -200,34 +178,17 @@ mod tests {
         });
         let a = PeerKey::Uid(1);
         let b = PeerKey::Uid(2);
-        let mut peers = Vec::new();
         for (id, peer) in [(1, a), (2, a), (3, b)] {
-            let (s, p) = stream();
-            assert!(admission.admit(id, peer, s).evicted.is_empty());
-            peers.push(p);
+            assert!(admission.admit(id, peer).is_empty());
         }
         assert_eq!(admission.counts(), (3, 0));
-        let cut = |admitted: Admitted| {
-            let n = admitted.evicted.len();
-            for s in admitted.evicted {
-                s.shutdown(std::net::Shutdown::Both);
-            }
-            n
-        };
         // Peer a is at its cap (the table is not full): its own oldest (1)
         // goes, not b's.
-        let (s, p4) = stream();
-        assert_eq!(cut(admission.admit(4, a, s)), 1);
-        assert!(closed(&peers[0]), "the oldest of peer a was cut off");
-        assert!(!closed(&peers[1]) && !closed(&peers[2]));
+        assert_eq!(admission.admit(4, a), vec![1]);
         // Room for one more of another peer.
-        let (s, p5) = stream();
-        assert_eq!(cut(admission.admit(5, PeerKey::Unknown, s)), 0);
+        assert!(admission.admit(5, PeerKey::Unknown).is_empty());
         // Full overall: the oldest of all (2) goes.
-        let (s, _p6) = stream();
-        assert_eq!(cut(admission.admit(6, PeerKey::Unknown, s)), 1);
-        assert!(closed(&peers[1]), "the oldest of all (2) was cut off");
-        assert!(!closed(&peers[2]) && !closed(&p4) && !closed(&p5));
+        assert_eq!(admission.admit(6, PeerKey::Unknown), vec![2]);
         assert_eq!(admission.counts(), (4, 0));
         // One established slot.
         assert!(admission.establish(3));

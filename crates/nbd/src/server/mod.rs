@@ -571,25 +571,25 @@ fn start_connection(shared: &Arc<Shared>, id: u64, stream: Stream) {
         stream.shutdown(std::net::Shutdown::Both);
         return;
     }
-    let (control, admission_handle) = match (stream.try_clone(), stream.try_clone()) {
-        (Ok(c), Ok(a)) => (c, a),
-        (Err(e), _) | (_, Err(e)) => {
+    let control = match stream.try_clone() {
+        Ok(c) => c,
+        Err(e) => {
             tracing::warn!(error = %e, "cannot clone client socket; closing it");
             return;
         }
     };
-    let admitted = shared
-        .admission
-        .admit(id, PeerKey::of(&stream), admission_handle);
-    for evicted in admitted.evicted {
+    let evicted = shared.admission.admit(id, PeerKey::of(&stream));
+    let mut conns = lock(&shared.connections);
+    for old in evicted {
         shared
             .counters
             .handshakes_evicted
             .fetch_add(1, Ordering::Relaxed);
         // Its thread sees EOF and ends; it never reached transmission.
-        evicted.shutdown(std::net::Shutdown::Both);
+        if let Some(handle) = conns.get(&old) {
+            handle.shutdown(std::net::Shutdown::Both);
+        }
     }
-    let mut conns = lock(&shared.connections);
     conns.insert(id, control);
     *lock(&shared.idle_since) = None;
     drop(conns);
