@@ -9,7 +9,7 @@ use cairn_nbd_proto::codec::reply::{
 };
 use cairn_nbd_proto::codec::{
     decode_request, BlockSizes, Command, ExportInfo, Limits, Negotiation, NegotiationStep,
-    ProtocolError, ReplyMode, ReplyTo, RequestAction, RequestDecode, Session,
+    ProtocolError, ReplyMode, ReplyTo, RequestAction, RequestDecode, Session, TlsPolicy,
 };
 use cairn_nbd_proto::proto::*;
 use common::*;
@@ -68,7 +68,8 @@ fn drive(neg: &mut Negotiation, input: &[u8]) -> Driven {
                         false
                     }
                     NegotiationStep::Transmission { bytes, .. }
-                    | NegotiationStep::Aborted { bytes } => {
+                    | NegotiationStep::Aborted { bytes }
+                    | NegotiationStep::StartTls { bytes } => {
                         d.consumed += bytes;
                         true
                     }
@@ -117,6 +118,7 @@ fn session(mode: ReplyMode) -> Session {
         block_sizes_agreed: false,
         block_sizes: BlockSizes::default(),
         read_only: false,
+        tls: false,
     }
 }
 
@@ -380,6 +382,138 @@ fn structured_reply_injected_after_refused_starttls_stays_plaintext() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+fn negotiating_with(tls: TlsPolicy) -> Negotiation {
+    let mut n = Negotiation::with_tls(export(), limits(), tls);
+    let d = drive(
+        &mut n,
+        &client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES),
+    );
+    assert!(d.error.is_none());
+    n
+}
+
+#[test]
+fn tls_required_answers_nothing_but_starttls_and_abort_before_tls() {
+    let mut n = negotiating_with(TlsPolicy::Required);
+    let mut input = option(OPT_LIST, &[]);
+    input.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    input.extend(option(OPT_INFO, &info_data("", &[])));
+    input.extend(option(OPT_GO, &info_data("", &[])));
+    input.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_data("", &[BASE_ALLOCATION]),
+    ));
+    let d = drive(&mut n, &input);
+    assert!(d.error.is_none(), "{:?}", d.error);
+    assert_eq!(d.consumed, input.len());
+    assert!(
+        d.replies.iter().all(|r| r.reply_type == REP_ERR_TLS_REQD),
+        "{:?}",
+        d.replies
+    );
+    assert_eq!(d.replies.len(), 5);
+    assert!(!n.tls_active());
+
+    // EXPORT_NAME cannot be refused with a reply: the connection ends,
+    // and no export size leaks.
+    let d = drive(&mut n, &option(OPT_EXPORT_NAME, b""));
+    assert_eq!(d.error, Some(ProtocolError::TlsRequired));
+    assert!(d.out.is_empty());
+
+    // ABORT is still answered.
+    let mut n = negotiating_with(TlsPolicy::Required);
+    let d = drive(&mut n, &option(OPT_ABORT, &[]));
+    assert!(matches!(
+        d.steps.last(),
+        Some(NegotiationStep::Aborted { .. })
+    ));
+}
+
+#[test]
+fn starttls_is_acked_then_the_session_goes_on_through_tls() {
+    for policy in [TlsPolicy::Offered, TlsPolicy::Required] {
+        let mut n = negotiating_with(policy);
+        let d = drive(&mut n, &option(OPT_STARTTLS, &[]));
+        assert!(matches!(
+            d.steps.last(),
+            Some(NegotiationStep::StartTls { .. })
+        ));
+        assert_eq!(d.replies.len(), 1);
+        assert_eq!(d.replies[0].reply_type, REP_ACK);
+        // Until the caller says the handshake is done, nothing is parsed.
+        let mut out = Vec::new();
+        assert_eq!(
+            n.step(&option(OPT_GO, &info_data("", &[])), &mut out),
+            Err(ProtocolError::AfterEnd)
+        );
+        n.tls_established();
+        assert!(n.tls_active());
+        let mut input = option(OPT_STARTTLS, &[]);
+        input.extend(option(OPT_GO, &info_data("", &[])));
+        let d = drive(&mut n, &input);
+        assert_eq!(d.replies[0].reply_type, REP_ERR_INVALID, "second STARTTLS");
+        match d.steps.last() {
+            Some(NegotiationStep::Transmission { session, .. }) => assert!(session.tls),
+            other => panic!("{other:?}"),
+        }
+    }
+    // Offered: clear text is still served, and says so.
+    let mut n = negotiating_with(TlsPolicy::Offered);
+    let d = drive(&mut n, &option(OPT_GO, &info_data("", &[])));
+    match d.steps.last() {
+        Some(NegotiationStep::Transmission { session, .. }) => assert!(!session.tls),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn what_was_negotiated_before_starttls_is_forgotten() {
+    // CVE-2021-3716: a man in the middle injects options in clear text
+    // before the client's STARTTLS; none of them may survive into the
+    // TLS session.
+    let mut n = negotiating_with(TlsPolicy::Offered);
+    let mut input = option(OPT_EXTENDED_HEADERS, &[]);
+    input.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_data("", &[BASE_ALLOCATION]),
+    ));
+    input.extend(option(OPT_STARTTLS, &[]));
+    let d = drive(&mut n, &input);
+    assert_eq!(d.consumed, input.len());
+    assert!(matches!(
+        d.steps.last(),
+        Some(NegotiationStep::StartTls { .. })
+    ));
+    n.tls_established();
+    let d = drive(&mut n, &option(OPT_GO, &info_data("", &[])));
+    match d.steps.last() {
+        Some(NegotiationStep::Transmission { session, .. }) => {
+            assert_eq!(session.mode, ReplyMode::Simple);
+            assert!(!session.base_allocation);
+            assert!(session.tls);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn clear_text_pipelined_after_starttls_ends_the_connection() {
+    let mut n = negotiating_with(TlsPolicy::Offered);
+    let mut input = option(OPT_STARTTLS, &[]);
+    input.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    let d = drive(&mut n, &input);
+    assert_eq!(
+        d.error,
+        Some(ProtocolError::DataAfterStartTls { bytes: 16 })
+    );
+    assert!(d.out.is_empty(), "no ACK: the client gets no TLS either");
+    let mut out = Vec::new();
+    assert_eq!(
+        n.step(&option(OPT_GO, &info_data("", &[])), &mut out),
+        Err(ProtocolError::AfterEnd)
+    );
 }
 
 #[test]

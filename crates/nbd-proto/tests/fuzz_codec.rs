@@ -12,7 +12,7 @@ use std::cell::Cell;
 use std::io::Write;
 
 use cairn_nbd_proto::codec::harness::{self, HarnessReport};
-use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, Limits};
+use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, Limits, TlsPolicy};
 use cairn_nbd_proto::proto::*;
 use common::*;
 use proptest::prelude::*;
@@ -33,8 +33,8 @@ fn cases() -> u32 {
 fn report(name: &str, ran: u64, stats: &Stats) {
     let _ = writeln!(
         std::io::stderr().lock(),
-        "fuzz {name}: {ran} cases ran ({} reached transmission, {} requests executed, {} rejected, {} protocol errors, peak allocation {} bytes)",
-        stats.transmission, stats.executed, stats.rejected, stats.protocol_errors, stats.peak_alloc_bytes
+        "fuzz {name}: {ran} cases ran ({} reached transmission, {} through TLS, {} requests executed, {} rejected, {} protocol errors, peak allocation {} bytes)",
+        stats.transmission, stats.tls, stats.executed, stats.rejected, stats.protocol_errors, stats.peak_alloc_bytes
     );
 }
 
@@ -44,6 +44,7 @@ struct Stats {
     executed: u64,
     rejected: u64,
     protocol_errors: u64,
+    tls: u64,
     peak_alloc_bytes: usize,
 }
 
@@ -77,29 +78,61 @@ fn check(
     input: &[u8],
     chunks: &[usize],
 ) -> Result<(), TestCaseError> {
+    check_tls(stats, info, limits, TlsPolicy::Off, input, &[], chunks)
+}
+
+/// [`check`] with a TLS policy: `clear` before STARTTLS, `through_tls`
+/// after its (simulated) handshake.
+fn check_tls(
+    stats: &mut Stats,
+    info: &ExportInfo,
+    limits: &Limits,
+    tls: TlsPolicy,
+    clear: &[u8],
+    through_tls: &[u8],
+    chunks: &[usize],
+) -> Result<(), TestCaseError> {
+    let input_len = clear.len() + through_tls.len();
     let ((whole, chunked), peak) = peak_allocation(|| {
         (
-            harness::run(info, limits, input, &[]),
-            harness::run(info, limits, input, chunks),
+            harness::run_with_tls(info, limits, tls, clear, through_tls, &[]),
+            harness::run_with_tls(info, limits, tls, clear, through_tls, chunks),
         )
     });
 
     // Input copies (the harness buffer) may reach the input size; anything
     // much larger was sized from a claimed length.
-    let bound = 2 * input.len() + 16 + limits.max_option_bytes as usize + 64 * 1024;
+    let bound = 2 * input_len + 16 + limits.max_option_bytes as usize + 64 * 1024;
     prop_assert!(
         peak <= bound,
         "allocated {} bytes for a {}-byte input",
         peak,
-        input.len()
+        input_len
     );
     prop_assert!(whole.peak_buffer_bytes <= 16 + limits.max_option_bytes as usize);
     prop_assert!(chunked.peak_buffer_bytes <= 16 + limits.max_option_bytes as usize);
-    let strip = |r: HarnessReport| HarnessReport {
-        peak_buffer_bytes: 0,
-        ..r
+    // Clear text after STARTTLS ends the session either way, but how
+    // far it got (the ACK sent or not) depends on what was buffered.
+    let strip = |r: HarnessReport| match r.end {
+        harness::HarnessEnd::ClearTextAfterStartTls => HarnessReport {
+            peak_buffer_bytes: 0,
+            options: 0,
+            reply_bytes: 0,
+            ..r
+        },
+        _ => HarnessReport {
+            peak_buffer_bytes: 0,
+            ..r
+        },
     };
     prop_assert_eq!(strip(whole.clone()), strip(chunked));
+    if tls == TlsPolicy::Required {
+        prop_assert!(!whole.reached_transmission || whole.tls_established);
+    }
+    if tls == TlsPolicy::Off {
+        prop_assert!(!whole.tls_established);
+    }
+    stats.tls += whole.tls_established as u64;
 
     stats.peak_alloc_bytes = stats.peak_alloc_bytes.max(peak);
     stats.transmission += whole.reached_transmission as u64;
@@ -356,6 +389,70 @@ fn fuzz_valid_session_then_garbage() {
                 &export(1 << 30, true),
                 &Limits::default(),
                 &input,
+                &chunks,
+            )
+        },
+    );
+}
+
+/// Negotiation across STARTTLS, under each TLS policy: options (some that
+/// TLS must make the server forget) in clear text, STARTTLS (or not, or
+/// with clear text pipelined after it), then a session through TLS; both
+/// halves mutated.
+#[test]
+fn fuzz_tls_negotiation() {
+    let policy = prop_oneof![
+        Just(TlsPolicy::Off),
+        Just(TlsPolicy::Offered),
+        Just(TlsPolicy::Required),
+    ];
+    let strategy = (
+        policy,
+        prop::collection::vec(0u8..9, 0..5),
+        0u8..4,
+        prop::collection::vec(arb_mutation(), 0..3),
+        arb_session(),
+        prop::collection::vec(arb_mutation(), 0..3),
+        chunking(),
+    );
+    run_strategy(
+        "TLS negotiation",
+        strategy,
+        |stats, (tls, before, starttls, clear_mutations, session, tls_mutations, chunks)| {
+            let mut clear = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+            for b in &before {
+                clear.extend(match b {
+                    0 => option(OPT_STRUCTURED_REPLY, &[]),
+                    1 => option(OPT_EXTENDED_HEADERS, &[]),
+                    2 => option(OPT_SET_META_CONTEXT, &meta_data("", &[BASE_ALLOCATION])),
+                    3 => option(OPT_LIST, &[]),
+                    4 => option(OPT_INFO, &info_data("", &[INFO_BLOCK_SIZE])),
+                    5 => option(OPT_STARTTLS, b"data"),
+                    6 => option(OPT_GO, &info_data("", &[])),
+                    7 => option(OPT_EXPORT_NAME, b""),
+                    _ => option(0x99, b"x"),
+                });
+            }
+            match starttls {
+                0 => {}
+                1 | 2 => clear.extend(option(OPT_STARTTLS, &[])),
+                // Pipelined clear text after STARTTLS: must never count.
+                _ => {
+                    clear.extend(option(OPT_STARTTLS, &[]));
+                    clear.extend(option(OPT_GO, &info_data("", &[])));
+                }
+            }
+            let clear = apply(clear, &clear_mutations);
+            // Through TLS the client starts over with options (its flags
+            // were sent before TLS).
+            let through = apply(session[4..].to_vec(), &tls_mutations);
+            check_tls(
+                stats,
+                &export(1 << 20, true),
+                &small_limits(),
+                tls,
+                &clear,
+                &through,
                 &chunks,
             )
         },

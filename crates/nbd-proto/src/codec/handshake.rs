@@ -4,7 +4,7 @@ use super::option::{encode_option_reply as option_reply, Info};
 use super::wire::{self, put_u16, put_u32, put_u64, Reader};
 use super::{
     printable, transmission_flags, ExportInfo, Limits, ProtocolError, ReplyMode, Session,
-    BASE_ALLOCATION_ID,
+    TlsPolicy, BASE_ALLOCATION_ID,
 };
 use crate::proto::*;
 
@@ -34,12 +34,20 @@ pub enum NegotiationStep {
     Transmission { bytes: usize, session: Session },
     /// The client sent NBD_OPT_ABORT: send `out` (the ACK), then close.
     Aborted { bytes: usize },
+    /// The client sent NBD_OPT_STARTTLS and it was accepted: send `out`
+    /// (the ACK), run the TLS handshake on the socket, then call
+    /// [`Negotiation::tls_established`] and go on stepping with what
+    /// arrives through TLS. Nothing followed STARTTLS in the input (that
+    /// would be a [`ProtocolError::DataAfterStartTls`]).
+    StartTls { bytes: usize },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     ClientFlags,
     Options,
+    /// STARTTLS was acknowledged; the TLS handshake is the caller's.
+    AwaitingTls,
     Done,
 }
 
@@ -53,10 +61,17 @@ pub struct Negotiation {
     mode: ReplyMode,
     base_allocation: bool,
     options_seen: u32,
+    tls: TlsPolicy,
+    tls_active: bool,
 }
 
 impl Negotiation {
+    /// A negotiation that offers no TLS (STARTTLS gets ERR_POLICY).
     pub fn new(export: ExportInfo, limits: Limits) -> Self {
+        Self::with_tls(export, limits, TlsPolicy::Off)
+    }
+
+    pub fn with_tls(export: ExportInfo, limits: Limits, tls: TlsPolicy) -> Self {
         Negotiation {
             export,
             limits,
@@ -65,7 +80,28 @@ impl Negotiation {
             mode: ReplyMode::Simple,
             base_allocation: false,
             options_seen: 0,
+            tls,
+            tls_active: false,
         }
+    }
+
+    /// The TLS handshake after [`NegotiationStep::StartTls`] succeeded.
+    /// Everything negotiated before it is forgotten (reply mode, metadata
+    /// contexts): a man in the middle could have sent it, and the spec
+    /// asks the server to start over (the class of nbdkit's
+    /// CVE-2021-3716). The option count is kept: the budget is per
+    /// connection.
+    pub fn tls_established(&mut self) {
+        assert_eq!(self.state, State::AwaitingTls, "no STARTTLS was accepted");
+        assert!(!self.tls_active, "TLS established twice");
+        self.mode = ReplyMode::Simple;
+        self.base_allocation = false;
+        self.tls_active = true;
+        self.state = State::Options;
+    }
+
+    pub fn tls_active(&self) -> bool {
+        self.tls_active
     }
 
     /// The server's opening bytes: NBDMAGIC, IHAVEOPT, handshake flags.
@@ -91,7 +127,7 @@ impl Negotiation {
         match self.state {
             State::ClientFlags => self.client_flags(input),
             State::Options => self.option(input, out),
-            State::Done => Err(ProtocolError::AfterEnd),
+            State::AwaitingTls | State::Done => Err(ProtocolError::AfterEnd),
         }
     }
 
@@ -166,6 +202,25 @@ impl Negotiation {
         }
         tracing::trace!(option = option_name(option), length_bytes, "option");
 
+        if self.tls == TlsPolicy::Required
+            && !self.tls_active
+            && option != OPT_STARTTLS
+            && option != OPT_ABORT
+        {
+            if option == OPT_EXPORT_NAME {
+                // It cannot be answered with an error: hang up.
+                self.state = State::Done;
+                return Err(ProtocolError::TlsRequired);
+            }
+            option_error(
+                out,
+                option,
+                REP_ERR_TLS_REQD,
+                "TLS is required: send NBD_OPT_STARTTLS first",
+            );
+            return Ok(NegotiationStep::Consumed { bytes: total });
+        }
+
         match option {
             OPT_EXPORT_NAME => self.export_name(data, total, out),
             OPT_ABORT => {
@@ -175,6 +230,7 @@ impl Negotiation {
                 Ok(NegotiationStep::Aborted { bytes: total })
             }
             OPT_INFO | OPT_GO => self.info_or_go(option, data, total, out),
+            OPT_STARTTLS => self.start_tls(data, input.len() - total, total, out),
             _ => {
                 self.haggle(option, data, out);
                 Ok(NegotiationStep::Consumed { bytes: total })
@@ -194,23 +250,6 @@ impl Negotiation {
                     option_reply(out, option, REP_ACK, &[]);
                 } else {
                     option_error(out, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data");
-                }
-            }
-            OPT_STARTTLS => {
-                if data.is_empty() {
-                    option_error(
-                        out,
-                        option,
-                        REP_ERR_POLICY,
-                        "TLS is not offered by this server",
-                    );
-                } else {
-                    option_error(
-                        out,
-                        option,
-                        REP_ERR_INVALID,
-                        "NBD_OPT_STARTTLS takes no data",
-                    );
                 }
             }
             OPT_STRUCTURED_REPLY => {
@@ -251,6 +290,48 @@ impl Negotiation {
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(option, data, out),
             _ => option_error(out, option, REP_ERR_UNSUP, "option not supported"),
         }
+    }
+
+    fn start_tls(
+        &mut self,
+        data: &[u8],
+        bytes_after: usize,
+        total: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<NegotiationStep, ProtocolError> {
+        let consumed = NegotiationStep::Consumed { bytes: total };
+        if !data.is_empty() {
+            option_error(
+                out,
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            );
+            return Ok(consumed);
+        }
+        if self.tls == TlsPolicy::Off {
+            option_error(
+                out,
+                OPT_STARTTLS,
+                REP_ERR_POLICY,
+                "TLS is not offered by this server",
+            );
+            return Ok(consumed);
+        }
+        if self.tls_active {
+            option_error(out, OPT_STARTTLS, REP_ERR_INVALID, "TLS is already active");
+            return Ok(consumed);
+        }
+        if bytes_after > 0 {
+            // The client must wait for the ACK; bytes already here were
+            // sent in clear text and must not be taken as if they came
+            // through TLS.
+            self.state = State::Done;
+            return Err(ProtocolError::DataAfterStartTls { bytes: bytes_after });
+        }
+        option_reply(out, OPT_STARTTLS, REP_ACK, &[]);
+        self.state = State::AwaitingTls;
+        Ok(NegotiationStep::StartTls { bytes: total })
     }
 
     fn export_name(
@@ -388,6 +469,7 @@ impl Negotiation {
             block_sizes_agreed,
             block_sizes: self.export.block_sizes,
             read_only: self.export.read_only,
+            tls: self.tls_active,
         }
     }
 }

@@ -7,7 +7,7 @@ use super::reply::{encode_error, encode_ok};
 use super::wire;
 use super::{
     decode_request, ExportInfo, Limits, Negotiation, NegotiationStep, ProtocolError, RequestAction,
-    RequestDecode, Session,
+    RequestDecode, Session, TlsPolicy,
 };
 
 /// How a harness run ended.
@@ -18,12 +18,19 @@ pub enum HarnessEnd {
     Protocol(ProtocolError),
     Aborted,
     Disconnected,
+    /// Clear-text bytes followed an accepted STARTTLS: refused by the
+    /// codec if they were already buffered, or (the server would feed
+    /// them to the TLS handshake) a failed handshake if not yet read.
+    ClearTextAfterStartTls,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HarnessReport {
     pub end: HarnessEnd,
     pub reached_transmission: bool,
+    /// A STARTTLS was accepted (the harness then takes the rest of the
+    /// input as what arrives through TLS).
+    pub tls_established: bool,
     pub options: u32,
     pub executed: u32,
     pub rejected: u32,
@@ -45,8 +52,23 @@ pub fn run(
     input: &[u8],
     chunk_bytes: &[usize],
 ) -> HarnessReport {
+    run_with_tls(export, limits, TlsPolicy::Off, input, &[], chunk_bytes)
+}
+
+/// [`run`] with a TLS policy: `clear` is what the client sends before
+/// TLS; once the codec accepts a STARTTLS and the (simulated) TLS
+/// handshake is done, `through_tls` is what it sends through TLS.
+pub fn run_with_tls(
+    export: &ExportInfo,
+    limits: &Limits,
+    tls: TlsPolicy,
+    clear: &[u8],
+    through_tls: &[u8],
+    chunk_bytes: &[usize],
+) -> HarnessReport {
     let mut feeder = Feeder {
-        input,
+        input: clear,
+        after_tls: through_tls,
         fed: 0,
         chunk_bytes,
         next_chunk: 0,
@@ -55,13 +77,14 @@ pub fn run(
     let mut report = HarnessReport {
         end: HarnessEnd::InputExhausted,
         reached_transmission: false,
+        tls_established: false,
         options: 0,
         executed: 0,
         rejected: 0,
         reply_bytes: 0,
         peak_buffer_bytes: 0,
     };
-    let Some(session) = negotiate(export, limits, &mut feeder, &mut report) else {
+    let Some(session) = negotiate(export, limits, tls, &mut feeder, &mut report) else {
         return report;
     };
     report.reached_transmission = true;
@@ -74,11 +97,12 @@ pub fn run(
 fn negotiate(
     export: &ExportInfo,
     limits: &Limits,
+    tls: TlsPolicy,
     feeder: &mut Feeder<'_>,
     report: &mut HarnessReport,
 ) -> Option<Session> {
     let buffer_limit = wire::OPTION_HEADER_BYTES + limits.max_option_bytes as usize;
-    let mut negotiation = Negotiation::new(export.clone(), limits.clone());
+    let mut negotiation = Negotiation::with_tls(export.clone(), limits.clone(), tls);
     report.reply_bytes += negotiation.greeting().len() as u64;
     let mut out = Vec::new();
 
@@ -86,6 +110,10 @@ fn negotiate(
         out.clear();
         let step = match negotiation.step(&feeder.buffer, &mut out) {
             Ok(step) => step,
+            Err(ProtocolError::DataAfterStartTls { .. }) => {
+                report.end = HarnessEnd::ClearTextAfterStartTls;
+                return None;
+            }
             Err(e) => {
                 report.end = HarnessEnd::Protocol(e);
                 return None;
@@ -120,7 +148,29 @@ fn negotiate(
             NegotiationStep::Transmission { bytes, session } => {
                 report.options += 1;
                 feeder.consume(bytes);
+                assert!(
+                    tls != TlsPolicy::Required || session.tls,
+                    "transmission without TLS when TLS is required"
+                );
+                assert_eq!(session.tls, report.tls_established);
                 break session;
+            }
+            NegotiationStep::StartTls { bytes } => {
+                assert_ne!(tls, TlsPolicy::Off, "STARTTLS accepted with TLS off");
+                assert!(!report.tls_established, "STARTTLS accepted twice");
+                assert_eq!(
+                    bytes,
+                    feeder.buffer.len(),
+                    "STARTTLS accepted with clear-text bytes after it"
+                );
+                feeder.consume(bytes);
+                if !feeder.start_tls() {
+                    report.end = HarnessEnd::ClearTextAfterStartTls;
+                    return None;
+                }
+                report.options += 1;
+                negotiation.tls_established();
+                report.tls_established = true;
             }
             NegotiationStep::Aborted { bytes } => {
                 feeder.consume(bytes);
@@ -225,6 +275,8 @@ fn check_executable(session: &Session, limits: &Limits, request: &super::Request
 
 struct Feeder<'a> {
     input: &'a [u8],
+    /// What the client sends once TLS is up.
+    after_tls: &'a [u8],
     fed: usize,
     chunk_bytes: &'a [usize],
     next_chunk: usize,
@@ -253,6 +305,19 @@ impl Feeder<'_> {
 
     fn consume(&mut self, n: usize) {
         self.buffer.drain(..n);
+    }
+
+    /// Switch to the bytes sent through TLS; false if clear-text input
+    /// remains (it would reach the TLS handshake and fail it).
+    fn start_tls(&mut self) -> bool {
+        assert!(self.buffer.is_empty());
+        if self.fed < self.input.len() {
+            return false;
+        }
+        self.input = self.after_tls;
+        self.after_tls = &[];
+        self.fed = 0;
+        true
     }
 
     /// Drop `n` payload bytes, feeding more input as needed; false if the

@@ -130,6 +130,21 @@ pub struct Session {
     pub block_sizes_agreed: bool,
     pub block_sizes: BlockSizes,
     pub read_only: bool,
+    /// The session runs over TLS (STARTTLS was negotiated).
+    pub tls: bool,
+}
+
+/// What the server does with NBD_OPT_STARTTLS (nbdkit's `--tls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsPolicy {
+    /// STARTTLS is refused with ERR_POLICY.
+    #[default]
+    Off,
+    /// Clients may upgrade with STARTTLS or stay in clear text.
+    Offered,
+    /// Nothing but STARTTLS and ABORT is answered before TLS (each other
+    /// option gets ERR_TLS_REQD; EXPORT_NAME ends the connection).
+    Required,
 }
 
 impl Session {
@@ -198,6 +213,12 @@ pub enum ProtocolError {
     PayloadTooLarge { length_bytes: u64, max_bytes: u64 },
     #[error("data after the session ended")]
     AfterEnd,
+    #[error(
+        "TLS is required, and the client asked for an export with NBD_OPT_EXPORT_NAME without it"
+    )]
+    TlsRequired,
+    #[error("client sent {bytes} bytes after NBD_OPT_STARTTLS without waiting for its reply")]
+    DataAfterStartTls { bytes: usize },
 }
 
 /// A server answer a client cannot frame: the stream is lost.

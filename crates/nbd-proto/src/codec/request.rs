@@ -391,6 +391,7 @@ mod tests {
             block_sizes_agreed: false,
             block_sizes: BlockSizes::default(),
             read_only: false,
+            tls: false,
         }
     }
 

@@ -1,0 +1,71 @@
+//! What server and client contexts share: protocol floor, write modes,
+//! cipher lists, and the rendering of sessions and failures.
+
+use openssl::ssl::{Error as SslError, SslContextBuilder, SslMode, SslOptions, SslRef, SslVersion};
+
+use crate::{SessionSummary, TlsError};
+
+/// TLS 1.2 suites for a PSK-only context, forward-secret ones first
+/// (GnuTLS clients offer ECDHE-PSK, DHE-PSK and PSK); TLS 1.3 uses its
+/// own suites and negotiates (EC)DHE with the key.
+pub(crate) const PSK_CIPHERS: &str = "ECDHE-PSK:DHE-PSK:PSK:!NULL:!eNULL:!3DES:!RC4";
+
+pub(crate) fn configure_common(builder: &mut SslContextBuilder) -> Result<(), TlsError> {
+    builder
+        .set_min_proto_version(Some(SslVersion::TLS1_2))
+        .map_err(TlsError::setup)?;
+    // The relay writes at most one record per call and retries from a
+    // buffer that may have moved (it compacts).
+    builder.set_mode(SslMode::ENABLE_PARTIAL_WRITE | SslMode::ACCEPT_MOVING_WRITE_BUFFER);
+    builder.set_options(
+        SslOptions::NO_COMPRESSION
+            | SslOptions::NO_RENEGOTIATION
+            | SslOptions::CIPHER_SERVER_PREFERENCE,
+    );
+    Ok(())
+}
+
+pub(crate) fn summarize(
+    ssl: &SslRef,
+    identity: Option<openssl::ex_data::Index<openssl::ssl::Ssl, String>>,
+) -> SessionSummary {
+    let psk_user = identity.and_then(|index| ssl.ex_data(index).cloned());
+    let certificate = ssl.peer_certificate().map(|cert| {
+        cert.subject_name()
+            .entries()
+            .map(|entry| {
+                let key = entry.object().nid().short_name().unwrap_or("?");
+                let value = entry.data().to_string().unwrap_or_default();
+                format!("{key}={value}")
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    });
+    SessionSummary {
+        version: ssl.version_str(),
+        cipher: ssl
+            .current_cipher()
+            .map(|c| c.name().to_string())
+            .unwrap_or_default(),
+        peer: psk_user.or(certificate),
+    }
+}
+
+pub(crate) fn handshake_error(error: &SslError, ssl: &SslRef) -> TlsError {
+    use openssl::x509::X509VerifyResult;
+    let verify = ssl.verify_result();
+    let mut message = match error.ssl_error() {
+        Some(stack) => stack.to_string(),
+        None => match error.io_error() {
+            Some(io) if io.kind() == std::io::ErrorKind::WouldBlock => {
+                return TlsError::HandshakeTimeout
+            }
+            Some(io) => io.to_string(),
+            None => "the peer closed the connection".to_string(),
+        },
+    };
+    if verify != X509VerifyResult::OK {
+        message.push_str(&format!(" (certificate: {})", verify.error_string()));
+    }
+    TlsError::Handshake(message)
+}
