@@ -56,7 +56,7 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
         idle_grace_ms: opts.idle_exit_secs.saturating_mul(1000),
         ..ServerConfig::default()
     };
-    opts.connection.apply(&mut config);
+    opts.connection.apply(&mut config)?;
     let export = Arc::new(EngineExport {
         engine: engine.clone(),
         latencies: latencies.clone(),

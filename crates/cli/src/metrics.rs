@@ -84,8 +84,10 @@ pub fn render_metrics(
     if let Some(n) = server {
         for (name, value) in crate::status::server_pairs(n) {
             // Limits and levels are gauges; the rest only ever grow.
-            let gauge =
-                name.starts_with("max_") || name.ends_with("_active") || name.ends_with("_bytes");
+            let gauge = name.starts_with("max_")
+                || name.ends_with("_active")
+                || name.ends_with("_bytes")
+                || name == "connections_handshaking";
             if gauge {
                 let _ = writeln!(
                     out,

@@ -128,7 +128,7 @@ fn insert_extras(
 }
 
 /// The NBD server's counters and limits, by name (status and metrics).
-pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 14] {
+pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 16] {
     [
         ("connections_active", n.connections_active),
         ("connections_accepted", n.connections_accepted),
@@ -136,6 +136,8 @@ pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 14] {
         ("connections_handshaking", n.connections_handshaking),
         ("handshakes_evicted", n.handshakes_evicted),
         ("connections_denied", n.connections_denied),
+        ("tls_handshakes", n.tls_handshakes),
+        ("tls_handshake_failures", n.tls_handshake_failures),
         ("protocol_errors", n.protocol_errors),
         ("requests", n.requests),
         ("in_flight_limit_waits", n.in_flight_limit_waits),
@@ -259,7 +261,7 @@ fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
     writeln!(
         out,
-        "  nbd: {} connections ({} in the handshake; {} accepted, {} refused at the limit of {}, {} handshakes pushed out), {} requests, {} protocol errors",
+        "  nbd: {} connections ({} in the handshake; {} accepted, {} refused at the limit of {}, {} handshakes pushed out), {} requests, {} protocol errors, {} TLS handshakes ({} failed)",
         get("nbd_connections_active"),
         get("nbd_connections_handshaking"),
         get("nbd_connections_accepted"),
@@ -267,7 +269,9 @@ fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
         get("nbd_max_connections"),
         get("nbd_handshakes_evicted"),
         get("nbd_requests"),
-        get("nbd_protocol_errors")
+        get("nbd_protocol_errors"),
+        get("nbd_tls_handshakes"),
+        get("nbd_tls_handshake_failures")
     )?;
     writeln!(
         out,

@@ -17,12 +17,8 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const MIB: u64 = 1 << 20;
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-const REQUEST_MAGIC: u32 = 0x2560_9513;
-const OPT_EXPORT_NAME: u32 = 1;
-const OPT_GO: u32 = 7;
-const CMD_WRITE: u16 = 1;
+use cairn_nbd_proto::proto::{CMD_WRITE, OPT_EXPORT_NAME, OPT_GO, REQUEST_MAGIC};
+use common::raw_nbd::{greet, option_header};
 
 /// The normal client: write, flush, read back and compare, for `secs`.
 const NORMAL_CLIENT: &str = r#"
@@ -51,25 +47,6 @@ fn rss_bytes(pid: i32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         .map_or(0, |kib| kib * 1024)
-}
-
-/// Read the fixed-newstyle greeting and answer it (fixed newstyle, no
-/// zeroes).
-fn greet(s: &mut UnixStream) -> bool {
-    let mut greeting = [0u8; 18];
-    if s.read_exact(&mut greeting).is_err() {
-        return false;
-    }
-    assert_eq!(&greeting[..8], &NBDMAGIC.to_be_bytes());
-    s.write_all(&3u32.to_be_bytes()).is_ok()
-}
-
-fn option_header(option: u32, length: u32) -> Vec<u8> {
-    let mut h = Vec::new();
-    h.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    h.extend_from_slice(&option.to_be_bytes());
-    h.extend_from_slice(&length.to_be_bytes());
-    h
 }
 
 /// A client that declares a 4 GiB option and sends 1 MiB of it.

@@ -13,6 +13,7 @@ use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use openssl::ssl::{ErrorCode, SslStream};
 
@@ -25,19 +26,25 @@ const RECORD_BYTES: usize = 16 * 1024;
 /// caller reads and writes plaintext on. Closing (or shutting down) that
 /// socket ends the relay, which then closes the TLS connection with a
 /// close_notify; the TLS peer leaving shuts the returned socket down.
-pub fn spawn_relay<S>(tls: SslStream<S>, name: String) -> io::Result<UnixStream>
+/// A TLS peer that takes no bytes for `stall_timeout` while some wait for
+/// it ends the relay (it would otherwise hold the thread forever).
+pub fn spawn_relay<S>(
+    tls: SslStream<S>,
+    name: String,
+    stall_timeout: Option<Duration>,
+) -> io::Result<UnixStream>
 where
     S: Read + Write + AsRawFd + Send + 'static,
 {
     let (ours, theirs) = UnixStream::pair()?;
     ours.set_nonblocking(true)?;
     set_nonblocking(tls.get_ref().as_raw_fd())?;
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || match Relay::new(tls, ours).run() {
+    std::thread::Builder::new().name(name).spawn(move || {
+        match Relay::new(tls, ours, stall_timeout).run() {
             Ok(()) => tracing::debug!("TLS relay finished"),
             Err(e) => tracing::debug!(error = %e, "TLS relay ended"),
-        })?;
+        }
+    })?;
     Ok(theirs)
 }
 
@@ -129,6 +136,9 @@ struct Relay<S> {
     tls_eof: bool,
     plain_eof: bool,
     plain_write_shut: bool,
+    stall_timeout: Option<Duration>,
+    /// Since when bytes have waited for the TLS peer without it taking any.
+    tls_write_blocked_since: Option<Instant>,
 }
 
 /// How one TLS call ended when it made no progress.
@@ -139,7 +149,7 @@ enum Blocked {
 }
 
 impl<S: Read + Write + AsRawFd> Relay<S> {
-    fn new(tls: SslStream<S>, plain: UnixStream) -> Relay<S> {
+    fn new(tls: SslStream<S>, plain: UnixStream, stall_timeout: Option<Duration>) -> Relay<S> {
         Relay {
             tls,
             plain,
@@ -149,6 +159,8 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
             tls_eof: false,
             plain_eof: false,
             plain_write_shut: false,
+            stall_timeout,
+            tls_write_blocked_since: None,
         }
     }
 
@@ -263,11 +275,14 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
             match self.tls.ssl_write(&self.to_tls.filled()[..length]) {
                 Ok(n) => {
                     self.retry_write_bytes = None;
+                    self.tls_write_blocked_since = None;
                     self.to_tls.consume(n);
                     progress = true;
                 }
                 Err(e) => {
                     self.retry_write_bytes = Some(length);
+                    self.tls_write_blocked_since
+                        .get_or_insert_with(Instant::now);
                     match classify(e)? {
                         Blocked::Read => interest.tls_read = true,
                         Blocked::Write => interest.tls_write = true,
@@ -305,10 +320,27 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
             return Err(io::Error::other("TLS relay has nothing to wait for"));
         }
         loop {
+            let timeout_ms = match (self.stall_timeout, self.tls_write_blocked_since) {
+                (Some(stall), Some(since)) => {
+                    let left = stall.saturating_sub(since.elapsed());
+                    if left.is_zero() {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the TLS peer stopped reading",
+                        ));
+                    }
+                    left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int
+                }
+                _ => -1,
+            };
             // SAFETY: `fds` is a valid array of two pollfd for the call.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-            if rc >= 0 {
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+            if rc > 0 {
                 return Ok(());
+            }
+            if rc == 0 {
+                // Timed out: the check at the top of the loop decides.
+                continue;
             }
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {

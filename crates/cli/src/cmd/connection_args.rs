@@ -2,9 +2,13 @@
 //! with the demo (which takes the defaults).
 
 use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use cairn_nbd::codec::TlsPolicy;
 use cairn_nbd::{ServerConfig, SocketAccess};
+use cairn_tls::{ServerCredentials, TlsAcceptor};
 
 const DEFAULT_MAX_CONNECTIONS: u32 = 32;
 const DEFAULT_MAX_HANDSHAKES: u32 = 64;
@@ -51,6 +55,34 @@ pub struct ConnectionArgs {
     /// it every address that reaches the port is served.
     #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
     pub allow: Vec<ipnet::IpNet>,
+    /// TLS, as nbdkit's --tls: `off`; `on` (clients may upgrade with
+    /// STARTTLS or stay in clear text); `require` (nothing but STARTTLS is
+    /// answered before TLS: no export name, size or data in clear text).
+    /// [default: require when credentials are given, else off]
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub tls: Option<TlsMode>,
+    /// X.509 credentials: a directory with server-cert.pem and
+    /// server-key.pem (and ca-cert.pem for --tls-verify-peer), laid out as
+    /// for nbdkit --tls-certificates and qemu's tls-creds-x509.
+    #[arg(long, value_name = "DIR", conflicts_with = "tls_psk")]
+    pub tls_certificates: Option<PathBuf>,
+    /// With --tls-certificates: clients must present a certificate signed
+    /// by ca-cert.pem (authentication by certificate).
+    #[arg(long, requires = "tls_certificates")]
+    pub tls_verify_peer: bool,
+    /// Pre-shared keys: a file of `username:hexkey` lines, as
+    /// `psktool -u NAME -p FILE` writes it; a client must know one user's
+    /// key. Authentication without a PKI.
+    #[arg(long, value_name = "FILE")]
+    pub tls_psk: Option<PathBuf>,
+}
+
+/// `--tls`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsMode {
+    Off,
+    On,
+    Require,
 }
 
 fn parse_mode(value: &str) -> Result<u32, String> {
@@ -119,19 +151,57 @@ impl Default for ConnectionArgs {
             socket_mode: None,
             socket_group: None,
             allow: Vec::new(),
+            tls: None,
+            tls_certificates: None,
+            tls_verify_peer: false,
+            tls_psk: None,
         }
     }
 }
 
 impl ConnectionArgs {
-    /// Put these limits into the server's configuration.
-    pub fn apply(&self, config: &mut ServerConfig) {
+    /// Put these limits into the server's configuration, loading the TLS
+    /// credentials.
+    pub fn apply(&self, config: &mut ServerConfig) -> Result<()> {
+        let (policy, acceptor) = self.tls_setup()?;
+        config.tls = policy;
+        config.tls_acceptor = acceptor;
         config.max_connections = self.max_connections as usize;
         config.max_handshakes = self.max_handshakes as usize;
         config.max_handshakes_per_peer = self.max_handshakes_per_peer as usize;
         config.handshake_timeout_ms = u64::from(self.handshake_timeout_secs) * 1000;
         config.read_only = self.read_only;
         config.allow = self.allow.clone();
+        Ok(())
+    }
+
+    fn tls_setup(&self) -> Result<(TlsPolicy, Option<Arc<TlsAcceptor>>)> {
+        let credentials = match (&self.tls_certificates, &self.tls_psk) {
+            (Some(dir), None) => Some(ServerCredentials::X509 {
+                dir: dir.clone(),
+                verify_peer: self.tls_verify_peer,
+            }),
+            (None, Some(file)) => Some(ServerCredentials::Psk { file: file.clone() }),
+            (None, None) => None,
+            (Some(_), Some(_)) => bail!("give either --tls-certificates or --tls-psk, not both"),
+        };
+        let policy = match (self.tls, credentials.is_some()) {
+            (None, false) | (Some(TlsMode::Off), false) => TlsPolicy::Off,
+            (Some(TlsMode::Off), true) => {
+                bail!("--tls=off with TLS credentials: drop --tls-certificates/--tls-psk, or use --tls=on or --tls=require")
+            }
+            (Some(TlsMode::On | TlsMode::Require), false) => {
+                bail!("--tls needs credentials: --tls-certificates=DIR (X.509) or --tls-psk=FILE (pre-shared keys, from psktool)")
+            }
+            (Some(TlsMode::On), true) => TlsPolicy::Offered,
+            (None | Some(TlsMode::Require), true) => TlsPolicy::Required,
+        };
+        let Some(credentials) = credentials else {
+            return Ok((policy, None));
+        };
+        let acceptor = TlsAcceptor::new(&credentials).context("loading the TLS credentials")?;
+        tracing::info!(credentials = acceptor.description(), ?policy, "TLS");
+        Ok((policy, Some(Arc::new(acceptor))))
     }
 
     /// The Unix socket's mode and group, checked against how the daemon

@@ -16,6 +16,8 @@
 
 mod ceph;
 mod fuse_device;
+pub mod raw_nbd;
+pub mod tls;
 #[allow(unused_imports)]
 pub use ceph::{require_ceph, CephCluster};
 #[allow(unused_imports)]
@@ -498,6 +500,27 @@ impl Ctx {
         };
         server.wait_ready();
         server
+    }
+
+    /// Start `cairn serve --listen 127.0.0.1:PORT` (a free port) and wait
+    /// until it accepts; returns the process and the address.
+    pub fn serve_tcp(&self, cache: &Path, extra: &[&str]) -> (Proc, String) {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let c = cache.to_string_lossy();
+        let mut args = vec!["serve", "--cache", &c, "--listen", &addr];
+        args.extend_from_slice(extra);
+        let mut cmd = self.cmd(&args);
+        cmd.env("CAIRN_LOG", "info");
+        let mut proc = self.spawn("serve-tcp", &mut cmd);
+        let up = eventually(Duration::from_secs(60), || {
+            std::net::TcpStream::connect(&addr).is_ok() || proc.try_status().is_some()
+        });
+        assert!(
+            up && proc.try_status().is_none(),
+            "cairn serve --listen {addr} did not start: {}",
+            proc.log_text()
+        );
+        (proc, addr)
     }
 
     /// Start any helper process (nbdkit, fio...) with a log in the test dir.

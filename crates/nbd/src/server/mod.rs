@@ -28,10 +28,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::codec::{BlockSizes, ExportInfo, Limits};
+use crate::codec::{BlockSizes, ExportInfo, Limits, TlsPolicy};
 use crate::export::{Export, ExportError};
 use admission::{Admission, AdmissionLimits, PeerKey};
 use budget::ByteBudget;
+use cairn_tls::TlsAcceptor;
 use listener::Stream;
 
 /// Server limits and behaviour. `Default` suits a 2-core machine.
@@ -51,6 +52,11 @@ pub struct ServerConfig {
     /// Handshakes of one peer (IP address, or user id on the Unix socket)
     /// at most; beyond this a new one closes that peer's oldest.
     pub max_handshakes_per_peer: usize,
+    /// What STARTTLS gets (nbdkit's `--tls=off|on|require`). Anything but
+    /// `Off` needs `tls_acceptor`.
+    pub tls: TlsPolicy,
+    /// The server's TLS credentials, loaded once.
+    pub tls_acceptor: Option<Arc<TlsAcceptor>>,
     /// TCP clients allowed, by network; empty allows every address. A
     /// client outside them is closed at accept, before a byte is sent.
     /// Unix-socket clients are governed by the socket's mode and group.
@@ -103,6 +109,8 @@ impl Default for ServerConfig {
             max_connections: 32,
             max_handshakes: 64,
             max_handshakes_per_peer: 16,
+            tls: TlsPolicy::Off,
+            tls_acceptor: None,
             allow: Vec::new(),
             max_in_flight_per_connection: 32,
             max_option_bytes: limits.max_option_bytes,
@@ -135,6 +143,19 @@ impl ServerConfig {
             return bad(
                 "max_connections, max_handshakes, max_handshakes_per_peer and max_in_flight_per_connection must be at least 1".into(),
             );
+        }
+        match (self.tls, &self.tls_acceptor) {
+            (TlsPolicy::Off, Some(_)) => {
+                return bad(
+                    "TLS credentials were given with TLS off; use --tls=on or --tls=require".into(),
+                )
+            }
+            (TlsPolicy::Offered | TlsPolicy::Required, None) => {
+                return bad(
+                    "TLS needs credentials: --tls-certificates=DIR or --tls-psk=FILE".into(),
+                )
+            }
+            _ => {}
         }
         if !self.min_block_bytes.is_power_of_two()
             || self.min_block_bytes > crate::proto::MAX_MIN_BLOCK_BYTES
@@ -251,6 +272,10 @@ pub struct ServerStats {
     pub handshakes_evicted: u64,
     /// TCP clients closed at accept: not in the allow list.
     pub connections_denied: u64,
+    /// TLS handshakes that succeeded, and that failed (wrong key, no or
+    /// untrusted certificate, clear text after STARTTLS, timeouts).
+    pub tls_handshakes: u64,
+    pub tls_handshake_failures: u64,
     pub protocol_errors: u64,
     pub requests: u64,
     /// A connection's reader paused at `max_in_flight_per_connection`.
@@ -271,6 +296,8 @@ pub(crate) struct Counters {
     connections_refused: AtomicU64,
     handshakes_evicted: AtomicU64,
     connections_denied: AtomicU64,
+    pub(crate) tls_handshakes: AtomicU64,
+    pub(crate) tls_handshake_failures: AtomicU64,
     protocol_errors: AtomicU64,
     requests: AtomicU64,
     pub(crate) in_flight_limit_waits: AtomicU64,
@@ -319,6 +346,8 @@ impl Shared {
             connections_handshaking: self.admission.counts().0 as u64,
             handshakes_evicted: c.handshakes_evicted.load(Ordering::Relaxed),
             connections_denied: c.connections_denied.load(Ordering::Relaxed),
+            tls_handshakes: c.tls_handshakes.load(Ordering::Relaxed),
+            tls_handshake_failures: c.tls_handshake_failures.load(Ordering::Relaxed),
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
             in_flight_limit_waits: c.in_flight_limit_waits.load(Ordering::Relaxed),

@@ -19,5 +19,8 @@ pub(super) enum End {
     /// The handshake ended with every established slot taken.
     TooManyConnections,
     WriteFailed,
+    /// The TLS handshake after STARTTLS failed (or its relay could not
+    /// start).
+    Tls(cairn_tls::TlsError),
     Io(io::Error),
 }

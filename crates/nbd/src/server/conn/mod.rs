@@ -23,7 +23,7 @@ use cairn_io::{LocalNotify, Reactor, ReactorOptions};
 
 use super::listener::Stream;
 use super::Shared;
-use crate::codec::Session;
+use crate::codec::{ProtocolError, Session};
 use end::End;
 use input::InBuf;
 use output::Output;
@@ -127,6 +127,13 @@ fn serve_transmission(
 
 fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
     match end {
+        End::Protocol(e @ ProtocolError::DataAfterStartTls { .. }) => {
+            shared
+                .counters
+                .tls_handshake_failures
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(conn = id, %peer, error = %e, "clear text after STARTTLS; disconnecting client");
+        }
         End::Protocol(e) => {
             shared
                 .counters
@@ -148,6 +155,13 @@ fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
                 max = shared.config.max_connections,
                 "too many connections; closing this one at the end of its handshake"
             );
+        }
+        End::Tls(e) => {
+            shared
+                .counters
+                .tls_handshake_failures
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(conn = id, %peer, error = %e, "TLS refused; disconnecting client");
         }
         End::Io(e) => tracing::warn!(conn = id, %peer, error = %e, "connection I/O error"),
         End::MidMessage => {

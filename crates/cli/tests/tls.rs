@@ -1,0 +1,336 @@
+//! TLS on the NBD server (issue 17), with real clients: nbdinfo, nbdcopy
+//! and nbdsh (libnbd, GnuTLS) and qemu-img / qemu-io (qemu's tls-creds
+//! objects), over the Unix socket and TCP, with pre-shared keys made by
+//! psktool and X.509 certificates made by openssl at test time. And the
+//! refusals: clear-text clients under --tls=require get no export and no
+//! data, a wrong key, an unknown user, a missing or foreign client
+//! certificate are refused, and clear text pipelined after STARTTLS is
+//! never taken. Skips without the tools, fails under CI=true.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use cairn_nbd_proto::proto::{
+    OPT_EXPORT_NAME, OPT_GO, OPT_STARTTLS, OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD,
+};
+use common::raw_nbd::{go_data, greet, option, read_option_reply};
+use common::tls::{psk_file, qemu_psk_dir, Pki};
+use common::*;
+
+const MIB: u64 = 1 << 20;
+const VOLUME_BYTES: u64 = 64 * MIB;
+
+fn tools_present(test: &str) -> bool {
+    require_tools(
+        test,
+        &[
+            "nbdinfo", "nbdcopy", "nbdsh", "qemu-img", "qemu-io", "psktool", "openssl",
+        ],
+    ) && require_python_nbd(test)
+}
+
+fn nbdinfo_size(uri: &str) -> Result<u64, String> {
+    let out = run(tool("nbdinfo").arg("--size").arg(uri), TOOL_TIMEOUT);
+    if !out.status.success() {
+        return Err(stderr(&out));
+    }
+    stdout(&out)
+        .trim()
+        .parse()
+        .map_err(|_| format!("nbdinfo printed {:?}", stdout(&out)))
+}
+
+/// 8 MiB of a pattern in with nbdcopy (several connections), back out,
+/// compared.
+fn nbdcopy_round_trip(ctx: &Ctx, uri: &str, seed: u64) {
+    let data = pattern(seed, 8 * MIB as usize);
+    let src = ctx.path(&format!("copy-in-{seed}.bin"));
+    let back = ctx.path(&format!("copy-out-{seed}.bin"));
+    std::fs::write(&src, &data).expect("writing the source");
+    // A raw file smaller than the volume: nbdcopy writes its length.
+    run_ok(tool("nbdcopy").arg(&src).arg(uri), TOOL_TIMEOUT);
+    run_ok(tool("nbdcopy").arg(uri).arg(&back), TOOL_TIMEOUT);
+    let got = read_range(&back, 0, data.len());
+    assert_same_bytes("nbdcopy through TLS", &got, &data);
+}
+
+fn nbdsh_round_trip(uri: &str) {
+    let script = "\
+import os
+d = os.urandom(65536)
+h.pwrite(d, 1048576)
+h.flush()
+assert h.pread(65536, 1048576) == d
+assert h.get_size() == 67108864
+print('nbdsh ok')
+";
+    // nbdsh -u refuses URIs that name local files (the key, the
+    // certificates) unless allowed first.
+    let connect = format!("h.set_uri_allow_local_file(True)\nh.connect_uri({uri:?})");
+    let out = run_ok(
+        tool("nbdsh").args(["-c", &connect, "-c", script]),
+        TOOL_TIMEOUT,
+    );
+    assert!(stdout(&out).contains("nbdsh ok"), "{}", describe(&out));
+}
+
+/// qemu-img info and qemu-io through `object` (a tls-creds-* object
+/// with id tls0) to the server `server_opts` names.
+fn qemu_round_trip(object: &str, server_opts: &str) {
+    let image = format!("driver=nbd,{server_opts},tls-creds=tls0");
+    let out = run_ok(
+        tool("qemu-img").args(["info", "--object", object, "--image-opts", &image]),
+        TOOL_TIMEOUT,
+    );
+    assert!(
+        stdout(&out).contains(&format!("({VOLUME_BYTES} bytes)")),
+        "{}",
+        describe(&out)
+    );
+    let out = run_ok(
+        tool("qemu-io").args([
+            "--object",
+            object,
+            "--image-opts",
+            &image,
+            "-c",
+            "write -P 0x5c 2M 1M",
+            "-c",
+            "flush",
+            "-c",
+            "read -P 0x5c 2M 1M",
+        ]),
+        TOOL_TIMEOUT,
+    );
+    let text = stdout(&out);
+    assert!(
+        text.contains("wrote 1048576/1048576") && text.contains("read 1048576/1048576"),
+        "{}",
+        describe(&out)
+    );
+    assert!(!text.contains("Pattern verification failed"), "{text}");
+}
+
+fn nbd_counter(ctx: &Ctx, cache: &Path, name: &str) -> u64 {
+    u64_of(&ctx.status(cache), name)
+}
+
+#[test]
+fn psk_serves_libnbd_and_qemu_clients_over_unix_and_tcp() {
+    const T: &str = "tls_psk";
+    if !tools_present(T) {
+        return;
+    }
+    let ctx = Ctx::new(T);
+    let (cache, _origin) = ctx.setup(32 * MIB, VOLUME_BYTES);
+    let keys = psk_file(&ctx, "keys.psk", "alice");
+    let wrong_key = psk_file(&ctx, "wrong.psk", "alice");
+    let other_user = psk_file(&ctx, "bob.psk", "bob");
+    let qemu_dir = qemu_psk_dir(&ctx, &keys, "qemu-psk");
+    let keys_s = keys.to_string_lossy().into_owned();
+    let socket = ctx.path("tls.sock");
+    let mut server = ctx.serve(&cache, &socket, &["--tls-psk", &keys_s]);
+    let unix = |user: &str, file: &Path| {
+        format!(
+            "nbds+unix://{user}@/?socket={}&tls-psk-file={}",
+            socket.display(),
+            file.display()
+        )
+    };
+
+    assert_eq!(nbdinfo_size(&unix("alice", &keys)), Ok(VOLUME_BYTES));
+    nbdcopy_round_trip(&ctx, &unix("alice", &keys), 1);
+    nbdsh_round_trip(&unix("alice", &keys));
+    let object = format!(
+        "tls-creds-psk,id=tls0,endpoint=client,username=alice,dir={}",
+        qemu_dir.display()
+    );
+    qemu_round_trip(
+        &object,
+        &format!("server.type=unix,server.path={}", socket.display()),
+    );
+    let established = nbd_counter(&ctx, &cache, "nbd_tls_handshakes");
+    assert!(established >= 4, "TLS handshakes counted: {established}");
+
+    // Refused: the wrong key, a user with no key, clear text.
+    for (what, uri) in [
+        ("a wrong key", unix("alice", &wrong_key)),
+        ("an unknown user", unix("bob", &other_user)),
+        ("clear text", nbd_unix_uri(&socket)),
+    ] {
+        assert!(nbdinfo_size(&uri).is_err(), "{what} was served");
+    }
+    assert!(nbd_counter(&ctx, &cache, "nbd_tls_handshake_failures") >= 2);
+    clear_text_gets_no_export(&socket);
+    // Nothing reached the volume from the refused clients, and the
+    // server still serves.
+    nbdsh_round_trip(&unix("alice", &keys));
+    server.terminate();
+
+    let (mut tcp, addr) = ctx.serve_tcp(&cache, &["--tls-psk", &keys_s]);
+    let tcp_uri = format!("nbds://alice@{addr}/?tls-psk-file={}", keys.display());
+    assert_eq!(nbdinfo_size(&tcp_uri), Ok(VOLUME_BYTES));
+    nbdcopy_round_trip(&ctx, &tcp_uri, 2);
+    nbdsh_round_trip(&tcp_uri);
+    let (host, port) = addr.split_once(':').expect("host:port");
+    qemu_round_trip(
+        &object,
+        &format!("server.type=inet,server.host={host},server.port={port}"),
+    );
+    assert!(
+        nbdinfo_size(&format!("nbd://{addr}")).is_err(),
+        "clear text over TCP was served"
+    );
+    tcp.terminate(Duration::from_secs(60));
+}
+
+/// Under --tls=require a clear-text client gets ERR_TLS_REQD for GO and
+/// a closed connection for EXPORT_NAME: no size, no data.
+fn clear_text_gets_no_export(socket: &Path) {
+    let mut s = UnixStream::connect(socket).expect("connect");
+    assert!(greet(&mut s));
+    s.write_all(&option(OPT_GO, &go_data(""))).expect("GO");
+    let (opt, reply, _) = read_option_reply(&mut s).expect("a reply to GO");
+    assert_eq!((opt, reply), (OPT_GO, REP_ERR_TLS_REQD));
+    s.write_all(&option(OPT_EXPORT_NAME, b""))
+        .expect("EXPORT_NAME");
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut rest);
+    assert!(
+        rest.is_empty(),
+        "EXPORT_NAME in clear text got {} bytes",
+        rest.len()
+    );
+}
+
+#[test]
+fn x509_serves_certified_clients_and_refuses_the_others() {
+    const T: &str = "tls_x509";
+    if !tools_present(T) {
+        return;
+    }
+    let ctx = Ctx::new(T);
+    let (cache, _origin) = ctx.setup(32 * MIB, VOLUME_BYTES);
+    let pki = Pki::make(&ctx);
+    let server_dir = pki.server.to_string_lossy().into_owned();
+
+    // TCP, client certificates required.
+    let (mut tcp, addr) = ctx.serve_tcp(
+        &cache,
+        &["--tls-certificates", &server_dir, "--tls-verify-peer"],
+    );
+    let uri = |dir: &Path| {
+        format!(
+            "nbds://localhost:{}/?tls-certificates={}",
+            addr.split_once(':').map_or("", |(_, p)| p),
+            dir.display()
+        )
+    };
+    assert_eq!(nbdinfo_size(&uri(&pki.client)), Ok(VOLUME_BYTES));
+    nbdcopy_round_trip(&ctx, &uri(&pki.client), 3);
+    nbdsh_round_trip(&uri(&pki.client));
+    let object = format!(
+        "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+        pki.client.display()
+    );
+    let port = addr.split_once(':').map_or("", |(_, p)| p).to_string();
+    qemu_round_trip(
+        &object,
+        &format!("server.type=inet,server.host=localhost,server.port={port}"),
+    );
+    for (what, dir) in [
+        ("a client without a certificate", &pki.no_cert),
+        ("a certificate of another CA", &pki.rogue_client),
+    ] {
+        assert!(nbdinfo_size(&uri(dir)).is_err(), "{what} was served");
+    }
+    assert!(
+        nbdinfo_size(&format!("nbd://{addr}")).is_err(),
+        "clear text was served"
+    );
+    tcp.terminate(Duration::from_secs(60));
+
+    // The Unix socket, --tls=on without peer verification: a client with
+    // no certificate of its own gets TLS, and clear text is still served.
+    let socket = ctx.path("x509.sock");
+    let mut server = ctx.serve(
+        &cache,
+        &socket,
+        &["--tls=on", "--tls-certificates", &server_dir],
+    );
+    let unix = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        socket.display(),
+        pki.no_cert.display()
+    );
+    assert_eq!(nbdinfo_size(&unix), Ok(VOLUME_BYTES));
+    nbdsh_round_trip(&unix);
+    let out = run_ok(tool("nbdinfo").arg(&unix), TOOL_TIMEOUT);
+    assert!(stdout(&out).contains("with TLS"), "{}", describe(&out));
+    let out = run_ok(tool("nbdinfo").arg(nbd_unix_uri(&socket)), TOOL_TIMEOUT);
+    assert!(stdout(&out).contains("without TLS"), "{}", describe(&out));
+    qemu_round_trip(
+        &format!(
+            "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+            pki.no_cert.display()
+        ),
+        &format!(
+            "server.type=unix,server.path={},tls-hostname=localhost",
+            socket.display()
+        ),
+    );
+    clear_text_after_starttls_is_refused(&socket);
+    server.terminate();
+}
+
+/// CVE-2021-3716's shape: STARTTLS with clear text right behind it. The
+/// server must not answer the clear text as if it came through TLS: it
+/// hangs up without acknowledging STARTTLS.
+fn clear_text_after_starttls_is_refused(socket: &Path) {
+    let mut s = UnixStream::connect(socket).expect("connect");
+    assert!(greet(&mut s));
+    let mut burst = option(OPT_STARTTLS, &[]);
+    burst.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    burst.extend(option(OPT_GO, &go_data("")));
+    s.write_all(&burst).expect("burst");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut rest);
+    assert!(rest.is_empty(), "the server answered {} bytes", rest.len());
+}
+
+#[test]
+fn tls_settings_that_cannot_work_are_refused_with_the_fix() {
+    let ctx = Ctx::new("tls_settings");
+    let (cache, _origin) = ctx.setup(16 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().into_owned();
+    let sock = ctx.path("s.sock").to_string_lossy().into_owned();
+    let missing = ctx.path("nowhere").to_string_lossy().into_owned();
+    let empty_dir = ctx.path("empty");
+    std::fs::create_dir_all(&empty_dir).expect("dir");
+    let empty = empty_dir.to_string_lossy().into_owned();
+    let bad_psk = ctx.path("bad.psk");
+    std::fs::write(&bad_psk, "alice:not-hex\n").expect("psk");
+    let bad_psk = bad_psk.to_string_lossy().into_owned();
+    for (args, needles) in [
+        (
+            vec!["--tls=require"],
+            vec!["--tls-certificates", "--tls-psk"],
+        ),
+        (vec!["--tls=off", "--tls-psk", &bad_psk], vec!["--tls=off"]),
+        (vec!["--tls-psk", &missing], vec!["nowhere"]),
+        (vec!["--tls-psk", &bad_psk], vec!["bad.psk:1", "psktool"]),
+        (vec!["--tls-certificates", &empty], vec!["server-cert.pem"]),
+        (vec!["--tls-verify-peer"], vec!["--tls-certificates"]),
+    ] {
+        let mut all = vec!["serve", "--cache", &c, "--socket", &sock];
+        all.extend(args.iter().copied());
+        let out = run(&mut ctx.cmd(&all), TOOL_TIMEOUT);
+        assert_clean_failure(&out, &needles);
+    }
+}
