@@ -334,3 +334,93 @@ fn tls_settings_that_cannot_work_are_refused_with_the_fix() {
         assert_clean_failure(&out, &needles);
     }
 }
+
+/// cairn in front of an `nbds+unix://` origin that nbdkit serves with
+/// `--tls=require --tls-psk`: fio writes and verifies through the cache,
+/// `cairn flush` drains, the origin file equals the volume; the daemon
+/// started again from the identity recorded at format time (TLS
+/// parameters included) still verifies. A clear-text URI is refused with
+/// the fix named.
+#[test]
+fn nbds_origin_behind_nbdkit_tls_require() {
+    const T: &str = "tls_origin";
+    if !require_tools(T, &["nbdkit", "fio", "psktool"]) || !require_python_nbd(T) {
+        return;
+    }
+    let ctx = Ctx::new(T);
+    let keys = psk_file(&ctx, "keys.psk", "alice");
+    let origin_file = ctx.path("origin.img");
+    std::fs::write(&origin_file, pattern(0x51, VOLUME_BYTES as usize)).expect("origin");
+    let origin_socket = ctx.path("origin.sock");
+    let tls_psk = format!("--tls-psk={}", keys.display());
+    let file_arg = format!("file={}", origin_file.display());
+    let mut nbdkit = start_nbdkit(
+        &ctx,
+        &origin_socket,
+        &["--tls=require", &tls_psk, "file", &file_arg],
+    );
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let c = cache.to_string_lossy().into_owned();
+
+    let clear = nbd_unix_uri(&origin_socket);
+    let out = ctx.cairn(&["format", "--cache", &c, "--origin", &clear]);
+    assert_clean_failure(&out, &["NBD_REP_ERR_TLS_REQD", "nbds"]);
+
+    let origin_uri = format!(
+        "nbds+unix://alice@/?socket={}&tls-psk-file={}",
+        origin_socket.display(),
+        keys.display()
+    );
+    ctx.format(&cache, &origin_uri, &[]);
+    let st = ctx.status(&cache);
+    let recorded = st["origin"].as_str().unwrap_or_default().to_string();
+    assert!(
+        recorded.starts_with("nbds+unix:///") && recorded.contains("tls-username=alice"),
+        "{st}"
+    );
+
+    let socket = ctx.path("cairn.sock");
+    let mut server = ctx.serve(&cache, &socket, &[]);
+    let uri = server.uri();
+    let fio = |args: &[String]| {
+        run(
+            tool("fio").current_dir(&ctx.dir.path).args(args),
+            TOOL_TIMEOUT,
+        )
+    };
+    let out = fio(&fio_verified_args(&uri, 7, false));
+    assert!(out.status.success(), "fio write pass: {}", describe(&out));
+    let out = fio(&fio_verified_args(&uri, 7, true));
+    assert!(out.status.success(), "fio verify pass: {}", describe(&out));
+    // Data the cache never held comes from the origin, through TLS.
+    let far = 40 * MIB;
+    assert_same_bytes(
+        "origin data read through TLS",
+        &nbd_read(&uri, far, MIB as usize),
+        &pattern(0x51, VOLUME_BYTES as usize)[far as usize..(far + MIB) as usize],
+    );
+    let out = ctx.flush(&cache);
+    assert!(
+        stdout(&out).contains("write-back complete"),
+        "{}",
+        describe(&out)
+    );
+    let volume = nbd_read(&uri, 0, VOLUME_BYTES as usize);
+    assert_same_bytes(
+        "origin file after the drain",
+        &std::fs::read(&origin_file).expect("origin"),
+        &volume,
+    );
+    server.kill9();
+
+    // Started again with no --origin: reopened from the recorded identity.
+    let server = ctx.serve(&cache, &socket, &[]);
+    let out = fio(&fio_verified_args(&server.uri(), 7, true));
+    assert!(
+        out.status.success(),
+        "verify after restart: {}",
+        describe(&out)
+    );
+    drop(server);
+    nbdkit.terminate(Duration::from_secs(30));
+}

@@ -15,7 +15,7 @@ use cairn_nbd_proto::proto::{CMD_DISC, CMD_READ};
 
 use super::batch::Batch;
 use super::command::Command;
-use super::handshake::{handshake, NegotiatedExport};
+use super::handshake::{handshake, open_session, NegotiatedExport};
 use super::options::NbdOptions;
 use super::reader::{reader_loop, ConnShared, Pending};
 use super::stats::Counters;
@@ -53,9 +53,9 @@ impl Conn {
         expect_size_bytes: Option<u64>,
     ) -> io::Result<Arc<Conn>> {
         let connect_timeout = Duration::from_millis(options.connect_timeout_ms.max(1));
-        let mut stream = Stream::connect(uri, connect_timeout)?;
-        stream.set_timeouts(Some(connect_timeout), Some(connect_timeout))?;
-        let info = handshake(&mut stream, &uri.export)?;
+        let request_timeout = Duration::from_millis(options.request_timeout_ms.max(1));
+        let (mut stream, greeting) = open_session(uri, connect_timeout, request_timeout)?;
+        let info = handshake(&mut stream, &greeting, &uri.export)?;
         if let Some(expected) = expect_size_bytes {
             if info.size_bytes != expected {
                 return Err(io::Error::new(

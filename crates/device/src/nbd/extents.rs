@@ -28,7 +28,7 @@ use cairn_nbd_proto::proto::{
     STATE_HOLE, STATE_ZERO,
 };
 
-use super::handshake::{extents_handshake, protocol_error};
+use super::handshake::{extents_handshake, open_session, protocol_error};
 use super::options::NbdOptions;
 use super::transport::Stream;
 use super::uri::NbdUri;
@@ -139,9 +139,10 @@ impl Extents {
 
     fn connect(&self) -> io::Result<Option<ExtentsConn>> {
         let timeout = Duration::from_millis(self.options.connect_timeout_ms.max(1));
-        let mut stream = Stream::connect(&self.uri, timeout)?;
-        stream.set_timeouts(Some(timeout), Some(timeout))?;
-        let Some((info, context_id)) = extents_handshake(&mut stream, &self.uri.export)? else {
+        let request_timeout = Duration::from_millis(self.options.request_timeout_ms.max(1));
+        let (mut stream, greeting) = open_session(&self.uri, timeout, request_timeout)?;
+        let Some((info, context_id)) = extents_handshake(&mut stream, &greeting, &self.uri.export)?
+        else {
             stream.shutdown();
             return Ok(None);
         };
@@ -155,7 +156,6 @@ impl Extents {
                 ),
             ));
         }
-        let request_timeout = Duration::from_millis(self.options.request_timeout_ms.max(1));
         stream.set_timeouts(Some(request_timeout), Some(request_timeout))?;
         Ok(Some(ExtentsConn {
             stream,

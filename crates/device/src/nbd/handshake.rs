@@ -19,7 +19,11 @@ use cairn_nbd_proto::proto::{
     REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO, REP_META_CONTEXT,
 };
 
+use std::time::Duration;
+
+use super::starttls::start_tls;
 use super::transport::Stream;
+use super::uri::NbdUri;
 
 /// Option replies larger than this are a broken or hostile server.
 const MAX_OPTION_REPLY_BYTES: u32 = 64 << 10;
@@ -55,25 +59,46 @@ pub(super) fn read_u64(r: &mut impl Read) -> io::Result<u64> {
 }
 
 /// One option, header and data, in one write.
-fn send_option(w: &mut impl Write, option: u32, data: &[u8]) -> io::Result<()> {
+pub(super) fn send_option(w: &mut impl Write, option: u32, data: &[u8]) -> io::Result<()> {
     let mut msg = Vec::with_capacity(OPTION_HEADER_BYTES + data.len());
     encode_option(&mut msg, option, data);
     w.write_all(&msg)
 }
 
-fn option_error_name(reply: u32) -> &'static str {
+pub(super) fn option_error_name(reply: u32) -> &'static str {
     match reply {
         REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
         REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
         REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
         REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
-        REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD (TLS is not supported by cairn)",
+        REP_ERR_TLS_REQD => {
+            "NBD_REP_ERR_TLS_REQD (the server requires TLS: use an nbds:// or nbds+unix:// URI)"
+        }
         REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN (no such export)",
         REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
         REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
         REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
         _ => "unknown option error",
     }
+}
+
+/// Connect, read the greeting and answer it, and (for `nbds://`) switch
+/// to TLS: what follows is the option haggling, in plain text on the
+/// returned stream either way.
+pub(super) fn open_session(
+    uri: &NbdUri,
+    connect_timeout: Duration,
+    stall_timeout: Duration,
+) -> io::Result<(Stream, Greeting)> {
+    let mut stream = Stream::connect(uri, connect_timeout)?;
+    stream.set_timeouts(Some(connect_timeout), Some(connect_timeout))?;
+    let greeting = greet(&mut stream, &uri.export)?;
+    if let Some(tls) = &uri.tls {
+        start_tls(&mut stream, &greeting, uri, tls, stall_timeout)?;
+        // The relay's socket: the handshake's deadlines again.
+        stream.set_timeouts(Some(connect_timeout), Some(connect_timeout))?;
+    }
+    Ok((stream, greeting))
 }
 
 /// Read the greeting and answer it with the client flags.
@@ -112,15 +137,20 @@ fn greet(stream: &mut Stream, export: &str) -> io::Result<Greeting> {
 }
 
 /// What the server's greeting allows.
-struct Greeting {
+pub(super) struct Greeting {
     /// Fixed newstyle: options can be haggled over.
-    fixed: bool,
-    no_zeroes: bool,
+    pub fixed: bool,
+    pub no_zeroes: bool,
 }
 
-/// Run the client side of the handshake up to the transmission phase.
-pub(super) fn handshake(stream: &mut Stream, export: &str) -> io::Result<NegotiatedExport> {
-    let Greeting { fixed, no_zeroes } = greet(stream, export)?;
+/// Run the client side of the handshake, after [`open_session`], up to
+/// the transmission phase.
+pub(super) fn handshake(
+    stream: &mut Stream,
+    greeting: &Greeting,
+    export: &str,
+) -> io::Result<NegotiatedExport> {
+    let &Greeting { fixed, no_zeroes } = greeting;
     if fixed {
         if let Some(info) = option_go(stream, export)? {
             return Ok(info);
@@ -137,10 +167,10 @@ pub(super) fn handshake(stream: &mut Stream, export: &str) -> io::Result<Negotia
 /// socket.
 pub(super) fn extents_handshake(
     stream: &mut Stream,
+    greeting: &Greeting,
     export: &str,
 ) -> io::Result<Option<(NegotiatedExport, u32)>> {
-    let Greeting { fixed, .. } = greet(stream, export)?;
-    if !fixed {
+    if !greeting.fixed {
         return Ok(None);
     }
     send_option(stream, OPT_STRUCTURED_REPLY, &[])?;
@@ -187,7 +217,10 @@ fn abort(stream: &mut Stream) {
 
 /// Read one reply to `option`: the header (the magic first, so garbage is
 /// refused before more is read), then its data.
-fn read_option_reply(stream: &mut Stream, option: u32) -> io::Result<(OptionReplyHeader, Vec<u8>)> {
+pub(super) fn read_option_reply(
+    stream: &mut Stream,
+    option: u32,
+) -> io::Result<(OptionReplyHeader, Vec<u8>)> {
     let bad = |err: ReplyError| protocol_error(err.to_string());
     let mut header = [0u8; OPTION_REPLY_HEADER_BYTES];
     stream.read_exact(&mut header[..8])?;

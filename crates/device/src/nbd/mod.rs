@@ -1,7 +1,8 @@
 //! An NBD client device, so the origin can be a remote export.
 //!
 //! URIs: `nbd://host[:port]/export` (TCP, port 10809 by default) and
-//! `nbd+unix:///export?socket=PATH`. TLS (`nbds://`) is not supported.
+//! `nbd+unix:///export?socket=PATH`; with TLS required, `nbds://` and
+//! `nbds+unix://` with libnbd's `tls-*` parameters ([`starttls`]).
 //!
 //! Protocol: fixed-newstyle handshake with `NBD_OPT_GO` (asking for the
 //! server's block-size constraints), falling back to `NBD_OPT_EXPORT_NAME`
@@ -52,6 +53,7 @@ mod handshake;
 mod link;
 mod options;
 mod reader;
+mod starttls;
 mod stats;
 mod transport;
 mod uri;
