@@ -14,6 +14,9 @@ use crate::procs;
 pub enum Target {
     /// fio's nbd engine (libnbd) over a unix socket.
     Nbd(PathBuf),
+    /// The same through TLS (`nbds+unix://`), with `home` as HOME so
+    /// libnbd finds the CA in `home/.pki/libnbd`.
+    NbdTls { sock: PathBuf, home: PathBuf },
     /// fio's io_uring engine with O_DIRECT straight on a file.
     File(PathBuf),
 }
@@ -135,6 +138,10 @@ fn job_args(target: &Target, job: &Job) -> Vec<String> {
             a.push("--ioengine=nbd".into());
             a.push(format!("--uri=nbd+unix:///?socket={}", sock.display()));
         }
+        Target::NbdTls { sock, .. } => {
+            a.push("--ioengine=nbd".into());
+            a.push(format!("--uri=nbds+unix:///?socket={}", sock.display()));
+        }
         Target::File(f) => {
             a.push("--ioengine=io_uring".into());
             a.push("--direct=1".into());
@@ -217,6 +224,9 @@ pub fn run_group(target: &Target, jobs: &[Job], out_json: &Path) -> Result<Vec<F
     let timeout = Duration::from_secs(longest + 120);
     let names: Vec<&str> = jobs.iter().map(|j| j.name).collect();
     let mut cmd = Command::new("fio");
+    if let Target::NbdTls { home, .. } = target {
+        cmd.env("HOME", home);
+    }
     cmd.args(group_args(target, jobs));
     cmd.arg(format!("--output={}", out_json.display()));
     let (_, timed_out) = procs::run_timed(&mut cmd, timeout)?;

@@ -44,7 +44,7 @@ Usage: cairn-bench [--quick] [options]
   --only LIST           workloads, comma separated (default all):
                         issue 8:  w1,w2,w3,w3s,w4,w5
                         issue 14: w6 (= w6 and its QD1 variant w6q1),w6q1,w4d,w7,w7r,w8
-  --systems LIST        cairn,cairn-nowb,cairn-direct,nbdkit-file,nbdkit-cache,qemu-nbd,origin,raw
+  --systems LIST        cairn,cairn-nowb,cairn-direct,cairn-tls,nbdkit-file,nbdkit-file-tls,nbdkit-cache,qemu-nbd,origin,raw
                         (default all; cairn-nowb runs W3 only and cairn-direct W4 and
                         W4d only; each workload runs the systems of its table in
                         bench/README.md)
@@ -460,6 +460,11 @@ fn real_main() -> Result<()> {
             pid: d.pid,
         }),
         inflight: procs::inflight_path(&cfg.dir),
+        tls: if cfg.systems.iter().any(|s| s.is_tls()) {
+            Some(systems::TlsFiles::make(&cfg.dir)?)
+        } else {
+            None
+        },
     };
 
     let mut fio_cmds = serde_json::Map::new();

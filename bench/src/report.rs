@@ -210,6 +210,41 @@ pub fn goals(d: &Data, med: &Medians) -> Vec<Goal> {
         "×",
     );
     push(&mut g, "3c", "W3 64K seq writes: MB/s cairn / nbdkit-file (reported, no goal; nbdkit writes into the page cache)", ratio(c(W::Seq, "mb_s"), p(W::Seq, Sys::NbdkitFile, "mb_s")), &|_| true, "×");
+    // Issue 17: what TLS costs, cairn's and a peer's (reported, no goal).
+    for (id, w, k, what) in [
+        ("3t", W::Seq, "mb_s", "W3 64K seq writes through TLS: MB/s"),
+        (
+            "4t",
+            W::RandRead,
+            "iops",
+            "W4 cached 4K random reads QD32 through TLS: IOPS",
+        ),
+    ] {
+        push(
+            &mut g,
+            id,
+            &format!("{what} cairn-tls / cairn (reported)"),
+            ratio(p(w, Sys::CairnTls, k), c(w, k)),
+            &|_| true,
+            "×",
+        );
+        push(
+            &mut g,
+            id,
+            &format!("{what} nbdkit-file-tls / nbdkit-file (the peer's cost, reported)"),
+            ratio(p(w, Sys::NbdkitFileTls, k), p(w, Sys::NbdkitFile, k)),
+            &|_| true,
+            "×",
+        );
+        push(
+            &mut g,
+            id,
+            &format!("{what} cairn-tls / nbdkit-file-tls (reported)"),
+            ratio(p(w, Sys::CairnTls, k), p(w, Sys::NbdkitFileTls, k)),
+            &|_| true,
+            "×",
+        );
+    }
     g.last_mut().unwrap().met = None;
     let rb = d.values(W::Seq, Sys::Cairn, "daemon_read_bytes");
     let rb_max = if rb.is_empty() {
@@ -1129,6 +1164,7 @@ pub fn svg(d: &Data, med: &Medians, goals: &[Goal]) -> String {
                 Sys::Cairn => "#e4572e",
                 Sys::CairnNoWb => "#f3a712",
                 Sys::CairnDirect => "#b8336a",
+                Sys::CairnTls => "#8c2f1b",
                 Sys::Raw => "#29335c",
                 Sys::Origin => "#a0a0a0",
                 _ => "#669bbc",

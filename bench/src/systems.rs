@@ -23,13 +23,20 @@ pub enum Sys {
     QemuNbd,
     Origin,
     Raw,
+    /// cairn serving with `--tls=require --tls-certificates` (W3, W4).
+    CairnTls,
+    /// `nbdkit --tls=require --tls-certificates file FAST`: what TLS costs
+    /// a peer (W3, W4).
+    NbdkitFileTls,
 }
 
-pub const ALL: [Sys; 8] = [
+pub const ALL: [Sys; 10] = [
     Sys::Cairn,
     Sys::CairnNoWb,
     Sys::CairnDirect,
+    Sys::CairnTls,
     Sys::NbdkitFile,
+    Sys::NbdkitFileTls,
     Sys::NbdkitCache,
     Sys::QemuNbd,
     Sys::Origin,
@@ -47,7 +54,14 @@ impl Sys {
             Sys::QemuNbd => "qemu-nbd",
             Sys::Origin => "origin",
             Sys::Raw => "raw",
+            Sys::CairnTls => "cairn-tls",
+            Sys::NbdkitFileTls => "nbdkit-file-tls",
         }
+    }
+
+    /// Served with TLS: fio connects with `nbds+unix://`.
+    pub fn is_tls(self) -> bool {
+        matches!(self, Sys::CairnTls | Sys::NbdkitFileTls)
     }
 
     pub fn from_name(s: &str) -> Option<Sys> {
@@ -55,7 +69,10 @@ impl Sys {
     }
 
     pub fn is_cairn(self) -> bool {
-        matches!(self, Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect)
+        matches!(
+            self,
+            Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect | Sys::CairnTls
+        )
     }
 
     pub fn describe(self) -> &'static str {
@@ -70,6 +87,8 @@ impl Sys {
             Sys::QemuNbd => "qemu-nbd -f raw --cache=none --aio=io_uring FAST",
             Sys::Origin => "the slow origin alone: nbdkit --filter=delay file ORIGIN rdelay wdelay (for W6/W6q1 a second one with -t 64)",
             Sys::Raw => "fio io_uring --direct=1 on FAST (no NBD hop; for ext4: loop --direct-io=on on FAST)",
+            Sys::CairnTls => "cairn serve --tls=require --tls-certificates (X.509, TLS 1.3); fio through nbds+unix:// (W3, W4)",
+            Sys::NbdkitFileTls => "nbdkit --tls=require --tls-certificates file FAST (GnuTLS): the TLS peer (W3, W4)",
         }
     }
 }
@@ -103,6 +122,95 @@ pub struct Env {
     pub cold_origin: Option<OriginRef>,
     /// The scratch device's /sys inflight file, if found.
     pub inflight: Option<PathBuf>,
+    /// TLS credentials, if a TLS system is selected.
+    pub tls: Option<TlsFiles>,
+}
+
+/// A throwaway CA and server certificate for the TLS systems, and a HOME
+/// whose `.pki/libnbd/ca-cert.pem` makes fio's libnbd trust it (fio's nbd
+/// engine cannot pass `tls-certificates=`: libnbd refuses local files in
+/// URIs unless the caller allows them).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub server_dir: PathBuf,
+    pub client_home: PathBuf,
+}
+
+impl TlsFiles {
+    pub fn make(dir: &Path) -> Result<TlsFiles> {
+        let server_dir = dir.join("tls-server");
+        let client_home = dir.join("tls-home");
+        let libnbd = client_home.join(".pki/libnbd");
+        std::fs::create_dir_all(&server_dir)?;
+        std::fs::create_dir_all(&libnbd)?;
+        let p = |name: &str| server_dir.join(name).display().to_string();
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        procs::run(
+            Command::new("openssl")
+                .args(["req", "-x509"])
+                .args(ec)
+                .args([
+                    "-keyout",
+                    &p("ca-key.pem"),
+                    "-out",
+                    &p("ca-cert.pem"),
+                    "-subj",
+                    "/CN=cairn-bench CA",
+                    "-days",
+                    "2",
+                    "-addext",
+                    "basicConstraints=critical,CA:TRUE",
+                    "-addext",
+                    "keyUsage=critical,keyCertSign,cRLSign",
+                ]),
+        )
+        .context("openssl: making the bench CA")?;
+        std::fs::write(
+            p("server.ext"),
+            "subjectAltName=DNS:localhost
+extendedKeyUsage=serverAuth
+keyUsage=critical,digitalSignature,keyEncipherment
+",
+        )?;
+        procs::run(Command::new("openssl").arg("req").args(ec).args([
+            "-keyout",
+            &p("server-key.pem"),
+            "-out",
+            &p("server.csr"),
+            "-subj",
+            "/CN=localhost",
+        ]))
+        .context("openssl: making the server key")?;
+        procs::run(Command::new("openssl").args([
+            "x509",
+            "-req",
+            "-in",
+            &p("server.csr"),
+            "-CA",
+            &p("ca-cert.pem"),
+            "-CAkey",
+            &p("ca-key.pem"),
+            "-CAcreateserial",
+            "-out",
+            &p("server-cert.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            &p("server.ext"),
+        ]))
+        .context("openssl: signing the server certificate")?;
+        std::fs::copy(server_dir.join("ca-cert.pem"), libnbd.join("ca-cert.pem"))?;
+        Ok(TlsFiles {
+            server_dir,
+            client_home,
+        })
+    }
 }
 
 impl Env {
@@ -194,7 +302,7 @@ impl Env {
         let d = match sys {
             Sys::Raw => return Ok(None),
             Sys::Origin => Daemon::observed("origin", origin.pid, &origin.sock),
-            Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect => {
+            Sys::Cairn | Sys::CairnNoWb | Sys::CairnDirect | Sys::CairnTls => {
                 // Overwrite the head of the log first: `format --force` over
                 // a cache that held a log can leave it unopenable ("log
                 // damaged: record 1 ... unreadable, but record 66 ... shows
@@ -202,18 +310,24 @@ impl Env {
                 // records accepts records of the previous format.
                 crate::workloads::fill_file(&self.fast, 64 << 20, true)?;
                 self.cairn_format_on(&self.fast, origin)?;
-                let extra: &[&str] = match sys {
-                    Sys::CairnNoWb => &["--no-writeback"],
-                    Sys::CairnDirect => &["--no-page-cache-reads"],
-                    _ => &[],
+                let tls_dir = self.tls_server_dir(sys)?;
+                let extra: Vec<&str> = match sys {
+                    Sys::CairnNoWb => vec!["--no-writeback"],
+                    Sys::CairnDirect => vec!["--no-page-cache-reads"],
+                    Sys::CairnTls => vec!["--tls=require", "--tls-certificates", &tls_dir],
+                    _ => vec![],
                 };
-                self.cairn_serve(&self.fast, &sock, extra)?.0
+                self.cairn_serve(&self.fast, &sock, &extra)?.0
             }
-            Sys::NbdkitFile => {
+            Sys::NbdkitFile | Sys::NbdkitFileTls => {
                 let mut c = Command::new("nbdkit");
                 c.args(["-f", "--exit-with-parent", "-U"]).arg(&sock);
+                if sys == Sys::NbdkitFileTls {
+                    c.arg("--tls=require");
+                    c.arg(format!("--tls-certificates={}", self.tls_server_dir(sys)?));
+                }
                 c.arg("file").arg(format!("file={}", self.fast.display()));
-                Daemon::spawn("nbdkit-file", &mut c, &sock, &log, t)?.0
+                Daemon::spawn(sys.name(), &mut c, &sock, &log, t)?.0
             }
             Sys::NbdkitCache => {
                 // Its cache file lives in TMPDIR: on the same disk as FAST.
@@ -245,6 +359,18 @@ impl Env {
             }
         };
         Ok(Some(d))
+    }
+
+    /// The server credentials' directory for a TLS system ("" otherwise).
+    fn tls_server_dir(&self, sys: Sys) -> Result<String> {
+        if !sys.is_tls() {
+            return Ok(String::new());
+        }
+        let tls = self
+            .tls
+            .as_ref()
+            .context("a TLS system without TLS credentials")?;
+        Ok(tls.server_dir.display().to_string())
     }
 
     /// nbdkit's arguments for a slow origin; `threads`: `-t N`, else

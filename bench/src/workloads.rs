@@ -138,6 +138,10 @@ impl W {
         }
     }
     pub fn applies(self, sys: Sys) -> bool {
+        if sys.is_tls() {
+            // TLS against clear text: the throughput workloads.
+            return matches!(self, W::Seq | W::RandRead);
+        }
         match self {
             W::ColdRead | W::ColdReadQd1 => matches!(sys, Sys::Cairn | Sys::Origin),
             W::RandReadDirect => matches!(sys, Sys::CairnDirect | Sys::Raw | Sys::QemuNbd),
@@ -375,9 +379,13 @@ fn snap(env: &Env, sys: Sys, pid: Option<u32>) -> Snap {
 /// system.
 pub fn measure_fio(cfg: &Config, env: &Env, w: W, sys: Sys, round: usize) -> Result<Meas> {
     let daemon = start_for(env, w, sys)?;
-    let target = match &daemon {
-        Some(d) => Target::Nbd(d.sock.clone()),
-        None => Target::File(env.fast.clone()),
+    let target = match (&daemon, &env.tls) {
+        (Some(d), Some(tls)) if sys.is_tls() => Target::NbdTls {
+            sock: d.sock.clone(),
+            home: tls.client_home.clone(),
+        },
+        (Some(d), _) => Target::Nbd(d.sock.clone()),
+        (None, _) => Target::File(env.fast.clone()),
     };
     let out = env.dir.join(format!("fio-{}-{}.json", w.id(), sys.name()));
     let mut notes = Vec::new();

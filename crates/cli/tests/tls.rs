@@ -248,6 +248,13 @@ fn x509_serves_certified_clients_and_refuses_the_others() {
     ] {
         assert!(nbdinfo_size(&uri(dir)).is_err(), "{what} was served");
     }
+    // GnuTLS keeps a certificate the server's CA list does not name to
+    // itself; OpenSSL's client (python's ssl) sends it anyway, so the
+    // server's verification is what refuses it. The good certificate
+    // through the same script is the control.
+    assert_eq!(raw_tls_go(&addr, &pki.client), "GOT 20");
+    let rogue = raw_tls_go(&addr, &pki.rogue_client);
+    assert!(rogue.starts_with("REFUSED") || rogue == "GOT 0", "{rogue}");
     assert!(
         nbdinfo_size(&format!("nbd://{addr}")).is_err(),
         "clear text was served"
@@ -268,6 +275,7 @@ fn x509_serves_certified_clients_and_refuses_the_others() {
         pki.no_cert.display()
     );
     assert_eq!(nbdinfo_size(&unix), Ok(VOLUME_BYTES));
+    nbdcopy_round_trip(&ctx, &unix, 4);
     nbdsh_round_trip(&unix);
     let out = run_ok(tool("nbdinfo").arg(&unix), TOOL_TIMEOUT);
     assert!(stdout(&out).contains("with TLS"), "{}", describe(&out));
@@ -285,6 +293,46 @@ fn x509_serves_certified_clients_and_refuses_the_others() {
     );
     clear_text_after_starttls_is_refused(&socket);
     server.terminate();
+}
+
+/// STARTTLS by hand, then TLS with python's ssl (OpenSSL) presenting the
+/// certificate in `dir`, then NBD_OPT_GO; "GOT n" (bytes of the first
+/// reply header) or "REFUSED why".
+fn raw_tls_go(addr: &str, dir: &Path) -> String {
+    const SCRIPT: &str = r#"
+import socket, ssl, struct, sys
+host, port, d = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def recvall(s, n):
+    b = b''
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            break
+        b += c
+    return b
+s = socket.create_connection((host, port), timeout=20)
+assert recvall(s, 18)[:8] == b'NBDMAGIC'
+s.sendall(struct.pack('>I', 3))
+s.sendall(b'IHAVEOPT' + struct.pack('>II', 5, 0))
+h = recvall(s, 20)
+assert struct.unpack('>I', h[12:16])[0] == 1, h
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+ctx.load_verify_locations(d + '/ca-cert.pem')
+ctx.load_cert_chain(d + '/client-cert.pem', d + '/client-key.pem')
+try:
+    t = ctx.wrap_socket(s, server_hostname='localhost')
+    t.sendall(b'IHAVEOPT' + struct.pack('>II', 7, 6) + struct.pack('>IH', 0, 0))
+    print('GOT', len(recvall(t, 20)))
+except (ssl.SSLError, OSError) as e:
+    print('REFUSED', e)
+"#;
+    let (host, port) = addr.split_once(':').expect("host:port");
+    let dir = dir.to_string_lossy();
+    let out = run_ok(
+        std::process::Command::new(python()).args(["-c", SCRIPT, host, port, &dir]),
+        TOOL_TIMEOUT,
+    );
+    stdout(&out).trim().to_string()
 }
 
 /// CVE-2021-3716's shape: STARTTLS with clear text right behind it. The

@@ -46,6 +46,16 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 
+/// The advice after a failed open: about the path, for a local file only
+/// (a remote origin's error already says what the server answered).
+fn open_hint(device: &str) -> &'static str {
+    if device.contains("://") || device.starts_with("rbd:") {
+        ""
+    } else {
+        ". Check the path exists and you may read and write it"
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error("{device}: I/O error at offset {offset} length {len}: {source}")]
@@ -72,9 +82,7 @@ pub enum DeviceError {
         op: &'static str,
         op_index: u64,
     },
-    #[error(
-        "{device}: cannot open: {source}. Check the path exists and you may read and write it"
-    )]
+    #[error("{device}: cannot open: {source}{hint}", hint = open_hint(device))]
     Open {
         device: String,
         #[source]

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use openssl::ssl::{
-    HandshakeError, Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslRef, SslStream,
+    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslRef, SslStream,
     SslVerifyMode,
 };
 use openssl::x509::X509Name;
 
-use crate::context::{configure_common, handshake_error, summarize, PSK_CIPHERS};
+use crate::context::{configure_common, finish_handshake, summarize, PSK_CIPHERS};
 use crate::{PskFile, SessionSummary, TlsError};
 
 /// How the server proves itself and, optionally, checks its clients.
@@ -98,15 +98,9 @@ impl TlsAcceptor {
         stream: S,
     ) -> Result<(SslStream<S>, SessionSummary), TlsError> {
         let ssl = Ssl::new(&self.context).map_err(TlsError::setup)?;
-        match ssl.accept(stream) {
-            Ok(stream) => {
-                let summary = summarize(stream.ssl(), identity_index().ok());
-                Ok((stream, summary))
-            }
-            Err(HandshakeError::SetupFailure(e)) => Err(TlsError::setup(e)),
-            Err(HandshakeError::WouldBlock(_)) => Err(TlsError::HandshakeTimeout),
-            Err(HandshakeError::Failure(mid)) => Err(handshake_error(mid.error(), mid.ssl())),
-        }
+        let stream = finish_handshake(ssl.accept(stream))?;
+        let summary = summarize(stream.ssl(), identity_index().ok());
+        Ok((stream, summary))
     }
 }
 

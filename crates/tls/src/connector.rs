@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use openssl::ssl::{
-    HandshakeError, Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslStream,
+    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslStream,
     SslVerifyMode,
 };
 
 use crate::acceptor::{bad, required};
-use crate::context::{configure_common, handshake_error, summarize, PSK_CIPHERS};
+use crate::context::{configure_common, finish_handshake, summarize, PSK_CIPHERS};
 use crate::{PskFile, SessionSummary, TlsError};
 
 /// Debian's bundle of the system's trusted CAs.
@@ -125,15 +125,9 @@ impl TlsConnector {
                 }
             }
         }
-        match ssl.connect(stream) {
-            Ok(stream) => {
-                let summary = summarize(stream.ssl(), None);
-                Ok((stream, summary))
-            }
-            Err(HandshakeError::SetupFailure(e)) => Err(TlsError::setup(e)),
-            Err(HandshakeError::WouldBlock(_)) => Err(TlsError::HandshakeTimeout),
-            Err(HandshakeError::Failure(mid)) => Err(handshake_error(mid.error(), mid.ssl())),
-        }
+        let stream = finish_handshake(ssl.connect(stream))?;
+        let summary = summarize(stream.ssl(), None);
+        Ok((stream, summary))
     }
 }
 

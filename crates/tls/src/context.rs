@@ -60,6 +60,38 @@ pub(crate) fn summarize(
     }
 }
 
+/// Most times a handshake is resumed after a signal interrupted its
+/// socket (a socket with a timeout is not restarted by SA_RESTART).
+const MAX_HANDSHAKE_INTERRUPTS: usize = 1000;
+
+/// Finish a blocking handshake: resumed when a signal interrupted it, a
+/// timeout (the socket's) reported as such.
+pub(crate) fn finish_handshake<S: std::io::Read + std::io::Write>(
+    mut result: Result<openssl::ssl::SslStream<S>, openssl::ssl::HandshakeError<S>>,
+) -> Result<openssl::ssl::SslStream<S>, TlsError> {
+    use openssl::ssl::HandshakeError;
+    for _ in 0..MAX_HANDSHAKE_INTERRUPTS {
+        match result {
+            Ok(stream) => return Ok(stream),
+            Err(HandshakeError::SetupFailure(e)) => return Err(TlsError::setup(e)),
+            Err(HandshakeError::WouldBlock(_)) => return Err(TlsError::HandshakeTimeout),
+            Err(HandshakeError::Failure(mid)) => {
+                let interrupted = mid
+                    .error()
+                    .io_error()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::Interrupted);
+                if !interrupted {
+                    return Err(handshake_error(mid.error(), mid.ssl()));
+                }
+                result = mid.handshake();
+            }
+        }
+    }
+    Err(TlsError::Handshake(
+        "interrupted by signals too many times".to_string(),
+    ))
+}
+
 pub(crate) fn handshake_error(error: &SslError, ssl: &SslRef) -> TlsError {
     use openssl::x509::X509VerifyResult;
     let verify = ssl.verify_result();

@@ -23,9 +23,10 @@ const RELAY_BUFFER_BYTES: usize = 256 * 1024;
 const RECORD_BYTES: usize = 16 * 1024;
 
 /// Start relaying `tls` on a thread named `name`; returns the socket the
-/// caller reads and writes plaintext on. Closing (or shutting down) that
-/// socket ends the relay, which then closes the TLS connection with a
-/// close_notify; the TLS peer leaving shuts the returned socket down.
+/// caller reads and writes plaintext on. Shutting down its writes sends
+/// close_notify (TLS 1.3 half-close); the TLS peer's close shuts down
+/// the socket's reads; the relay ends when both directions are closed,
+/// or a write to a side that went away fails.
 /// A TLS peer that takes no bytes for `stall_timeout` while some wait for
 /// it ends the relay (it would otherwise hold the thread forever).
 pub fn spawn_relay<S>(
@@ -139,13 +140,22 @@ struct Relay<S> {
     stall_timeout: Option<Duration>,
     /// Since when bytes have waited for the TLS peer without it taking any.
     tls_write_blocked_since: Option<Instant>,
+    /// close_notify was sent; since then (or the last progress) the TLS
+    /// peer has this long to finish (the stall limit, else `LINGER`).
+    tls_closing_since: Option<Instant>,
 }
+
+/// How long a relay whose plain side finished waits for a TLS peer that
+/// neither closes nor sends, when no stall limit was given.
+const LINGER: Duration = Duration::from_secs(30);
 
 /// How one TLS call ended when it made no progress.
 enum Blocked {
     Read,
     Write,
     Closed,
+    /// A signal interrupted the call: make it again.
+    Interrupted,
 }
 
 impl<S: Read + Write + AsRawFd> Relay<S> {
@@ -161,6 +171,7 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
             plain_write_shut: false,
             stall_timeout,
             tls_write_blocked_since: None,
+            tls_closing_since: None,
         }
     }
 
@@ -177,11 +188,21 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
                 self.plain_write_shut = true;
                 progress = true;
             }
-            if self.plain_eof && self.to_tls.is_empty() {
-                // The plain side closed and everything it sent is out.
+            if self.plain_eof && self.to_tls.is_empty() && self.tls_closing_since.is_none() {
+                // The plain side is done sending and everything it sent is
+                // out: close_notify, a half-close in TLS 1.3. What the TLS
+                // peer still sends is delivered until it closes too (or,
+                // when the plain side closed for good, fails to deliver).
                 let _ = self.tls.shutdown();
+                self.tls_closing_since = Some(Instant::now());
+                progress = true;
+            }
+            if self.tls_closing_since.is_some() && self.tls_eof && self.to_plain.is_empty() {
                 let _ = self.plain.shutdown(Shutdown::Both);
                 return Ok(());
+            }
+            if progress && self.tls_closing_since.is_some() {
+                self.tls_closing_since = Some(Instant::now());
             }
             if !progress {
                 self.wait(&interest)?;
@@ -212,6 +233,7 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
                         self.tls_eof = true;
                         progress = true;
                     }
+                    Blocked::Interrupted => {}
                 },
             }
         }
@@ -292,6 +314,7 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
                                 "the TLS peer closed the connection",
                             ))
                         }
+                        Blocked::Interrupted => continue,
                     }
                     break;
                 }
@@ -320,18 +343,32 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
             return Err(io::Error::other("TLS relay has nothing to wait for"));
         }
         loop {
-            let timeout_ms = match (self.stall_timeout, self.tls_write_blocked_since) {
-                (Some(stall), Some(since)) => {
-                    let left = stall.saturating_sub(since.elapsed());
-                    if left.is_zero() {
-                        return Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
+            let blocked =
+                self.stall_timeout
+                    .zip(self.tls_write_blocked_since)
+                    .map(|(stall, since)| {
+                        (
+                            stall.saturating_sub(since.elapsed()),
                             "the TLS peer stopped reading",
-                        ));
-                    }
-                    left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int
+                        )
+                    });
+            let closing = self.tls_closing_since.map(|since| {
+                let limit = self.stall_timeout.unwrap_or(LINGER);
+                (
+                    limit.saturating_sub(since.elapsed()),
+                    "the TLS peer did not close after close_notify",
+                )
+            });
+            let nearest = match (blocked, closing) {
+                (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+                (a, b) => a.or(b),
+            };
+            let timeout_ms = match nearest {
+                Some((left, why)) if left.is_zero() => {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, why))
                 }
-                _ => -1,
+                Some((left, _)) => left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int,
+                None => -1,
             };
             // SAFETY: `fds` is a valid array of two pollfd for the call.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
@@ -370,6 +407,13 @@ fn classify(e: openssl::ssl::Error) -> io::Result<Blocked> {
         ErrorCode::ZERO_RETURN => Ok(Blocked::Closed),
         // EOF without close_notify: the peer went away.
         ErrorCode::SYSCALL if e.io_error().is_none() => Ok(Blocked::Closed),
+        ErrorCode::SYSCALL
+            if e
+                .io_error()
+                .is_some_and(|io| io.kind() == io::ErrorKind::Interrupted) =>
+        {
+            Ok(Blocked::Interrupted)
+        }
         _ => Err(match e.into_io_error() {
             Ok(io) => io,
             Err(e) => io::Error::other(e.to_string()),

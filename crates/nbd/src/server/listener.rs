@@ -110,7 +110,8 @@ impl Listener {
     }
 
     /// Listen on TCP. Use a loopback address unless you mean to export the
-    /// device to the network: NBD has no authentication here.
+    /// device to the network, and then require TLS (`ServerConfig::tls`):
+    /// clear-text NBD has no authentication.
     pub fn bind_tcp(addr: impl ToSocketAddrs) -> Result<Listener, ServerError> {
         let listener = TcpListener::bind(addr).map_err(|source| ServerError::Bind {
             what: "TCP address".to_string(),
