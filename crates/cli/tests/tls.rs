@@ -292,6 +292,9 @@ fn x509_serves_certified_clients_and_refuses_the_others() {
         ),
     );
     clear_text_after_starttls_is_refused(&socket);
+    garbage_instead_of_a_client_hello_is_refused(&socket);
+    // And the server still serves.
+    assert_eq!(nbdinfo_size(&unix), Ok(VOLUME_BYTES));
     server.terminate();
 }
 
@@ -350,6 +353,22 @@ fn clear_text_after_starttls_is_refused(socket: &Path) {
     let mut rest = Vec::new();
     let _ = std::io::Read::read_to_end(&mut s, &mut rest);
     assert!(rest.is_empty(), "the server answered {} bytes", rest.len());
+}
+
+/// STARTTLS acknowledged, then bytes that are no TLS at all: the
+/// handshake fails and the connection closes, nothing is answered.
+fn garbage_instead_of_a_client_hello_is_refused(socket: &Path) {
+    let mut s = UnixStream::connect(socket).expect("connect");
+    assert!(greet(&mut s));
+    s.write_all(&option(OPT_STARTTLS, &[])).expect("STARTTLS");
+    let (opt, reply, _) = read_option_reply(&mut s).expect("STARTTLS reply");
+    assert_eq!((opt, reply), (OPT_STARTTLS, cairn_nbd_proto::proto::REP_ACK));
+    s.write_all(&pattern(9, 4096)).expect("garbage");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut rest);
+    // At most a TLS alert (a 7-byte record), never NBD.
+    assert!(rest.len() <= 7, "the server answered {} bytes", rest.len());
 }
 
 #[test]

@@ -7,8 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use openssl::ssl::{
-    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslRef, SslStream,
-    SslVerifyMode,
+    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslRef, SslStream, SslVerifyMode,
 };
 use openssl::x509::X509Name;
 

@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use openssl::ssl::{
-    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslStream,
-    SslVerifyMode,
+    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslStream, SslVerifyMode,
 };
 
 use crate::acceptor::{bad, required};

@@ -408,8 +408,7 @@ fn classify(e: openssl::ssl::Error) -> io::Result<Blocked> {
         // EOF without close_notify: the peer went away.
         ErrorCode::SYSCALL if e.io_error().is_none() => Ok(Blocked::Closed),
         ErrorCode::SYSCALL
-            if e
-                .io_error()
+            if e.io_error()
                 .is_some_and(|io| io.kind() == io::ErrorKind::Interrupted) =>
         {
             Ok(Blocked::Interrupted)

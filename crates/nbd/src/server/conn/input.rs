@@ -4,7 +4,7 @@
 //! starts.
 
 use std::io::{self, Read};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::end::End;
 use super::Conn;
@@ -13,6 +13,18 @@ use crate::server::listener::Stream;
 /// Bytes asked of the kernel per read; several small requests usually
 /// arrive in one go.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// A blocking reader whose reads can be given a timeout (the client's
+/// socket, or TLS over it during the negotiation).
+pub(super) trait TimedRead: Read {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+}
+
+impl TimedRead for Stream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        Stream::set_read_timeout(self, timeout)
+    }
+}
 
 pub(super) struct InBuf {
     data: Vec<u8>,
@@ -85,7 +97,7 @@ impl InBuf {
     /// caller checked `min_total` against the limits), by `deadline`.
     pub(super) fn fill(
         &mut self,
-        stream: &mut Stream,
+        stream: &mut impl TimedRead,
         min_total: usize,
         deadline: Option<Instant>,
     ) -> Result<(), End> {
@@ -125,6 +137,17 @@ impl InBuf {
     /// buffered. The receive is a ring operation: the task sleeps until
     /// the client's bytes are in, and they arrive with the completion.
     pub(super) async fn fill_async(&mut self, conn: &Conn, min_total: usize) -> Result<(), End> {
+        if let Some(tls) = &conn.tls {
+            while self.len() < min_total {
+                self.make_room(min_total);
+                let end = self.end;
+                match tls.read(conn, &mut self.data[end..]).await? {
+                    0 => return Err(self.eof()),
+                    n => self.end += n,
+                }
+            }
+            return Ok(());
+        }
         while self.len() < min_total {
             self.make_room(min_total);
             let tail = Tail {
@@ -161,6 +184,22 @@ impl InBuf {
         let have = self.len().min(length);
         payload.extend_from_slice(&self.filled()[..have]);
         self.consume(have);
+        if let Some(tls) = &conn.tls {
+            while payload.len() < length {
+                let want = length - payload.len();
+                let n = tls
+                    .read_uninit(conn, &mut payload.spare_capacity_mut()[..want])
+                    .await?;
+                if n == 0 {
+                    return Err(End::MidMessage);
+                }
+                assert!(payload.len() + n <= length, "received past the request");
+                // SAFETY: the TLS read initialised `n` bytes of the spare
+                // capacity right after the initialised prefix.
+                unsafe { payload.set_len(payload.len() + n) };
+            }
+            return Ok(payload);
+        }
         while payload.len() < length {
             let spare = Spare {
                 vec: payload,

@@ -10,6 +10,7 @@ mod input;
 mod negotiate;
 mod output;
 mod request;
+mod tls;
 mod transmit;
 
 use std::cell::Cell;
@@ -39,6 +40,8 @@ pub(super) struct Conn {
     in_flight: Cell<usize>,
     slot_freed: LocalNotify,
     output: Output,
+    /// TLS, when the client negotiated STARTTLS.
+    tls: Option<tls::LoopTls>,
 }
 
 impl Conn {
@@ -77,10 +80,10 @@ pub(crate) fn run(shared: &Arc<Shared>, id: u64, mut stream: Stream) {
     tracing::info!(conn = id, %peer, "client connected");
     let mut input = InBuf::new();
     let end = match negotiate::negotiate(shared, id, &mut stream, &mut input) {
-        Ok(session) => {
+        Ok((session, tls)) => {
             tracing::debug!(conn = id, ?session, "entered transmission");
             input.shrink();
-            serve_transmission(shared, id, stream.try_clone(), session, input)
+            serve_transmission(shared, id, stream.try_clone(), session, input, tls)
         }
         Err(end) => end,
     };
@@ -95,6 +98,7 @@ fn serve_transmission(
     stream: std::io::Result<Stream>,
     session: Session,
     input: InBuf,
+    tls: Option<Box<tls::TlsLink>>,
 ) -> End {
     let setup = stream.and_then(|stream| {
         // Blocking: every receive and send from here on is a ring
@@ -121,6 +125,7 @@ fn serve_transmission(
         in_flight: Cell::new(0),
         slot_freed: LocalNotify::default(),
         output: Output::default(),
+        tls: tls.map(tls::LoopTls::new),
     });
     reactor.run(transmit::transmit(conn, input))
 }

@@ -1,32 +1,73 @@
 //! The handshake, with blocking reads and writes and a deadline.
 
-use std::io::Write;
+use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
 
+use cairn_tls::LoopChannel;
+
 use super::end::End;
-use super::input::InBuf;
+use super::input::{InBuf, TimedRead};
+use super::tls::TlsLink;
 use crate::codec::{Negotiation, NegotiationStep, Session};
 use crate::server::listener::Stream;
 use crate::server::Shared;
 
+/// The negotiation's transport: the client's socket, then, after
+/// STARTTLS, TLS over it (still blocking, on this thread).
+pub(super) enum NegotiationIo<'a> {
+    Plain(&'a mut Stream),
+    Tls(Box<TlsLink>),
+}
+
+impl NegotiationIo<'_> {
+    fn write_all(&mut self, bytes: &[u8]) -> Result<(), End> {
+        let written = match self {
+            NegotiationIo::Plain(stream) => stream.write_all(bytes),
+            NegotiationIo::Tls(tls) => tls.write_all(bytes),
+        };
+        written.map_err(|_| End::WriteFailed)
+    }
+}
+
+impl Read for NegotiationIo<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            NegotiationIo::Plain(stream) => stream.read(buf),
+            NegotiationIo::Tls(tls) => tls.read(buf),
+        }
+    }
+}
+
+impl TimedRead for NegotiationIo<'_> {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            NegotiationIo::Plain(stream) => stream.set_read_timeout(timeout),
+            NegotiationIo::Tls(tls) => match tls.get_ref().socket() {
+                Some(socket) => socket.set_read_timeout(timeout),
+                None => Ok(()),
+            },
+        }
+    }
+}
+
+/// Negotiate; the session agreed, and its TLS link if STARTTLS was.
 pub(super) fn negotiate(
     shared: &Shared,
     id: u64,
     stream: &mut Stream,
     input: &mut InBuf,
-) -> Result<Session, End> {
+) -> Result<(Session, Option<Box<TlsLink>>), End> {
     let mut negotiation = Negotiation::with_tls(
         shared.export_info.clone(),
         shared.limits.clone(),
         shared.config.tls,
     );
-    stream
-        .write_all(&negotiation.greeting())
-        .map_err(|_| End::WriteFailed)?;
     let deadline = match shared.config.handshake_timeout_ms {
         0 => None,
         ms => Some(Instant::now() + Duration::from_millis(ms)),
     };
+    let mut io = NegotiationIo::Plain(stream);
+    io.write_all(&negotiation.greeting())?;
     let mut out = Vec::new();
     loop {
         out.clear();
@@ -39,38 +80,46 @@ pub(super) fn negotiate(
             return Err(End::TooManyConnections);
         }
         if !out.is_empty() {
-            stream.write_all(&out).map_err(|_| End::WriteFailed)?;
+            io.write_all(&out)?;
         }
         match step {
             NegotiationStep::NeedMore { min_total_bytes } => {
-                input.fill(stream, min_total_bytes, deadline)?
+                input.fill(&mut io, min_total_bytes, deadline)?
             }
             NegotiationStep::Consumed { bytes } => input.consume(bytes),
             NegotiationStep::Transmission { bytes, session } => {
                 input.consume(bytes);
-                return Ok(session);
+                let tls = match io {
+                    NegotiationIo::Plain(_) => None,
+                    NegotiationIo::Tls(tls) => Some(tls),
+                };
+                return Ok((session, tls));
             }
             NegotiationStep::Aborted { .. } => return Err(End::Aborted),
             NegotiationStep::StartTls { bytes } => {
                 input.consume(bytes);
                 // The codec refuses STARTTLS with bytes behind it.
                 assert_eq!(input.len(), 0, "clear text buffered across STARTTLS");
-                *stream = start_tls(shared, id, stream, deadline)?;
+                let NegotiationIo::Plain(socket) = &io else {
+                    // The codec accepts STARTTLS once.
+                    return Err(End::Protocol(crate::codec::ProtocolError::AfterEnd));
+                };
+                io = NegotiationIo::Tls(start_tls(shared, id, socket, deadline)?);
                 negotiation.tls_established();
             }
         }
     }
 }
 
-/// The TLS handshake on the client's socket (within the handshake's
-/// deadline), then a relay: the rest of the connection runs in plain text
-/// on the returned socket, as if TLS were not there.
+/// The TLS handshake on the client's socket (blocking, within the
+/// handshake's deadline). The rest of the negotiation runs through it on
+/// this thread; transmission then drives it from the connection's loop.
 fn start_tls(
     shared: &Shared,
     id: u64,
     stream: &Stream,
     deadline: Option<Instant>,
-) -> Result<Stream, End> {
+) -> Result<Box<TlsLink>, End> {
     let Some(acceptor) = &shared.config.tls_acceptor else {
         // `ServerConfig::validate` pairs a TLS policy with credentials.
         return Err(End::Tls(cairn_tls::TlsError::Setup(
@@ -84,7 +133,9 @@ fn start_tls(
     });
     socket.set_read_timeout(left).map_err(End::Io)?;
     socket.set_write_timeout(left).map_err(End::Io)?;
-    let (tls, summary) = acceptor.accept(socket).map_err(End::Tls)?;
+    let (tls, summary) = acceptor
+        .accept(LoopChannel::blocking(socket))
+        .map_err(End::Tls)?;
     shared
         .counters
         .tls_handshakes
@@ -96,14 +147,5 @@ fn start_tls(
         peer = summary.peer.as_deref().unwrap_or("-"),
         "TLS established"
     );
-    // The relay's socket is non-blocking from here; its own stall limit
-    // stands in for the write timeout.
-    tls.get_ref().set_read_timeout(None).map_err(End::Io)?;
-    tls.get_ref().set_write_timeout(None).map_err(End::Io)?;
-    let stall = match shared.config.write_timeout_ms {
-        0 => None,
-        ms => Some(Duration::from_millis(ms)),
-    };
-    let plain = cairn_tls::spawn_relay(tls, format!("nbd-tls-{id}"), stall).map_err(End::Io)?;
-    Ok(Stream::Unix(plain))
+    Ok(Box::new(tls))
 }

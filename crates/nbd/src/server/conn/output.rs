@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use cairn_io::{Deadline, LocalNotify};
 
+use super::tls::LoopTls;
 use super::Conn;
 use crate::export::ReadBuffer;
 
@@ -26,7 +27,7 @@ pub(super) enum Reply {
 }
 
 impl Reply {
-    fn pieces(&self) -> [&[u8]; 2] {
+    pub(super) fn pieces(&self) -> [&[u8]; 2] {
         match self {
             Reply::Bytes(bytes) => [bytes, &[]],
             Reply::Data { header, data } => [header, (**data).as_ref()],
@@ -62,6 +63,11 @@ impl Output {
         self.broken.get()
     }
 
+    /// Wake the writer: TLS has ciphertext of its own to send.
+    pub(super) fn wake(&self) {
+        self.changed.notify_all();
+    }
+
     /// No more replies will come: the writer ends once the queue is empty.
     pub(super) fn close(&self) {
         self.closing.set(true);
@@ -75,6 +81,12 @@ impl Output {
         }
         self.queue.borrow_mut().clear();
         conn.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Take every queued reply (TLS encrypts them into one buffer).
+    fn take_all(&self) -> Vec<Reply> {
+        debug_assert_eq!(self.front_written.get(), 0);
+        self.queue.borrow_mut().drain(..).collect()
     }
 
     /// Take the queued replies (up to what one `sendmsg` carries) to send.
@@ -155,6 +167,9 @@ pub(super) async fn writer(conn: Rc<Conn>) {
             Duration::from_millis(ms),
         )),
     };
+    if let Some(tls) = &conn.tls {
+        return tls_writer(&conn, tls, deadline).await;
+    }
     loop {
         if output.broken.get() {
             return;
@@ -198,5 +213,93 @@ pub(super) async fn writer(conn: Rc<Conn>) {
                 return;
             }
         }
+    }
+}
+
+/// The writer of a TLS connection: every queued reply encrypted into one
+/// buffer, sent whole before the next batch (ciphertext must leave in the
+/// order it was made); close_notify at the end.
+async fn tls_writer(conn: &Rc<Conn>, tls: &LoopTls, mut deadline: Option<Deadline>) {
+    let output = &conn.output;
+    loop {
+        if output.broken.get() {
+            return;
+        }
+        let cipher = if output.queue.borrow().is_empty() {
+            if tls.has_outgoing() {
+                tls.take_outgoing()
+            } else if output.closing.get() {
+                // Best effort: the client may be gone already.
+                let _ = send_cipher(conn, tls.close(), &mut deadline).await;
+                return;
+            } else {
+                output.changed.notified().await;
+                continue;
+            }
+        } else {
+            let replies = output.take_all();
+            match tls.encrypt(&replies) {
+                Ok(cipher) => cipher,
+                Err(e) => {
+                    output.fail(conn, &format!("TLS encryption failed: {e}"));
+                    return;
+                }
+            }
+        };
+        if let Err(why) = send_cipher(conn, cipher, &mut deadline).await {
+            output.fail(conn, &why);
+            return;
+        }
+    }
+}
+
+/// Send all of `bytes` on the ring, within the write timeout.
+async fn send_cipher(
+    conn: &Conn,
+    bytes: Vec<u8>,
+    deadline: &mut Option<Deadline>,
+) -> Result<(), String> {
+    let mut pending = Cipher { bytes, sent: 0 };
+    while pending.sent < pending.bytes.len() {
+        let send = conn.reactor.send_owned(conn.stream.raw_fd(), pending);
+        let outcome = match deadline {
+            None => Some(send.await),
+            Some(deadline) => deadline.run(send).await,
+        };
+        match outcome {
+            None => return Err("the client stopped reading replies (write timeout)".into()),
+            Some((Ok(0), _)) => return Err("the client's socket took no bytes".into()),
+            Some((Ok(n), back)) => {
+                pending = back;
+                pending.sent += n;
+            }
+            Some((Err(e), back))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                pending = back
+            }
+            Some((Err(e), _)) => return Err(format!("reply write failed: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// Ciphertext being sent; the first `sent` bytes are out.
+struct Cipher {
+    bytes: Vec<u8>,
+    sent: usize,
+}
+
+// SAFETY: the bytes are the Vec's heap buffer, owned by the value and not
+// changed while it lives.
+unsafe impl cairn_io::StableBufs for Cipher {
+    fn iovecs(&self) -> Vec<libc::iovec> {
+        vec![libc::iovec {
+            iov_base: self.bytes[self.sent..].as_ptr() as *mut libc::c_void,
+            iov_len: self.bytes.len() - self.sent,
+        }]
     }
 }
