@@ -362,9 +362,13 @@ fn garbage_instead_of_a_client_hello_is_refused(socket: &Path) {
     assert!(greet(&mut s));
     s.write_all(&option(OPT_STARTTLS, &[])).expect("STARTTLS");
     let (opt, reply, _) = read_option_reply(&mut s).expect("STARTTLS reply");
-    assert_eq!((opt, reply), (OPT_STARTTLS, cairn_nbd_proto::proto::REP_ACK));
+    assert_eq!(
+        (opt, reply),
+        (OPT_STARTTLS, cairn_nbd_proto::proto::REP_ACK)
+    );
     s.write_all(&pattern(9, 4096)).expect("garbage");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     let mut rest = Vec::new();
     let _ = std::io::Read::read_to_end(&mut s, &mut rest);
     // At most a TLS alert (a 7-byte record), never NBD.

@@ -121,21 +121,34 @@ impl LoopTls {
     }
 
     /// Encrypt `replies` in order; the ciphertext to send (with anything
-    /// TLS had queued before it).
+    /// TLS had queued before it). Replies are packed into full records
+    /// (a 4 KiB read's 16-byte header and its data would otherwise be two
+    /// records, and the client pays for each record it decrypts).
     pub(super) fn encrypt(&self, replies: &[Reply]) -> io::Result<Vec<u8>> {
         let mut link = self.link.borrow_mut();
+        let mut staging: Vec<u8> = Vec::with_capacity(RECORD_BYTES);
         for reply in replies {
             for piece in reply.pieces() {
-                let mut at = 0;
-                while at < piece.len() {
-                    let end = (at + RECORD_BYTES).min(piece.len());
-                    // Memory never blocks: a write takes what it is given.
-                    let n = link
-                        .ssl_write(&piece[at..end])
-                        .map_err(|e| io::Error::other(format!("TLS: {e}")))?;
-                    at += n;
+                let mut rest = piece;
+                while !rest.is_empty() {
+                    if staging.is_empty() && rest.len() >= RECORD_BYTES {
+                        // A whole record straight from the reply.
+                        write_record(&mut link, &rest[..RECORD_BYTES])?;
+                        rest = &rest[RECORD_BYTES..];
+                        continue;
+                    }
+                    let take = (RECORD_BYTES - staging.len()).min(rest.len());
+                    staging.extend_from_slice(&rest[..take]);
+                    rest = &rest[take..];
+                    if staging.len() == RECORD_BYTES {
+                        write_record(&mut link, &staging)?;
+                        staging.clear();
+                    }
                 }
             }
+        }
+        if !staging.is_empty() {
+            write_record(&mut link, &staging)?;
         }
         Ok(link.get_mut().take_outgoing())
     }
@@ -151,6 +164,19 @@ impl LoopTls {
     pub(super) fn take_outgoing(&self) -> Vec<u8> {
         self.link.borrow_mut().get_mut().take_outgoing()
     }
+}
+
+/// One TLS write of at most a record; memory never blocks, so it takes
+/// all of it (in pieces if OpenSSL says so).
+fn write_record(link: &mut TlsLink, mut bytes: &[u8]) -> io::Result<()> {
+    debug_assert!(bytes.len() <= RECORD_BYTES);
+    while !bytes.is_empty() {
+        let n = link
+            .ssl_write(bytes)
+            .map_err(|e| io::Error::other(format!("TLS: {e}")))?;
+        bytes = &bytes[n..];
+    }
+    Ok(())
 }
 
 fn tls_failure(e: cairn_tls::openssl::ssl::Error) -> End {
