@@ -495,3 +495,99 @@ fn nbds_origin_behind_nbdkit_tls_require() {
     drop(server);
     nbdkit.terminate(Duration::from_secs(30));
 }
+
+/// An `nbds://` origin over TCP with X.509: nbdkit with
+/// `--tls=require --tls-certificates --tls-verify-peer`, cairn presenting
+/// the client certificate of `tls-certificates=DIR` and checking the
+/// server's against its CA and the host name. Writes through the cache
+/// reach the origin at the drain; a directory without a client
+/// certificate, and one that does not trust the server, are refused.
+#[test]
+fn nbds_tcp_origin_with_x509() {
+    const T: &str = "tls_origin_x509";
+    if !require_tools(T, &["nbdkit", "openssl"]) || !require_python_nbd(T) {
+        return;
+    }
+    let ctx = Ctx::new(T);
+    let pki = Pki::make(&ctx);
+    let origin_file = ctx.path("origin.img");
+    std::fs::write(&origin_file, pattern(0x61, VOLUME_BYTES as usize)).expect("origin");
+    let port = free_port();
+    let (port_s, certs, file_arg) = (
+        port.to_string(),
+        format!("--tls-certificates={}", pki.server.display()),
+        format!("file={}", origin_file.display()),
+    );
+    let mut nbdkit = ctx.spawn(
+        "nbdkit-tls",
+        tool("nbdkit").args([
+            "-f",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &port_s,
+            "--tls=require",
+            &certs,
+            "--tls-verify-peer",
+            "file",
+            &file_arg,
+        ]),
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || std::net::TcpStream::connect((
+            "127.0.0.1",
+            port
+        ))
+        .is_ok()),
+        "nbdkit did not listen: {}",
+        nbdkit.log_text()
+    );
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let c = cache.to_string_lossy().into_owned();
+    let origin = |dir: &Path| {
+        format!(
+            "nbds://localhost:{port}/?tls-certificates={}",
+            dir.display()
+        )
+    };
+    for (what, dir, needle) in [
+        (
+            "no client certificate",
+            &pki.no_cert,
+            "ended the TLS session",
+        ),
+        (
+            "a CA that did not sign the server",
+            &pki.rogue_ca_only(&ctx),
+            "certificate",
+        ),
+    ] {
+        let out = ctx.cairn(&["format", "--cache", &c, "--origin", &origin(dir)]);
+        assert!(!out.status.success(), "{what}: formatted");
+        assert_clean_failure(&out, &[needle]);
+    }
+    ctx.format(&cache, &origin(&pki.client), &[]);
+    let socket = ctx.path("cairn.sock");
+    let server = ctx.serve(&cache, &socket, &[]);
+    let uri = server.uri();
+    let data = pattern(0x62, 2 * MIB as usize);
+    nbd_write(&uri, 5 * MIB, &data, true);
+    assert_same_bytes(
+        "origin data through TLS",
+        &nbd_read(&uri, 20 * MIB, MIB as usize),
+        &pattern(0x61, VOLUME_BYTES as usize)[20 * MIB as usize..21 * MIB as usize],
+    );
+    let out = ctx.flush(&cache);
+    assert!(
+        stdout(&out).contains("write-back complete"),
+        "{}",
+        describe(&out)
+    );
+    assert_same_bytes(
+        "origin file after the drain",
+        &read_range(&origin_file, 5 * MIB, data.len()),
+        &data,
+    );
+    drop(server);
+    nbdkit.terminate(Duration::from_secs(30));
+}

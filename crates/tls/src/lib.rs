@@ -32,7 +32,7 @@ pub use loop_channel::{LoopChannel, MAX_INCOMING_BYTES};
 pub use openssl;
 pub use openssl::ssl::SslStream;
 pub use psk_file::PskFile;
-pub use relay::spawn_relay;
+pub use relay::{spawn_relay, RelayOutcome};
 
 /// A session as it was agreed, for logs and status.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,6 +13,7 @@ use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use openssl::ssl::{ErrorCode, SslStream};
@@ -33,20 +34,45 @@ pub fn spawn_relay<S>(
     tls: SslStream<S>,
     name: String,
     stall_timeout: Option<Duration>,
-) -> io::Result<UnixStream>
+) -> io::Result<(UnixStream, RelayOutcome)>
 where
     S: Read + Write + AsRawFd + Send + 'static,
 {
     let (ours, theirs) = UnixStream::pair()?;
     ours.set_nonblocking(true)?;
     set_nonblocking(tls.get_ref().as_raw_fd())?;
+    let outcome = RelayOutcome::default();
+    let record = outcome.clone();
     std::thread::Builder::new().name(name).spawn(move || {
-        match Relay::new(tls, ours, stall_timeout).run() {
+        let mut relay = Relay::new(tls, ours, stall_timeout);
+        match relay.run() {
             Ok(()) => tracing::debug!("TLS relay finished"),
-            Err(e) => tracing::debug!(error = %e, "TLS relay ended"),
+            Err(e) => {
+                tracing::debug!(error = %e, "TLS relay ended");
+                *record.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+            }
         }
+        // The plain end closes only now: whoever sees it close finds the
+        // reason already recorded.
+        drop(relay);
     })?;
-    Ok(theirs)
+    Ok((theirs, outcome))
+}
+
+/// Why a relay ended, once it has: what the plain side cannot see in an
+/// EOF (a TLS alert from the peer, such as "certificate required").
+#[derive(Clone, Default, Debug)]
+pub struct RelayOutcome(Arc<Mutex<Option<String>>>);
+
+impl RelayOutcome {
+    /// The error the relay ended with; `None` while it runs or after a
+    /// clean close.
+    pub fn error(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 fn set_nonblocking(fd: RawFd) -> io::Result<()> {
@@ -175,7 +201,7 @@ impl<S: Read + Write + AsRawFd> Relay<S> {
         }
     }
 
-    fn run(mut self) -> io::Result<()> {
+    fn run(&mut self) -> io::Result<()> {
         loop {
             let mut interest = Interest::default();
             let mut progress = self.decrypt(&mut interest)?;

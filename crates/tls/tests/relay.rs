@@ -51,6 +51,7 @@ fn psk_pair(
             "test-server-relay".into(),
             Some(Duration::from_secs(2)),
         )
+        .map(|(plain, _outcome)| plain)
         .map_err(|e| e.to_string())
     });
     let client = (|| {
@@ -62,6 +63,7 @@ fn psk_pair(
             "test-client-relay".into(),
             Some(Duration::from_secs(2)),
         )
+        .map(|(plain, _outcome)| plain)
         .map_err(|e| e.to_string())
     })();
     (server.join().unwrap(), client)

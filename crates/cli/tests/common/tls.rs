@@ -35,6 +35,9 @@ fn set_private(path: &Path) {
 
 /// Credential directories under one test directory.
 pub struct Pki {
+    /// The other CA's certificate, kept to make a directory that trusts
+    /// it alone.
+    rogue_ca: PathBuf,
     /// ca-cert.pem, server-cert.pem, server-key.pem (for localhost and
     /// 127.0.0.1).
     pub server: PathBuf,
@@ -58,6 +61,7 @@ impl Pki {
         make_ca(&ca, "cairn test CA");
         make_ca(&rogue, "rogue CA");
         let pki = Pki {
+            rogue_ca: rogue.join("ca-cert.pem"),
             server: dir("server"),
             client: dir("client"),
             no_cert: dir("no-cert"),
@@ -92,6 +96,18 @@ impl Pki {
             std::fs::copy(ca.join("ca-cert.pem"), d.join("ca-cert.pem")).expect("ca-cert.pem");
         }
         pki
+    }
+
+    /// A client directory whose ca-cert.pem is the other CA's (it does
+    /// not trust the server), with a client certificate of that CA.
+    pub fn rogue_ca_only(&self, ctx: &Ctx) -> PathBuf {
+        let dir = ctx.path("pki/trusts-rogue");
+        std::fs::create_dir_all(&dir).expect("pki dir");
+        std::fs::copy(&self.rogue_ca, dir.join("ca-cert.pem")).expect("ca-cert.pem");
+        for f in ["client-cert.pem", "client-key.pem"] {
+            std::fs::copy(self.rogue_client.join(f), dir.join(f)).expect("client cert");
+        }
+        dir
     }
 }
 

@@ -92,9 +92,9 @@ pub(super) fn open_session(
 ) -> io::Result<(Stream, Greeting)> {
     let mut stream = Stream::connect(uri, connect_timeout)?;
     stream.set_timeouts(Some(connect_timeout), Some(connect_timeout))?;
-    let greeting = greet(&mut stream, &uri.export)?;
+    let mut greeting = greet(&mut stream, &uri.export)?;
     if let Some(tls) = &uri.tls {
-        start_tls(&mut stream, &greeting, uri, tls, stall_timeout)?;
+        greeting.tls = Some(start_tls(&mut stream, &greeting, uri, tls, stall_timeout)?);
         // The relay's socket: the handshake's deadlines again.
         stream.set_timeouts(Some(connect_timeout), Some(connect_timeout))?;
     }
@@ -133,7 +133,11 @@ fn greet(stream: &mut Stream, export: &str) -> io::Result<Greeting> {
     let fixed = server_flags & FLAG_FIXED_NEWSTYLE != 0;
     let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
     stream.write_all(&client_flags_for(server_flags).to_be_bytes())?;
-    Ok(Greeting { fixed, no_zeroes })
+    Ok(Greeting {
+        fixed,
+        no_zeroes,
+        tls: None,
+    })
 }
 
 /// What the server's greeting allows.
@@ -141,6 +145,8 @@ pub(super) struct Greeting {
     /// Fixed newstyle: options can be haggled over.
     pub fixed: bool,
     pub no_zeroes: bool,
+    /// The TLS relay, once STARTTLS succeeded (it knows why TLS ended).
+    pub tls: Option<cairn_tls::RelayOutcome>,
 }
 
 /// Run the client side of the handshake, after [`open_session`], up to
@@ -150,7 +156,16 @@ pub(super) fn handshake(
     greeting: &Greeting,
     export: &str,
 ) -> io::Result<NegotiatedExport> {
-    let &Greeting { fixed, no_zeroes } = greeting;
+    handshake_plain(stream, greeting, export)
+        .map_err(|e| super::starttls::explain(e, greeting.tls.as_ref()))
+}
+
+fn handshake_plain(
+    stream: &mut Stream,
+    greeting: &Greeting,
+    export: &str,
+) -> io::Result<NegotiatedExport> {
+    let (fixed, no_zeroes) = (greeting.fixed, greeting.no_zeroes);
     if fixed {
         if let Some(info) = option_go(stream, export)? {
             return Ok(info);

@@ -7,7 +7,7 @@ use std::io;
 use std::time::Duration;
 
 use cairn_nbd_proto::proto::{OPT_STARTTLS, REP_ACK};
-use cairn_tls::{ClientCredentials, TlsConnector};
+use cairn_tls::{ClientCredentials, RelayOutcome, TlsConnector};
 
 use super::handshake::{option_error_name, read_option_reply, send_option, Greeting};
 use super::transport::Stream;
@@ -19,7 +19,7 @@ pub(super) fn start_tls(
     uri: &NbdUri,
     tls: &NbdTls,
     stall_timeout: Duration,
-) -> io::Result<()> {
+) -> io::Result<RelayOutcome> {
     // Credentials first: a missing key file is named before the server
     // is bothered. Loaded at every connect, so a rotated key is picked up
     // by the next reconnect.
@@ -58,9 +58,26 @@ pub(super) fn start_tls(
     // The relay makes the socket non-blocking; its stall limit stands in
     // for the write timeout.
     tls_stream.get_ref().set_timeouts(None, None)?;
-    let plain = cairn_tls::spawn_relay(tls_stream, "cairn-nbd-tls".into(), Some(stall_timeout))?;
+    let (plain, outcome) =
+        cairn_tls::spawn_relay(tls_stream, "cairn-nbd-tls".into(), Some(stall_timeout))?;
     *stream = Stream::Unix(plain);
-    Ok(())
+    Ok(outcome)
+}
+
+/// A handshake error after TLS, with the reason the TLS session ended if
+/// it did (in TLS 1.3 a server refuses a client certificate only after the
+/// client finished its handshake, so the refusal arrives as an alert on
+/// the first read, and the NBD layer sees just a closed connection).
+pub(super) fn explain(error: io::Error, relay: Option<&RelayOutcome>) -> io::Error {
+    match relay.and_then(RelayOutcome::error) {
+        Some(reason) => io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the server ended the TLS session: {reason} (a server that requires client certificates ends it this way when it refuses the one in tls-certificates=DIR, or finds none)"
+            ),
+        ),
+        None => error,
+    }
 }
 
 /// libnbd's rules: a PSK file means pre-shared keys (the user from the
