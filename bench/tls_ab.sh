@@ -4,23 +4,16 @@
 # and nbdkit, each in clear text and through TLS (X.509), interleaved, on a
 # 1 GiB cache file in /var/tmp/tlsprof. Lighter than bench/run.sh (no slow
 # origin, no harness), so the TLS cost shows with less noise. Needs fio,
-# nbdkit, openssl; run bench/run.sh once with a TLS system first, or it
-# makes the certificates itself in /var/tmp/cairn-bench.
+# nbdkit, openssl (scripts/tls-test-pki.sh makes the certificates).
 set -e
 cd "$(dirname "$0")/.."
 CAIRN=$PWD/target/release/cairn
 cargo build --release -p cairn
 mkdir -p /var/tmp/tlsprof && cd /var/tmp/tlsprof
-H=/var/tmp/cairn-bench/tls-home
-CERT=/var/tmp/cairn-bench/tls-server
-if [ ! -f $CERT/server-cert.pem ]; then
-  mkdir -p $CERT $H/.pki/libnbd
-  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout $CERT/ca-key.pem -out $CERT/ca-cert.pem -subj /CN=ca -days 2 -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign 2>/dev/null
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout $CERT/server-key.pem -out $CERT/server.csr -subj /CN=localhost 2>/dev/null
-  printf 'subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n' > $CERT/server.ext
-  openssl x509 -req -in $CERT/server.csr -CA $CERT/ca-cert.pem -CAkey $CERT/ca-key.pem -CAcreateserial -out $CERT/server-cert.pem -days 2 -extfile $CERT/server.ext 2>/dev/null
-  cp $CERT/ca-cert.pem $H/.pki/libnbd/
-fi
+PKI=/var/tmp/tlsprof/pki
+[ -f $PKI/server/server-cert.pem ] || sh "$OLDPWD/scripts/tls-test-pki.sh" $PKI
+H=$PKI/libnbd-home
+CERT=$PKI/server
 [ -f o.img ] || truncate -s 1G o.img
 [ -f c.img ] || fallocate -l 1G c.img
 $CAIRN format --cache c.img --origin o.img --force >/dev/null

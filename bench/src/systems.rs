@@ -137,78 +137,15 @@ pub struct TlsFiles {
 }
 
 impl TlsFiles {
+    /// Made by `scripts/tls-test-pki.sh` (shared with the tests).
     pub fn make(dir: &Path) -> Result<TlsFiles> {
-        let server_dir = dir.join("tls-server");
-        let client_home = dir.join("tls-home");
-        let libnbd = client_home.join(".pki/libnbd");
-        std::fs::create_dir_all(&server_dir)?;
-        std::fs::create_dir_all(&libnbd)?;
-        let p = |name: &str| server_dir.join(name).display().to_string();
-        let ec = [
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-        ];
-        procs::run(
-            Command::new("openssl")
-                .args(["req", "-x509"])
-                .args(ec)
-                .args([
-                    "-keyout",
-                    &p("ca-key.pem"),
-                    "-out",
-                    &p("ca-cert.pem"),
-                    "-subj",
-                    "/CN=cairn-bench CA",
-                    "-days",
-                    "2",
-                    "-addext",
-                    "basicConstraints=critical,CA:TRUE",
-                    "-addext",
-                    "keyUsage=critical,keyCertSign,cRLSign",
-                ]),
-        )
-        .context("openssl: making the bench CA")?;
-        std::fs::write(
-            p("server.ext"),
-            "subjectAltName=DNS:localhost
-extendedKeyUsage=serverAuth
-keyUsage=critical,digitalSignature,keyEncipherment
-",
-        )?;
-        procs::run(Command::new("openssl").arg("req").args(ec).args([
-            "-keyout",
-            &p("server-key.pem"),
-            "-out",
-            &p("server.csr"),
-            "-subj",
-            "/CN=localhost",
-        ]))
-        .context("openssl: making the server key")?;
-        procs::run(Command::new("openssl").args([
-            "x509",
-            "-req",
-            "-in",
-            &p("server.csr"),
-            "-CA",
-            &p("ca-cert.pem"),
-            "-CAkey",
-            &p("ca-key.pem"),
-            "-CAcreateserial",
-            "-out",
-            &p("server-cert.pem"),
-            "-days",
-            "2",
-            "-extfile",
-            &p("server.ext"),
-        ]))
-        .context("openssl: signing the server certificate")?;
-        std::fs::copy(server_dir.join("ca-cert.pem"), libnbd.join("ca-cert.pem"))?;
+        let root = dir.join("tls");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tls-test-pki.sh");
+        procs::run(Command::new("sh").arg(&script).arg(&root))
+            .context("scripts/tls-test-pki.sh: making the bench's certificates")?;
         Ok(TlsFiles {
-            server_dir,
-            client_home,
+            server_dir: root.join("server"),
+            client_home: root.join("libnbd-home"),
         })
     }
 }

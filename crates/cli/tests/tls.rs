@@ -558,7 +558,7 @@ fn nbds_tcp_origin_with_x509() {
         ),
         (
             "a CA that did not sign the server",
-            &pki.rogue_ca_only(&ctx),
+            &pki.trusts_rogue,
             "certificate",
         ),
     ] {

@@ -7,11 +7,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use openssl::ssl::{
-    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslRef, SslStream, SslVerifyMode,
+    Ssl, SslContext, SslContextBuilder, SslMethod, SslRef, SslStream, SslVerifyMode,
 };
 use openssl::x509::X509Name;
 
-use crate::context::{configure_common, finish_handshake, summarize, PSK_CIPHERS};
+use crate::context::{
+    bad, configure_common, finish_handshake, load_identity, required, summarize, PSK_CIPHERS,
+};
 use crate::{PskFile, SessionSummary, TlsError};
 
 /// How the server proves itself and, optionally, checks its clients.
@@ -145,15 +147,7 @@ fn load_x509(
         "server-key.pem",
         "put the server certificate's private key there (PEM)",
     )?;
-    builder
-        .set_certificate_chain_file(&cert)
-        .map_err(|e| bad(&cert, "the server certificate", e))?;
-    builder
-        .set_private_key_file(&key, SslFiletype::PEM)
-        .map_err(|e| bad(&key, "the server's private key", e))?;
-    builder
-        .check_private_key()
-        .map_err(|e| bad(&key, "the key of server-cert.pem (they do not match)", e))?;
+    load_identity(builder, &cert, &key)?;
     if verify_peer {
         let ca = required(
             dir,
@@ -168,29 +162,4 @@ fn load_x509(
         builder.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
     }
     Ok(())
-}
-
-pub(crate) fn required(
-    dir: &Path,
-    name: &'static str,
-    fix: &'static str,
-) -> Result<PathBuf, TlsError> {
-    let path = dir.join(name);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(TlsError::MissingFile {
-            dir: dir.to_path_buf(),
-            what: name,
-            fix,
-        })
-    }
-}
-
-pub(crate) fn bad(path: &Path, what: &'static str, e: openssl::error::ErrorStack) -> TlsError {
-    TlsError::BadCredential {
-        path: path.to_path_buf(),
-        what,
-        reason: e.to_string(),
-    }
 }

@@ -7,12 +7,11 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use openssl::ssl::{
-    Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslStream, SslVerifyMode,
-};
+use openssl::ssl::{Ssl, SslContext, SslContextBuilder, SslMethod, SslStream, SslVerifyMode};
 
-use crate::acceptor::{bad, required};
-use crate::context::{configure_common, finish_handshake, summarize, PSK_CIPHERS};
+use crate::context::{
+    bad, configure_common, finish_handshake, load_identity, required, summarize, PSK_CIPHERS,
+};
 use crate::{PskFile, SessionSummary, TlsError};
 
 /// Debian's bundle of the system's trusted CAs.
@@ -165,15 +164,7 @@ fn load_x509(
                 "client-key.pem",
                 "client-cert.pem needs its private key beside it",
             )?;
-            builder
-                .set_certificate_chain_file(&cert)
-                .map_err(|e| bad(&cert, "the client certificate", e))?;
-            builder
-                .set_private_key_file(&key, SslFiletype::PEM)
-                .map_err(|e| bad(&key, "the client's private key", e))?;
-            builder
-                .check_private_key()
-                .map_err(|e| bad(&key, "the key of client-cert.pem (they do not match)", e))?;
+            load_identity(builder, &cert, &key)?;
         }
     }
     Ok(())

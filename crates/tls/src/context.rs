@@ -1,7 +1,11 @@
 //! What server and client contexts share: protocol floor, write modes,
 //! cipher lists, and the rendering of sessions and failures.
 
-use openssl::ssl::{Error as SslError, SslContextBuilder, SslMode, SslOptions, SslRef, SslVersion};
+use std::path::{Path, PathBuf};
+
+use openssl::ssl::{
+    Error as SslError, SslContextBuilder, SslFiletype, SslMode, SslOptions, SslRef, SslVersion,
+};
 
 use crate::{SessionSummary, TlsError};
 
@@ -109,4 +113,46 @@ pub(crate) fn handshake_error(error: &SslError, ssl: &SslRef) -> TlsError {
         message.push_str(&format!(" (certificate: {})", verify.error_string()));
     }
     TlsError::Handshake(message)
+}
+
+pub(crate) fn required(
+    dir: &Path,
+    name: &'static str,
+    fix: &'static str,
+) -> Result<PathBuf, TlsError> {
+    let path = dir.join(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(TlsError::MissingFile {
+            dir: dir.to_path_buf(),
+            what: name,
+            fix,
+        })
+    }
+}
+
+pub(crate) fn bad(path: &Path, what: &'static str, e: openssl::error::ErrorStack) -> TlsError {
+    TlsError::BadCredential {
+        path: path.to_path_buf(),
+        what,
+        reason: e.to_string(),
+    }
+}
+
+/// A certificate chain and its key, checked to belong together.
+pub(crate) fn load_identity(
+    builder: &mut SslContextBuilder,
+    cert: &Path,
+    key: &Path,
+) -> Result<(), TlsError> {
+    builder
+        .set_certificate_chain_file(cert)
+        .map_err(|e| bad(cert, "a certificate chain (PEM)", e))?;
+    builder
+        .set_private_key_file(key, SslFiletype::PEM)
+        .map_err(|e| bad(key, "a private key (PEM)", e))?;
+    builder
+        .check_private_key()
+        .map_err(|e| bad(key, "the key of its certificate (they do not match)", e))
 }

@@ -1,6 +1,7 @@
 //! TLS credentials made at test time: a `psktool` key file, and an X.509
-//! CA with server and client certificates (made with the `openssl`
-//! command), in the directory layout nbdkit, qemu and libnbd share.
+//! CA with server and client certificates (`scripts/tls-test-pki.sh`, with
+//! the `openssl` command), in the directory layout nbdkit, qemu and libnbd
+//! share.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,11 +34,9 @@ fn set_private(path: &Path) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
 }
 
-/// Credential directories under one test directory.
+/// Credential directories under one test directory, made by
+/// `scripts/tls-test-pki.sh` (shared with the benchmarks).
 pub struct Pki {
-    /// The other CA's certificate, kept to make a directory that trusts
-    /// it alone.
-    rogue_ca: PathBuf,
     /// ca-cert.pem, server-cert.pem, server-key.pem (for localhost and
     /// 127.0.0.1).
     pub server: PathBuf,
@@ -47,148 +46,21 @@ pub struct Pki {
     pub no_cert: PathBuf,
     /// A client certificate signed by another CA.
     pub rogue_client: PathBuf,
+    /// Trusts the other CA only (not the server), with its certificate.
+    pub trusts_rogue: PathBuf,
 }
 
 impl Pki {
     pub fn make(ctx: &Ctx) -> Pki {
         let root = ctx.path("pki");
-        let dir = |name: &str| {
-            let d = root.join(name);
-            std::fs::create_dir_all(&d).expect("pki dir");
-            d
-        };
-        let (ca, rogue) = (dir("ca"), dir("rogue-ca"));
-        make_ca(&ca, "cairn test CA");
-        make_ca(&rogue, "rogue CA");
-        let pki = Pki {
-            rogue_ca: rogue.join("ca-cert.pem"),
-            server: dir("server"),
-            client: dir("client"),
-            no_cert: dir("no-cert"),
-            rogue_client: dir("rogue-client"),
-        };
-        // qemu insists on keyEncipherment even for EC keys.
-        let usage = "keyUsage=critical,digitalSignature,keyEncipherment\n";
-        make_leaf(
-            &ca,
-            &pki.server,
-            "server",
-            "localhost",
-            &format!(
-                "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n{usage}"
-            ),
-        );
-        make_leaf(
-            &ca,
-            &pki.client,
-            "client",
-            "alice",
-            &format!("extendedKeyUsage=clientAuth\n{usage}"),
-        );
-        make_leaf(
-            &rogue,
-            &pki.rogue_client,
-            "client",
-            "mallory",
-            &format!("extendedKeyUsage=clientAuth\n{usage}"),
-        );
-        for d in [&pki.server, &pki.client, &pki.no_cert, &pki.rogue_client] {
-            std::fs::copy(ca.join("ca-cert.pem"), d.join("ca-cert.pem")).expect("ca-cert.pem");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tls-test-pki.sh");
+        run_ok(Command::new("sh").arg(&script).arg(&root), TIMEOUT);
+        Pki {
+            server: root.join("server"),
+            client: root.join("client"),
+            no_cert: root.join("no-cert"),
+            rogue_client: root.join("rogue-client"),
+            trusts_rogue: root.join("trusts-rogue"),
         }
-        pki
     }
-
-    /// A client directory whose ca-cert.pem is the other CA's (it does
-    /// not trust the server), with a client certificate of that CA.
-    pub fn rogue_ca_only(&self, ctx: &Ctx) -> PathBuf {
-        let dir = ctx.path("pki/trusts-rogue");
-        std::fs::create_dir_all(&dir).expect("pki dir");
-        std::fs::copy(&self.rogue_ca, dir.join("ca-cert.pem")).expect("ca-cert.pem");
-        for f in ["client-cert.pem", "client-key.pem"] {
-            std::fs::copy(self.rogue_client.join(f), dir.join(f)).expect("client cert");
-        }
-        dir
-    }
-}
-
-fn openssl(args: &[&str]) {
-    run_ok(Command::new("openssl").args(args), TIMEOUT);
-}
-
-fn make_ca(dir: &Path, cn: &str) {
-    let key = dir.join("ca-key.pem").to_string_lossy().to_string();
-    let cert = dir.join("ca-cert.pem").to_string_lossy().to_string();
-    let subject = format!("/CN={cn}");
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        &key,
-        "-out",
-        &cert,
-        "-subj",
-        &subject,
-        "-days",
-        "2",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-    ]);
-}
-
-fn make_leaf(ca: &Path, dir: &Path, prefix: &str, cn: &str, extensions: &str) {
-    let path = |suffix: &str| {
-        dir.join(format!("{prefix}{suffix}"))
-            .to_string_lossy()
-            .to_string()
-    };
-    let (key, csr, cert, ext) = (
-        path("-key.pem"),
-        path(".csr"),
-        path("-cert.pem"),
-        path(".ext"),
-    );
-    std::fs::write(&ext, extensions).expect("extensions file");
-    let subject = format!("/CN={cn}");
-    openssl(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        &key,
-        "-out",
-        &csr,
-        "-subj",
-        &subject,
-    ]);
-    let ca_cert = ca.join("ca-cert.pem").to_string_lossy().to_string();
-    let ca_key = ca.join("ca-key.pem").to_string_lossy().to_string();
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        &csr,
-        "-CA",
-        &ca_cert,
-        "-CAkey",
-        &ca_key,
-        "-CAcreateserial",
-        "-out",
-        &cert,
-        "-days",
-        "2",
-        "-extfile",
-        &ext,
-    ]);
-    let _ = std::fs::remove_file(&csr);
-    let _ = std::fs::remove_file(&ext);
 }
