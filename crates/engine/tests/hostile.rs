@@ -285,13 +285,10 @@ fn record_running_past_its_write_back_group_fails_writeback_cleanly() {
     );
 }
 
-#[test]
-fn more_pending_ranges_than_a_checkpoint_holds_is_damage() {
-    // 1100 disjoint zero ranges over five header-only records: the engine
-    // never lets more than 1024 wait. Before the fix the next checkpoint
-    // asserted on the count.
-    let f = formatted();
-    let ranges: Vec<RecordEntry> = (0..1100)
+/// `count` disjoint one-block zero ranges, written as header-only records
+/// of 250 ranges each.
+fn write_zero_ranges(f: &Formatted, count: u64) {
+    let ranges: Vec<RecordEntry> = (0..count)
         .map(|k| RecordEntry::Range {
             kind: RangeKind::Zero,
             lba: 2 * k,
@@ -303,6 +300,15 @@ fn more_pending_ranges_than_a_checkpoint_holds_is_damage() {
         let last = (i + 1) * 250 >= ranges.len();
         prev = f.write_record(i as u64, i as u64 + 1, prev, chunk.to_vec(), last);
     }
+}
+
+#[test]
+fn more_pending_ranges_than_a_checkpoint_holds_is_damage() {
+    // 1100 disjoint zero ranges over five header-only records: the engine
+    // never lets more than 1024 wait. Before the fix the next checkpoint
+    // asserted on the count.
+    let f = formatted();
+    write_zero_ranges(&f, 1100);
     let engine = f.open();
     let detail = match engine {
         Ok(engine) => {
@@ -312,6 +318,24 @@ fn more_pending_ranges_than_a_checkpoint_holds_is_damage() {
         Err(e) => log_damaged(Err::<(), _>(e), "too many ranges"),
     };
     assert!(detail.contains("1100 zero/discard ranges"), "{detail}");
+}
+
+#[test]
+fn exactly_as_many_pending_ranges_as_a_checkpoint_holds_is_not_damage() {
+    // The positive side of the bound above: 1024 ranges are what the
+    // engine may leave waiting, so they open, checkpoint and read back.
+    let f = formatted();
+    write_zero_ranges(&f, cairn_format::PENDING_RANGES_MAX as u64);
+    let engine = f.open().expect("1024 pending ranges are a valid log");
+    engine.checkpoint().expect("a checkpoint holds 1024 ranges");
+    let mut block = vec![0xffu8; 4096];
+    engine
+        .read(2 * 1023 * 4096, &mut block)
+        .expect("read a zeroed block");
+    assert!(
+        block.iter().all(|&b| b == 0),
+        "the last range reads as zeroes"
+    );
 }
 
 type CheckpointDamage = fn(&mut CheckpointHeader);
