@@ -338,6 +338,43 @@ fn exactly_as_many_pending_ranges_as_a_checkpoint_holds_is_not_damage() {
     );
 }
 
+#[test]
+fn a_write_back_position_inside_a_record_is_damage() {
+    // Two records, at 0 (4 data blocks: slots 0-4) and at 5 (2: 5-7), a
+    // checkpoint whose head is past both, and a superblock whose
+    // write-back position (persisted after that checkpoint) is 2: a data
+    // block of the first record, where no record starts. Write-back would
+    // start in the middle of a record; recovery must call it damage. The
+    // same log with the position on the second record's header, or at the
+    // head, opens.
+    let setup = |writeback_offset: u64| {
+        let f = formatted();
+        let prev = f.write_record(0, 1, f.format_tag, data_entries(0, 4), true);
+        f.write_record(5, 2, prev, data_entries(10, 2), true);
+        let mut checkpoint = f.empty_checkpoint();
+        checkpoint.head_offset = 8;
+        checkpoint.next_record_sequence = 3;
+        f.write_checkpoint(&checkpoint);
+        let mut sb = f.sb.clone();
+        sb.writeback_offset = writeback_offset;
+        f.write_superblock(&sb);
+        f
+    };
+    let detail = log_damaged(setup(2).open(), "write-back position inside a record");
+    assert!(
+        detail.contains("no record at the write-back position 2"),
+        "{detail}"
+    );
+    setup(5)
+        .open()
+        .expect("a write-back position on a record's header is valid");
+    // Everything written back: the position is the head, where no record
+    // is yet, and that is valid too.
+    setup(8)
+        .open()
+        .expect("a write-back position at the head is valid");
+}
+
 type CheckpointDamage = fn(&mut CheckpointHeader);
 type SuperblockDamage = fn(&mut Superblock);
 
