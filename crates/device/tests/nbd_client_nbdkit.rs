@@ -478,10 +478,16 @@ fn unreachable_server_is_a_clear_open_error() {
         .expect("open must fail");
     assert!(err.to_string().contains("nbd://127.0.0.1:1/x"), "{err}");
 
-    let err = NbdDevice::open("nbds://127.0.0.1/x")
+    // TLS to a server that is not there: the same clear error.
+    let err = NbdDevice::open("nbds://127.0.0.1:1/x")
         .err()
-        .expect("TLS is refused");
-    assert!(err.to_string().contains("TLS"), "{err}");
+        .expect("open must fail");
+    assert!(err.to_string().contains("nbds://127.0.0.1:1/x"), "{err}");
+    // TLS parameters without TLS are refused before anything connects.
+    let err = NbdDevice::open("nbd://127.0.0.1:1/x?tls-psk-file=/k")
+        .err()
+        .expect("open must fail");
+    assert!(err.to_string().contains("nbds://"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
