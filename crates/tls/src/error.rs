@@ -36,8 +36,6 @@ pub enum TlsError {
     Handshake(String),
     #[error("TLS handshake timed out")]
     HandshakeTimeout,
-    #[error("TLS: {0}")]
-    Io(#[from] io::Error),
 }
 
 impl TlsError {

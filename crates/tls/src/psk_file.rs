@@ -112,13 +112,6 @@ impl PskFile {
             .find(|(u, _)| u.as_bytes() == username)
             .map(|(_, k)| k.0.as_slice())
     }
-
-    /// The first user of the file (what a client uses when no user name
-    /// is given and the login name has no key).
-    pub fn first_user(&self) -> &str {
-        // `parse` refuses a file without entries.
-        self.entries.first().map_or("", |(u, _)| u.as_str())
-    }
 }
 
 fn decode_hex(hex: &str) -> Option<Key> {
@@ -161,7 +154,6 @@ mod tests {
         assert_eq!(f.key(b"alice").map(|k| k.len()), Some(16));
         assert_eq!(f.key(b"carol"), None);
         assert_eq!(f.key(b""), None);
-        assert_eq!(f.first_user(), "alice");
         assert!(
             !format!("{f:?}").contains("00ff"),
             "Debug must not show keys"

@@ -149,6 +149,14 @@ pub(super) struct Greeting {
     pub tls: Option<cairn_tls::RelayOutcome>,
 }
 
+impl Greeting {
+    /// A handshake's outcome; a failure after TLS carries the reason the
+    /// TLS session ended, if it did.
+    fn explained<T>(&self, result: io::Result<T>) -> io::Result<T> {
+        result.map_err(|e| super::starttls::explain(e, self.tls.as_ref()))
+    }
+}
+
 /// Run the client side of the handshake, after [`open_session`], up to
 /// the transmission phase.
 pub(super) fn handshake(
@@ -156,11 +164,10 @@ pub(super) fn handshake(
     greeting: &Greeting,
     export: &str,
 ) -> io::Result<NegotiatedExport> {
-    handshake_plain(stream, greeting, export)
-        .map_err(|e| super::starttls::explain(e, greeting.tls.as_ref()))
+    greeting.explained(negotiate_export(stream, greeting, export))
 }
 
-fn handshake_plain(
+fn negotiate_export(
     stream: &mut Stream,
     greeting: &Greeting,
     export: &str,
@@ -181,6 +188,14 @@ fn handshake_plain(
 /// structured replies, no such context, no GO); the caller closes the
 /// socket.
 pub(super) fn extents_handshake(
+    stream: &mut Stream,
+    greeting: &Greeting,
+    export: &str,
+) -> io::Result<Option<(NegotiatedExport, u32)>> {
+    greeting.explained(negotiate_extents(stream, greeting, export))
+}
+
+fn negotiate_extents(
     stream: &mut Stream,
     greeting: &Greeting,
     export: &str,

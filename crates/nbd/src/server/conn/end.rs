@@ -19,8 +19,7 @@ pub(super) enum End {
     /// The handshake ended with every established slot taken.
     TooManyConnections,
     WriteFailed,
-    /// The TLS handshake after STARTTLS failed (or its relay could not
-    /// start).
+    /// The TLS handshake after STARTTLS failed.
     Tls(cairn_tls::TlsError),
     Io(io::Error),
 }

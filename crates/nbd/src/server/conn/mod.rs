@@ -133,11 +133,7 @@ fn serve_transmission(
 fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
     match end {
         End::Protocol(e @ ProtocolError::DataAfterStartTls { .. }) => {
-            shared
-                .counters
-                .tls_handshake_failures
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(conn = id, %peer, error = %e, "clear text after STARTTLS; disconnecting client");
+            tls_refused(shared, id, peer, e)
         }
         End::Protocol(e) => {
             shared
@@ -161,17 +157,20 @@ fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
                 "too many connections; closing this one at the end of its handshake"
             );
         }
-        End::Tls(e) => {
-            shared
-                .counters
-                .tls_handshake_failures
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(conn = id, %peer, error = %e, "TLS refused; disconnecting client");
-        }
+        End::Tls(e) => tls_refused(shared, id, peer, e),
         End::Io(e) => tracing::warn!(conn = id, %peer, error = %e, "connection I/O error"),
         End::MidMessage => {
             tracing::info!(conn = id, "client disconnected in the middle of a message")
         }
         other => tracing::info!(conn = id, reason = ?other, "client disconnected"),
     }
+}
+
+/// A client that did not get TLS: counted as a failed TLS handshake.
+fn tls_refused(shared: &Shared, id: u64, peer: &str, why: &dyn std::fmt::Display) {
+    shared
+        .counters
+        .tls_handshake_failures
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(conn = id, %peer, error = %why, "TLS refused; disconnecting client");
 }
