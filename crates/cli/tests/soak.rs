@@ -20,7 +20,9 @@
 //!   last acknowledged flush or FUA write, plus the value as of then).
 //! - Each iteration serves for 0.5-3 s, toggling faults and mode
 //!   switches meanwhile, then ends with `kill -9` (or, one time in four, a
-//!   clean SIGTERM, after which every acknowledged write must be there).
+//!   clean SIGTERM, after which every acknowledged write must be there,
+//!   unless the daemon's engine had stopped and its stop failed: then it
+//!   is a crash).
 //!   After the restart, every block of every client is read: a value the
 //!   model does not allow is a lost or corrupted write.
 //!
@@ -689,7 +691,7 @@ fn soak_kill9_origin_faults_and_mode_switches() {
     let next_seq = Arc::new(AtomicU64::new(1));
     let tally = Arc::new(Tally::default());
     let (mut kills, mut clean_stops, mut mode_switches, mut verified) = (0u64, 0u64, 0u64, 0u64);
-    let (mut degrades, mut failed_states) = (0u64, 0u64);
+    let (mut degrades, mut failed_states, mut failed_stops) = (0u64, 0u64, 0u64);
     let started = Instant::now();
     let mut iteration = 0u64;
     let mut mode_now = "writeback";
@@ -764,7 +766,7 @@ fn soak_kill9_origin_faults_and_mode_switches() {
             }
             revive_origin(&mut origin_proc, &mut origin_restarts);
         }
-        let clean = rng.gen_range(0..4) == 0;
+        let mut clean = rng.gen_range(0..4) == 0;
         if clean {
             // A clean stop drains nothing it need not, but every
             // acknowledged write must be there afterwards.
@@ -773,12 +775,32 @@ fn soak_kill9_origin_faults_and_mode_switches() {
             for c in clients {
                 c.join().expect("a client panicked");
             }
+            // The engine may have stopped since the serving loop last
+            // looked (it stops when even the switch to degraded mode
+            // cannot be written).
+            if cache_writes_failed
+                && !faults.held.load(Ordering::SeqCst)
+                && cache_state(&ctx, &cache).as_deref() == Some("failed")
+            {
+                faults.hold();
+                failed_states += 1;
+            }
             let status = server.terminate();
             assert!(
                 status.success() || faults.held.load(Ordering::SeqCst),
                 "seed {seed}: clean stop failed: {status:?}"
             );
-            clean_stops += 1;
+            if status.success() {
+                clean_stops += 1;
+            } else {
+                // A stopped engine cannot make its last writes durable,
+                // and says so (its final flush fails, it exits non-zero):
+                // what it acknowledged since the last flush may be lost,
+                // as at a kill -9. Only a stop that succeeded promises
+                // every acknowledged write.
+                clean = false;
+                failed_stops += 1;
+            }
         } else {
             server.kill9();
             run.stop.store(true, Ordering::SeqCst);
@@ -815,7 +837,8 @@ fn soak_kill9_origin_faults_and_mode_switches() {
     cache_device.stop();
     let t = &tally;
     let line = format!(
-        "soak: seed {seed}, {iteration} iterations in {:.0} s, {kills} kill -9, {clean_stops} clean stops, \
+        "soak: seed {seed}, {iteration} iterations in {:.0} s, {kills} kill -9, {clean_stops} clean stops \
+         ({failed_stops} more failed: engine stopped), \
          fault periods: {} origin, {} cache read, {} cache write; {degrades} degraded (re-formatted), \
          {failed_states} failed; {origin_restarts} origin restarts, {mode_switches} mode switches, integrity {}; {} requests \
          ({} writes, {} FUA, {} flushes, {} trims, {} write-zeroes, {} blocks read and checked, \
