@@ -1410,10 +1410,8 @@ fn a_range_in_memory_at_the_switch_to_degraded_does_not_shadow_later_writes() {
 /// Dirty data on the cache device whose block is damaged when the cache
 /// goes degraded: the drain does not copy the damaged block to the origin,
 /// and the block reads as EIO afterwards, never as the origin's older data.
-/// (Written to reach the drain of records not covered by a barrier, a
-/// cargo-mutants survivor, `sealed_count > 0` to `< 0`; it does not: the
-/// records here end up drained as durable groups. That survivor is still
-/// open, see docs/testing.md.)
+/// The records here end up drained as durable groups (step 1 of
+/// `degrade`); the next test damages a record no barrier covers.
 #[test]
 fn a_damaged_dirty_block_drained_at_the_switch_reads_as_eio() {
     let mut rig = Rig::new(16 << 20, VOLUME_BLOCKS);
@@ -1482,6 +1480,86 @@ fn a_damaged_dirty_block_drained_at_the_switch_reads_as_eio() {
         got == pattern(6106, BS as usize),
         "its neighbour was drained"
     );
+    rig.engine.take().expect("open").close().expect("close");
+}
+
+/// The same damage in a record sealed after the last epoch end: written to
+/// the device and dropped from memory, but never behind a barrier. The
+/// switch to degraded mode reads it back from the device with the other
+/// unflushed records (step 2 of `degrade`), and its commit must mark the
+/// damaged block corrupt: were it not marked, the block's slot would stay
+/// as a clean copy, fail its checksum, and be served from the origin's
+/// older data. (Kills the cargo-mutants survivor `sealed_count > 0` to
+/// `< 0` in `write_unflushed`.)
+#[test]
+fn a_damaged_unflushed_record_drained_at_the_switch_reads_as_eio() {
+    let mut rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let e = rig.engine();
+    let old: Vec<u8> = (0..64u64)
+        .flat_map(|k| pattern(6000 + k, BS as usize))
+        .collect();
+    e.write(0, &old, false).unwrap();
+    e.flush().unwrap();
+    while e.writeback_step().unwrap().blocks_written > 0 {}
+    // Blocks 0..64 once more, then 128 more blocks, no flush: far fewer
+    // than an internal flush or a checkpoint waits for, so none of it is
+    // behind a barrier, and the records holding blocks 0..64 were written
+    // and pruned from the queue by the later seals.
+    let new: Vec<u8> = (0..64u64)
+        .flat_map(|k| pattern(6100 + k, BS as usize))
+        .collect();
+    e.write(0, &new, false).unwrap();
+    let more: Vec<u8> = (64..192u64)
+        .flat_map(|k| pattern(7000 + k, BS as usize))
+        .collect();
+    e.write(64 * BS, &more, false).unwrap();
+    let victim = pattern(6105, BS as usize);
+    let image = rig.cache.live_image();
+    let at = image
+        .chunks(BS as usize)
+        .position(|w| w == victim.as_slice())
+        .map(|i| i as u64 * BS)
+        .expect("the record holding block 5 is on the cache device");
+    rig.cache.flip(at + 100, 0x5a);
+    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds::WRITES,
+        start: layout.log_offset_bytes(),
+        end: 16 << 20,
+        mode: FaultMode::Sticky,
+    });
+    let data = pattern(0xdead, BS as usize);
+    rig.engine()
+        .write(200 * BS, &data, true)
+        .expect("the FUA write goes through");
+    let e = rig.engine();
+    assert!(e.is_degraded());
+    assert_eq!(
+        e.stats().writeback_skipped_corrupt,
+        1,
+        "the drain found the damage"
+    );
+    assert_eq!(
+        e.stats().degrade_drained_blocks,
+        64 + 128 + 1 - 1,
+        "everything unflushed but the damaged block went to the origin"
+    );
+    let mut got = vec![0u8; BS as usize];
+    let r = e.read(5 * BS, &mut got);
+    assert!(
+        r.is_err(),
+        "block 5 reads as {} after its only new copy was damaged",
+        if got == pattern(6005, BS as usize) {
+            "the origin's older data"
+        } else {
+            "something"
+        }
+    );
+    assert_eq!(r.unwrap_err().errno(), libc::EIO);
+    for (lba, seq) in [(4u64, 6104u64), (6, 6106), (100, 7100), (200, 0xdead)] {
+        e.read(lba * BS, &mut got).unwrap();
+        assert!(got == pattern(seq, BS as usize), "block {lba} was drained");
+    }
     rig.engine.take().expect("open").close().expect("close");
 }
 
