@@ -76,6 +76,7 @@ pub fn render_metrics(
         ("integrity_recalc_total_blocks", s.recalc_total_blocks),
         ("integrity_tag_memory_bytes", s.tag_memory_bytes),
         ("cache_degraded", s.degraded as u64),
+        ("cache_degrading", s.degrading as u64),
         ("cache_failed", s.failed as u64),
         ("origin_failing", s.origin_failing as u64),
     ] {

@@ -15,13 +15,18 @@ pub fn status_json(
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
     m.insert("mode".into(), json!(s.mode));
-    // The cache device's state: ok; degraded (cache writes failed for good,
-    // every write goes straight to the origin); failed (stopped, every
-    // request fails until restart). `state` is the same word.
+    // The cache device's state: ok; degrading (a cache write failed for
+    // good and the switch to degraded mode is under way or, after a failed
+    // attempt, waits to be tried again: requests fail meanwhile); degraded
+    // (every dirty block was written back, every write goes straight to
+    // the origin); failed (stopped, every request fails until restart).
+    // `state` is the same word.
     let cache_state = if s.failed {
         "failed"
     } else if s.degraded {
         "degraded"
+    } else if s.degrading {
+        "degrading"
     } else {
         "ok"
     };

@@ -692,6 +692,7 @@ impl Engine {
             s.tag_memory_bytes = tags.memory_bytes() as u64;
         }
         s.degraded = env.health.is_degraded();
+        s.degrading = env.health.is_degrade_pending();
         s.origin_queue_depth = env.origin_slots.total();
         s.origin_queue_in_flight = env.origin_slots.total() - env.origin_slots.available();
         s

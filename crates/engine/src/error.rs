@@ -82,6 +82,8 @@ pub enum EngineError {
     /// this (if one did, it would get EIO).
     #[error("the cache device is switching to degraded mode")]
     DegradeRequired,
+    #[error("a cache write failed for good, and the switch to degraded mode failed too ({failure}); it is tried again in {retry_in_ms} ms (the cache is not written meanwhile)")]
+    DegradeDelayed { failure: String, retry_in_ms: u64 },
     #[error("{0}. Refusing to touch the cache: report this CPU (see /proc/cpuinfo) as a bug")]
     ChecksumImplementation(String),
     #[error("cache {device} is degraded (a cache write failed for good; every write goes straight to the origin), so {action} is not possible")]

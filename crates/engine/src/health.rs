@@ -8,8 +8,9 @@
 //! small lock taken only when something went wrong; lock order: the engine
 //! lock may be held while it is taken, never the other way round.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::error::{EngineError, EngineResult};
 
@@ -17,6 +18,9 @@ use crate::error::{EngineError, EngineResult};
 struct Reasons {
     failed: Option<String>,
     degrade_pending: Option<String>,
+    /// The last failed attempt at the switch to degraded mode, and when
+    /// the next may start.
+    degrade_failure: Option<(String, Instant)>,
 }
 
 #[derive(Default)]
@@ -31,6 +35,9 @@ pub(crate) struct Health {
     /// is durable in the superblock, and writes go straight to the origin.
     /// The cache device is never written again.
     degraded: AtomicBool,
+    /// Attempts at the switch to degraded mode that failed and left the
+    /// degrade pending (see `crate::degrade`).
+    degrade_attempts_failed: AtomicU32,
     reasons: Mutex<Reasons>,
 }
 
@@ -48,6 +55,12 @@ impl Health {
 
     pub(crate) fn is_degraded(&self) -> bool {
         self.degraded.load(Ordering::SeqCst)
+    }
+
+    /// A cache write failed for good and the switch to degraded mode has
+    /// not completed.
+    pub(crate) fn is_degrade_pending(&self) -> bool {
+        self.degrade_pending.load(Ordering::SeqCst)
     }
 
     pub(crate) fn is_failed(&self) -> bool {
@@ -124,6 +137,28 @@ impl Health {
     pub(crate) fn wants_degraded_path(&self) -> EngineResult<bool> {
         self.check_running()?;
         Ok(self.degrade_pending.load(Ordering::SeqCst) || self.is_degraded())
+    }
+
+    /// An attempt at the switch to degraded mode failed (`failure`), leaving
+    /// the degrade pending; the next may start after `wait`. Returns how
+    /// many have failed so far, this one included.
+    pub(crate) fn degrade_attempt_failed(&self, failure: String, wait: Duration) -> u32 {
+        self.reasons().degrade_failure = Some((failure, Instant::now() + wait));
+        self.degrade_attempts_failed.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// How many attempts at the switch to degraded mode have failed.
+    pub(crate) fn degrade_attempts_failed(&self) -> u32 {
+        self.degrade_attempts_failed.load(Ordering::SeqCst)
+    }
+
+    /// If the last attempt at the switch failed less than its wait ago: how
+    /// long until the next may start, and why the last one failed.
+    pub(crate) fn degrade_retry_wait(&self) -> Option<(Duration, String)> {
+        let reasons = self.reasons();
+        let (failure, at) = reasons.degrade_failure.as_ref()?;
+        let left = at.checked_duration_since(Instant::now())?;
+        (!left.is_zero()).then(|| (left, failure.clone()))
     }
 
     /// The switch to degraded mode completed.

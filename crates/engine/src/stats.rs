@@ -36,6 +36,9 @@ macro_rules! counters {
             /// Write-back to the origin is failing (retrying with backoff).
             pub origin_failing: bool,
             pub failed: bool,
+            /// A cache write failed for good and the switch to degraded
+            /// mode has not completed yet (it is retried, see `degrade`).
+            pub degrading: bool,
             /// Degraded mode: the cache device failed writes; every write
             /// goes straight to the origin.
             pub degraded: bool,
@@ -130,6 +133,7 @@ counters!(
     scrub_blocks,
     degraded_writes,
     degrade_drained_blocks,
+    degrade_retries,
 );
 
 impl Counters {

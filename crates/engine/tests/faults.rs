@@ -1563,6 +1563,197 @@ fn a_damaged_unflushed_record_drained_at_the_switch_reads_as_eio() {
     rig.engine.take().expect("open").close().expect("close");
 }
 
+/// Dirty data flushed (blocks 0..32; written back if `written_back`) and
+/// written but not flushed (32..160, in two writes, so the records of the
+/// first are on the device only), then the log stops taking writes and
+/// reads.
+fn rig_whose_log_fails_reads_and_writes(written_back: bool) -> (Rig, Model, Layout) {
+    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let mut model = Model::new(VOLUME_BLOCKS);
+    let e = rig.engine();
+    let blocks = |range: std::ops::Range<u64>| -> Vec<u8> {
+        range.flat_map(|k| pattern(8000 + k, BS as usize)).collect()
+    };
+    e.write(0, &blocks(0..32), false).unwrap();
+    e.flush().unwrap();
+    model.write(0, &blocks(0..32));
+    if written_back {
+        while e.writeback_step().unwrap().blocks_written > 0 {}
+    }
+    e.write(32 * BS, &blocks(32..96), false).unwrap();
+    e.write(96 * BS, &blocks(96..160), false).unwrap();
+    model.write(32 * BS, &blocks(32..160));
+    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds {
+            reads: true,
+            writes: true,
+            flushes: false,
+        },
+        start: layout.log_offset_bytes(),
+        end: 16 << 20,
+        mode: FaultMode::Sticky,
+    });
+    (rig, model, layout)
+}
+
+/// A cache that fails writes for good and also fails reads of the log for
+/// a while: the switch to degraded mode cannot read the dirty data back,
+/// neither the flushed groups (step 1) nor, once those are on the origin,
+/// the unflushed records on the device (step 2). Nothing was taken out of
+/// the log yet, so the switch is not the end: the requests fail, the
+/// degrade stays pending (`degrading`, not `failed`), and once the reads
+/// work again the next request completes the switch with every
+/// acknowledged write on the origin.
+#[test]
+fn a_switch_to_degraded_mode_whose_reads_fail_is_tried_again() {
+    for written_back in [false, true] {
+        let ctx = format!("flushed data written back first: {written_back}");
+        let (rig, mut model, layout) = rig_whose_log_fails_reads_and_writes(written_back);
+        let e = rig.engine();
+        let data = pattern(0xbeef, BS as usize);
+        let err = e
+            .write(200 * BS, &data, true)
+            .expect_err("the switch cannot read the dirty data back");
+        assert_eq!(err.errno(), libc::EIO, "{ctx}: {err}");
+        let s = e.stats();
+        assert!(!s.degraded && s.degrading && !s.failed, "{ctx}: {s:?}");
+        assert_eq!(s.degrade_retries, 1, "{ctx}");
+        let err = e.flush().expect_err("the reads still fail");
+        assert_eq!(err.errno(), libc::EIO, "{ctx}: {err}");
+        let s = e.stats();
+        assert!(s.degrading && !s.failed, "{ctx}: {s:?}");
+        assert_eq!(s.degrade_retries, 2, "{ctx}");
+        rig.cache.fail_range(RangeFault {
+            kinds: OpKinds::WRITES,
+            start: layout.log_offset_bytes(),
+            end: 16 << 20,
+            mode: FaultMode::Sticky,
+        });
+        e.flush().expect("the third attempt completes the switch");
+        let s = e.stats();
+        assert!(s.degraded && !s.degrading && !s.failed, "{ctx}: {s:?}");
+        let flushed = if written_back { 0 } else { 32 };
+        assert_eq!(s.degrade_drained_blocks, flushed + 128 + 1, "{ctx}: {s:?}");
+        // The FUA write failed, with its data in the open record: the
+        // switch drained it too (a failed write may have landed or not).
+        model.write(200 * BS, &data);
+        assert_volume(e, &model, &ctx);
+        assert!(
+            rig.origin.live_image() == model.image,
+            "{ctx}: every acknowledged write is on the origin"
+        );
+    }
+}
+
+/// Attempts at the switch are paced: after a failed one, requests fail at
+/// once (naming the failure and the wait) without touching the devices,
+/// until the wait (20 cache write backoffs, doubled after each failure)
+/// is over.
+#[test]
+fn a_failed_switch_to_degraded_mode_waits_before_it_is_tried_again() {
+    let backoff_us = 50_000u64;
+    let mut rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    rig.engine.take().expect("open").close().expect("close");
+    let opts = cairn_engine::OpenOptions {
+        config: cairn_engine::EngineConfig {
+            cache_write_backoff_us: backoff_us,
+            ..config()
+        },
+        ..open_opts()
+    };
+    let e = Engine::open(
+        Arc::new(rig.cache.clone()),
+        Arc::new(rig.origin.clone()),
+        &opts,
+    )
+    .expect("open");
+    let old = pattern(9000, BS as usize);
+    e.write(0, &old, false).unwrap();
+    e.flush().unwrap();
+    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds {
+            reads: true,
+            writes: true,
+            flushes: false,
+        },
+        start: layout.log_offset_bytes(),
+        end: 16 << 20,
+        mode: FaultMode::Sticky,
+    });
+    assert!(e.write(BS, &pattern(9001, BS as usize), true).is_err());
+    // The wait starts when the attempt fails, just before that returns.
+    let failed_at = std::time::Instant::now();
+    let s = e.stats();
+    assert_eq!(s.degrade_retries, 1);
+    let err = e.flush().expect_err("the wait is not over");
+    let waited = failed_at.elapsed();
+    let wait = std::time::Duration::from_micros(backoff_us * 20);
+    assert_eq!(err.errno(), libc::EIO);
+    if waited + std::time::Duration::from_millis(100) < wait {
+        let text = err.to_string();
+        assert!(
+            text.contains("tried again in") && text.contains("injected fault"),
+            "the error names the wait and the failure: {text}"
+        );
+        let now = e.stats();
+        assert_eq!(now.degrade_retries, 1, "no attempt during the wait");
+        assert_eq!(
+            now.cache_read_errors, s.cache_read_errors,
+            "the devices are not touched during the wait"
+        );
+    }
+    std::thread::sleep(wait.saturating_sub(failed_at.elapsed()) + wait / 10);
+    rig.cache.fail_range(RangeFault {
+        kinds: OpKinds::WRITES,
+        start: layout.log_offset_bytes(),
+        end: 16 << 20,
+        mode: FaultMode::Sticky,
+    });
+    e.flush().expect("the wait is over: the switch completes");
+    assert!(e.is_degraded());
+    let mut got = vec![0u8; BS as usize];
+    e.read(0, &mut got).unwrap();
+    assert!(got == old, "the flushed block survived");
+}
+
+/// The same switch whose reads never recover: after
+/// `DEGRADE_ATTEMPTS_MAX` (8) attempts the engine stops, and a restart
+/// recovers every flushed write from the log.
+#[test]
+fn a_switch_to_degraded_mode_that_keeps_failing_stops_after_its_attempts() {
+    let (mut rig, model, _) = rig_whose_log_fails_reads_and_writes(false);
+    let e = rig.engine();
+    let data = pattern(0xbeef, BS as usize);
+    assert!(e.write(200 * BS, &data, true).is_err());
+    for attempt in 2..=8u64 {
+        let err = e.flush().expect_err("the reads still fail");
+        let s = e.stats();
+        assert_eq!(s.failed, attempt == 8, "attempt {attempt}: {err}");
+    }
+    let s = e.stats();
+    assert_eq!(s.degrade_retries, 7, "{s:?}");
+    let err = e.flush().expect_err("stopped");
+    assert!(
+        err.to_string().contains("attempt 8 of 8"),
+        "the reason names the attempts: {err}"
+    );
+    drop(rig.engine.take());
+    rig.cache.clear_faults();
+    rig.engine = Some(open(&rig.cache, &rig.origin).expect("reopen after the stop"));
+    let e = rig.engine();
+    assert!(!e.is_degraded());
+    let vol = read_volume(e).unwrap();
+    for lba in 0..32u64 {
+        let b = &vol[(lba * BS) as usize..((lba + 1) * BS) as usize];
+        assert!(
+            b == model.block(lba),
+            "flushed block {lba} survived the stop"
+        );
+    }
+}
+
 /// A cache device that fails to deliver a dirty block (a read error, not
 /// a checksum mismatch) loses nothing: the read and a partial write over
 /// the block fail while the device fails, the block is not marked

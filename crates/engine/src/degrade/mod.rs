@@ -21,10 +21,14 @@
 //! not durable in the log reaches the origin before the DEGRADED flag is
 //! durable, so a restart either replays a log that is at least as new as
 //! the origin (flag not durable) or never replays it again (flag durable):
-//! no record older than the origin's copy can be replayed over it. If a
-//! step fails the engine stops (every request fails) and nothing is written
-//! through. Once the flag is durable, open never replays or reads the cache
-//! again (see `crate::open`).
+//! no record older than the origin's copy can be replayed over it. If step
+//! 1 or 2 fails (a cache read, an origin write), nothing was done but
+//! ordinary write-back and nothing was taken out of the log: the degrade
+//! stays pending, the request fails, and the next request tries again, up
+//! to [`DEGRADE_ATTEMPTS_MAX`] times in all. If a later step fails, or the
+//! attempts are spent, the engine stops (every request fails) and nothing
+//! is written through. Once the flag is durable, open never replays or
+//! reads the cache again (see `crate::open`).
 //!
 //! Degraded writes, zeroes and discards (`degraded_io`) drop the cached
 //! copy of every block they change, then write the origin and flush it
@@ -37,6 +41,8 @@ mod degraded_io;
 
 pub(crate) use degraded_io::{degraded_flush, degraded_write, degraded_zero_range};
 
+use std::time::Duration;
+
 use cairn_format::{RecordHeader, FEATURE_DEGRADED};
 
 use crate::env::Env;
@@ -47,6 +53,30 @@ use crate::parts::Parts;
 use crate::state::State;
 use crate::stats::Counters;
 use crate::superblocks;
+
+/// Most attempts at the switch to degraded mode whose first steps fail (a
+/// cache read of dirty data, an origin write) before the engine stops. A
+/// failing device often fails some reads and not others: a switch that
+/// stopped at the first read error left a daemon that fails every request
+/// when the next attempt would have succeeded.
+pub(crate) const DEGRADE_ATTEMPTS_MAX: u32 = 8;
+
+/// The wait after the first failed attempt, in cache write backoffs
+/// (`EngineConfig::cache_write_backoff_us`, 5 ms by default: 100 ms),
+/// doubled after each further one (all eight spread over about 13 s).
+/// Requests meanwhile fail at once, without touching the devices.
+const DEGRADE_RETRY_WAIT_BACKOFFS: u64 = 20;
+
+/// Why a switch to degraded mode did not complete.
+enum SwitchError {
+    /// Steps 1 or 2 failed: nothing but ordinary write-back was done and
+    /// the log is whole, so the switch can be tried again.
+    Retryable(EngineError),
+    /// A later step failed: the log's unflushed records were taken out of
+    /// it, or the DEGRADED flag may be half written. Only a restart
+    /// (recovering from the log) is safe.
+    Fatal(EngineError),
+}
 
 /// Enter degraded mode (see the module comment). Serialised with
 /// write-back; the engine lock is held for the whole drain, so requests
@@ -63,11 +93,17 @@ pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
         .health
         .degrade_reason()?
         .expect("degrade runs only after a cache write failed for good");
+    if let Some((left, failure)) = env.health.degrade_retry_wait() {
+        return Err(EngineError::DegradeDelayed {
+            failure,
+            retry_in_ms: left.as_millis().max(1) as u64,
+        });
+    }
     tracing::error!(
         dirty_blocks = st.index.dirty_blocks(),
         "cache device write failed ({reason}): writing every dirty block back to the origin before going degraded"
     );
-    match drain_and_mark_degraded(env, &mut st) {
+    let failure = match drain_and_mark_degraded(env, &mut st) {
         Ok(drained_blocks) => {
             env.health.set_degraded();
             Counters::add(&env.counters.degrade_drained_blocks, drained_blocks);
@@ -76,33 +112,57 @@ pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
                 "cache {} is DEGRADED: every dirty block is on the origin and the DEGRADED flag is durable. From now on every write goes straight to the origin and is acknowledged once durable there; unchanged clean blocks are still read from the cache. The cache device must be fixed or replaced, then formatted again, to cache again",
                 env.cache.name()
             );
-            Ok(())
+            return Ok(());
         }
-        Err(e) => {
-            let stopped = format!(
-                "{reason}; then entering degraded mode failed ({e}), so nothing was written through to the origin"
-            );
-            tracing::error!(
-                "cache device failed and degraded mode could not be entered: {e}. The engine is stopped: every request fails until restart. The cache and the origin are as the ordinary write-back left them; a restart recovers from the log"
-            );
-            env.health.stop(stopped.clone());
-            Err(EngineError::Failed(stopped))
+        Err(SwitchError::Retryable(e)) => {
+            let failed_before = env.health.degrade_attempts_failed();
+            let wait_us = env
+                .config
+                .cache_write_backoff_us
+                .saturating_mul(DEGRADE_RETRY_WAIT_BACKOFFS)
+                .saturating_mul(1 << failed_before.min(16));
+            let failed = env
+                .health
+                .degrade_attempt_failed(e.to_string(), Duration::from_micros(wait_us));
+            if failed < DEGRADE_ATTEMPTS_MAX {
+                Counters::add(&env.counters.degrade_retries, 1);
+                tracing::error!(
+                    attempt = failed,
+                    attempts_max = DEGRADE_ATTEMPTS_MAX,
+                    retry_in_ms = wait_us / 1000,
+                    "entering degraded mode failed ({e}) before anything but ordinary write-back was done: the log is whole and the cache is not written; requests fail until the next attempt"
+                );
+                return Err(e);
+            }
+            format!("{e} (attempt {failed} of {DEGRADE_ATTEMPTS_MAX})")
         }
-    }
+        Err(SwitchError::Fatal(e)) => e.to_string(),
+    };
+    let stopped = format!(
+        "{reason}; then entering degraded mode failed ({failure}), so nothing was written through to the origin"
+    );
+    tracing::error!(
+        "cache device failed and degraded mode could not be entered: {failure}. The engine is stopped: every request fails until restart. The cache and the origin are as the ordinary write-back left them; a restart recovers from the log"
+    );
+    env.health.stop(stopped.clone());
+    Err(EngineError::Failed(stopped))
 }
 
 /// Steps 1 to 4 of the module comment. Returns the blocks written back.
-fn drain_and_mark_degraded(env: &Env, st: &mut State) -> EngineResult<u64> {
+fn drain_and_mark_degraded(env: &Env, st: &mut State) -> Result<u64, SwitchError> {
     // The open record, if any, starts at the head: every sealed record
     // lies before it.
     let end = st.log.head();
     if let Some(start) = st.log.open_start() {
         assert_eq!(start, end, "the open record starts at the head");
     }
-    let mut drained_blocks = drain_flushed_groups(env, st)?;
-    let (unflushed, sealed_count, from, to) = read_unflushed(env, st, end)?;
-    mark_degraded(env, st)?;
-    drained_blocks += write_unflushed(env, st, unflushed, sealed_count, from, to)?;
+    let mut drained_blocks = drain_flushed_groups(env, st).map_err(SwitchError::Retryable)?;
+    let on_device = read_unflushed(env, st, end).map_err(SwitchError::Retryable)?;
+    // Nothing was taken out of the log up to here.
+    let (unflushed, sealed_count, from, to) = take_unflushed(env, st, end, on_device);
+    mark_degraded(env, st).map_err(SwitchError::Fatal)?;
+    drained_blocks +=
+        write_unflushed(env, st, unflushed, sealed_count, from, to).map_err(SwitchError::Fatal)?;
     // Nothing is dirty any more; what stays in the index are clean copies
     // (and corrupt ones, which keep reading as EIO).
     st.log.drained();
@@ -146,23 +206,27 @@ fn drain_flushed_groups(env: &Env, st: &mut State) -> EngineResult<u64> {
 /// The unflushed records of step 2/4, in log order.
 type Unflushed = Vec<GroupRecord>;
 
+/// The unflushed records on the device (step 2), read before anything is
+/// taken out of the log: the records and the log range `[from, to)` they
+/// cover.
+struct OnDevice {
+    records: Unflushed,
+    from: u64,
+    to: u64,
+    /// Where the records kept in memory start (the head if none are).
+    memory_start: u64,
+}
+
 /// Step 2: the rest was acknowledged but never flushed: records sealed
 /// after the last epoch end, then the open record (the current request's
-/// writes may be among them; it is re-run after the switch). Read it all
-/// now, in log order, before anything else changes: if the log cannot be
-/// read, stop here. The records still queued in memory (their write failed,
-/// never started, or completed behind one that had not: see
-/// `crate::sealed`) are the end of the log up to the open record; they are
-/// taken from memory, not read back. Returns the records, how many of them
-/// were read from the cache, and the log range `[from, to)` those cover.
-fn read_unflushed(
-    env: &Env,
-    st: &mut State,
-    end: u64,
-) -> EngineResult<(Unflushed, usize, u64, u64)> {
+/// writes may be among them; it is re-run after the switch). The records
+/// up to those still queued in memory (whose write failed, never started,
+/// or completed behind one that had not: see `crate::sealed`) are read from
+/// the device here, in log order, changing nothing: if the log cannot be
+/// read, the switch can be tried again.
+fn read_unflushed(env: &Env, st: &mut State, end: u64) -> EngineResult<OnDevice> {
     let slot_count = st.log.slot_count();
-    let (queued, open) = st.log.take_unflushed(env);
-    let cache_end = queued.first().map_or(end, |r| r.start);
+    let cache_end = st.log.settle_unflushed(env).unwrap_or(end);
     let from = st.log.writeback_position();
     let mut records = Vec::new();
     let mut position = from;
@@ -178,6 +242,37 @@ fn read_unflushed(
         record_start(position, slot_count) >= cache_end,
         "degrade read every sealed record"
     );
+    Ok(OnDevice {
+        records,
+        from,
+        to: position,
+        memory_start: cache_end,
+    })
+}
+
+/// Step 2, continued: the records kept in memory and the open record are
+/// taken out of the log, after the ones read from the device. Their slots
+/// leave the index (the origin gets their data in step 4). Returns the
+/// records, how many of them were read from the device, and the log range
+/// `[from, to)` those cover.
+fn take_unflushed(
+    env: &Env,
+    st: &mut State,
+    end: u64,
+    on_device: OnDevice,
+) -> (Unflushed, usize, u64, u64) {
+    let OnDevice {
+        mut records,
+        from,
+        to,
+        memory_start,
+    } = on_device;
+    let (queued, open) = st.log.take_unflushed();
+    assert_eq!(
+        queued.first().map_or(end, |r| r.start),
+        memory_start,
+        "the queue did not change since it settled"
+    );
     let sealed_count = records.len();
     for (i, record) in queued.iter().enumerate() {
         let next_start = queued.get(i + 1).map_or(end, |r| r.start);
@@ -188,8 +283,7 @@ fn read_unflushed(
             record.header_fields.clone(),
             &record.data,
         ));
-        // It may never have reached the cache device: its slots leave the
-        // index (the origin gets their data in step 4).
+        // It may never have reached the cache device.
         forget_record(st, record.start, record.data_count);
     }
     if let Some(open) = open {
@@ -209,10 +303,10 @@ fn read_unflushed(
             header,
             open.data(),
         ));
-        // It never reached the cache device: its slots leave the index.
+        // It never reached the cache device.
         forget_record(st, open.start(), open.data_count());
     }
-    Ok((records, sealed_count, from, position))
+    (records, sealed_count, from, to)
 }
 
 /// The slots and ranges of a record held only in memory leave the index.

@@ -579,13 +579,17 @@ impl Log {
 
     // ----------------------------------------------------------- degraded
 
-    /// For degraded mode: the records sealed since the last barrier (taken
-    /// from memory, written or not) and the open record.
-    pub(crate) fn take_unflushed(
-        &mut self,
-        env: &Env,
-    ) -> (Vec<Arc<SealedRecord>>, Option<OpenRecord>) {
-        (self.sealed.take_all(env), self.open.take())
+    /// For degraded mode: wait for the record writes in flight; then where
+    /// the records kept in memory start (the log before it is on the
+    /// device), if any. Changes nothing.
+    pub(crate) fn settle_unflushed(&self, env: &Env) -> Option<u64> {
+        self.sealed.settle(env)
+    }
+
+    /// For degraded mode, after [`Log::settle_unflushed`]: the records kept
+    /// in memory (written or not) and the open record.
+    pub(crate) fn take_unflushed(&mut self) -> (Vec<Arc<SealedRecord>>, Option<OpenRecord>) {
+        (self.sealed.take_all(), self.open.take())
     }
 
     /// Degraded mode wrote everything back: nothing is dirty any more, and

@@ -143,15 +143,29 @@ impl SealedQueue {
         Ok(())
     }
 
-    /// For degraded mode: wait for every record a thread is writing, then
-    /// take the whole queue (written, failed or never written alike), in
-    /// log order. Their data goes to the origin from memory.
-    pub(crate) fn take_all(&mut self, env: &Env) -> Vec<Arc<SealedRecord>> {
+    /// For degraded mode: wait for every record a thread is writing, and
+    /// return where the queue starts in the log (`None` if it is empty).
+    /// With the engine lock held the queue cannot change after this (only
+    /// a sealing call or a prune, both under the lock, change it), so the
+    /// log before that start can be read from the device and then the
+    /// queue taken with [`SealedQueue::take_all`].
+    pub(crate) fn settle(&self, env: &Env) -> Option<u64> {
         let mut guard = env.record_io.lock();
         while self.queued.iter().any(|q| q.claimed && !q.record.is_done()) {
             guard = env.record_io.wait(guard);
         }
         drop(guard);
+        self.queued.front().map(|q| q.record.start)
+    }
+
+    /// For degraded mode: take the whole queue (written, failed or never
+    /// written alike), in log order, once [`SealedQueue::settle`] waited
+    /// for the writes in flight. Their data goes to the origin from memory.
+    pub(crate) fn take_all(&mut self) -> Vec<Arc<SealedRecord>> {
+        assert!(
+            self.queued.iter().all(|q| !q.claimed || q.record.is_done()),
+            "the queue is taken only once settled"
+        );
         self.queued.drain(..).map(|q| q.record).collect()
     }
 
