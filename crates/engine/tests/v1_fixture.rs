@@ -137,6 +137,13 @@ fn a_v1_cache_opens_with_everything_it_held() {
     let version_at = SUPERBLOCK_OFFSETS[0] as usize + 8;
     let version = u32::from_le_bytes(image[version_at..version_at + 4].try_into().unwrap());
     assert_eq!(version, FIXTURE_VERSION, "the fixture is a v1 cache");
+    // The v2 volume table goes in the gap v1 never writes (between the
+    // superblock copies and the metadata area; see docs/design.md).
+    let gap = 2 * cairn_format::SUPERBLOCK_BYTES..cairn_format::METADATA_AREA_OFFSET as usize;
+    assert!(
+        image[gap].iter().all(|&b| b == 0),
+        "v1 wrote into bytes 8 KiB..64 KiB"
+    );
     let mut model = Model::new(VOLUME_BLOCKS);
     history(None, &mut model);
     let origin_before = origin.live_image();
