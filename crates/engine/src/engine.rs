@@ -202,7 +202,11 @@ impl Engine {
         match result.expect("a read of every scope is served") {
             Ok(()) => Ok(data(buf)),
             Err(e) if !was_degraded && self.env.health.wants_degraded_path()? => {
-                degrade::enter(self.parts())?;
+                // If the switch cannot be made now, the read's own error is
+                // the one to report.
+                if degrade::enter(self.parts()).is_err() {
+                    return Err(e);
+                }
                 tracing::debug!("re-running a read on the degraded path after: {e}");
                 let (result, buf) = read::read_blocks(self.parts(), first, buf, scope).await;
                 result
@@ -541,7 +545,13 @@ impl Engine {
 
     /// Clean shutdown: flush, checkpoint. The engine stays usable.
     /// Degraded: flush the origin (every write is durable there already).
+    /// A degrade pending is tried once more first, without waiting for its
+    /// pace: this is the last chance to get unflushed writes held in memory
+    /// to the origin.
     pub fn close(&self) -> EngineResult<()> {
+        if self.env.health.is_degrade_pending() {
+            degrade::enter_now(self.parts())?;
+        }
         self.with_degrade(|degraded| {
             if degraded {
                 return degrade::degraded_flush(self.parts());

@@ -36,8 +36,10 @@ pub(crate) struct Health {
     /// The cache device is never written again.
     degraded: AtomicBool,
     /// Attempts at the switch to degraded mode that failed and left the
-    /// degrade pending (see `crate::degrade`).
+    /// degrade pending (see `crate::degrade`): those that count towards
+    /// the limit (cache failures), and all of them (for the pace).
     degrade_attempts_failed: AtomicU32,
+    degrade_failures_total: AtomicU32,
     reasons: Mutex<Reasons>,
 }
 
@@ -141,15 +143,25 @@ impl Health {
 
     /// An attempt at the switch to degraded mode failed (`failure`), leaving
     /// the degrade pending; the next may start after `wait`. Returns how
-    /// many have failed so far, this one included.
-    pub(crate) fn degrade_attempt_failed(&self, failure: String, wait: Duration) -> u32 {
+    /// many `counted` failures there were so far, this one included.
+    pub(crate) fn degrade_attempt_failed(
+        &self,
+        failure: String,
+        wait: Duration,
+        counted: bool,
+    ) -> u32 {
         self.reasons().degrade_failure = Some((failure, Instant::now() + wait));
-        self.degrade_attempts_failed.fetch_add(1, Ordering::SeqCst) + 1
+        self.degrade_failures_total.fetch_add(1, Ordering::SeqCst);
+        if counted {
+            self.degrade_attempts_failed.fetch_add(1, Ordering::SeqCst);
+        }
+        self.degrade_attempts_failed.load(Ordering::SeqCst)
     }
 
-    /// How many attempts at the switch to degraded mode have failed.
-    pub(crate) fn degrade_attempts_failed(&self) -> u32 {
-        self.degrade_attempts_failed.load(Ordering::SeqCst)
+    /// How many attempts at the switch to degraded mode have failed, for
+    /// any reason.
+    pub(crate) fn degrade_failures_total(&self) -> u32 {
+        self.degrade_failures_total.load(Ordering::SeqCst)
     }
 
     /// If the last attempt at the switch failed less than its wait ago: how

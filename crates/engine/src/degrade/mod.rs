@@ -24,10 +24,11 @@
 //! no record older than the origin's copy can be replayed over it. If step
 //! 1 or 2 fails (a cache read, an origin write), nothing was done but
 //! ordinary write-back and nothing was taken out of the log: the degrade
-//! stays pending, the request fails, and the next request tries again, up
-//! to [`DEGRADE_ATTEMPTS_MAX`] times in all. If a later step fails, or the
-//! attempts are spent, the engine stops (every request fails) and nothing
-//! is written through. Once the flag is durable, open never replays or
+//! stays pending, the request fails, and a request after a wait tries
+//! again (a clean shutdown at once), up to [`DEGRADE_ATTEMPTS_MAX`]
+//! failures of the cache device (an origin that fails is waited for). If a
+//! later step fails, or the attempts are spent, the engine stops (every
+//! request fails) and nothing is written through. Once the flag is durable, open never replays or
 //! reads the cache again (see `crate::open`).
 //!
 //! Degraded writes, zeroes and discards (`degraded_io`) drop the cached
@@ -67,6 +68,11 @@ pub(crate) const DEGRADE_ATTEMPTS_MAX: u32 = 8;
 /// Requests meanwhile fail at once, without touching the devices.
 const DEGRADE_RETRY_WAIT_BACKOFFS: u64 = 20;
 
+/// The wait stops doubling after this many failures (at 6.4 s by default),
+/// so attempts over an origin that is down (which are not counted) keep
+/// coming.
+const DEGRADE_WAIT_DOUBLINGS_MAX: u32 = 6;
+
 /// Why a switch to degraded mode did not complete.
 enum SwitchError {
     /// Steps 1 or 2 failed: nothing but ordinary write-back was done and
@@ -82,6 +88,16 @@ enum SwitchError {
 /// write-back; the engine lock is held for the whole drain, so requests
 /// wait for it. Idempotent: a second caller finds it done.
 pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
+    enter_paced(p, true)
+}
+
+/// [`enter`] without waiting for the pace of attempts (a clean shutdown's
+/// last attempt).
+pub(crate) fn enter_now(p: Parts<'_>) -> EngineResult<()> {
+    enter_paced(p, false)
+}
+
+fn enter_paced(p: Parts<'_>, paced: bool) -> EngineResult<()> {
     let env = p.env;
     let _writeback = p.writeback.lock();
     let mut st = p.state.unchecked();
@@ -93,7 +109,7 @@ pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
         .health
         .degrade_reason()?
         .expect("degrade runs only after a cache write failed for good");
-    if let Some((left, failure)) = env.health.degrade_retry_wait() {
+    if let Some((left, failure)) = env.health.degrade_retry_wait().filter(|_| paced) {
         return Err(EngineError::DegradeDelayed {
             failure,
             retry_in_ms: left.as_millis().max(1) as u64,
@@ -115,15 +131,21 @@ pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
             return Ok(());
         }
         Err(SwitchError::Retryable(e)) => {
-            let failed_before = env.health.degrade_attempts_failed();
+            // An origin that fails is waited for as ordinary write-back
+            // waits for it, without end: only failures of the cache device
+            // count towards the attempts.
+            let counted = !matches!(e, EngineError::Origin(_));
+            let failed_before = env.health.degrade_failures_total();
             let wait_us = env
                 .config
                 .cache_write_backoff_us
                 .saturating_mul(DEGRADE_RETRY_WAIT_BACKOFFS)
-                .saturating_mul(1 << failed_before.min(16));
-            let failed = env
-                .health
-                .degrade_attempt_failed(e.to_string(), Duration::from_micros(wait_us));
+                .saturating_mul(1 << failed_before.min(DEGRADE_WAIT_DOUBLINGS_MAX));
+            let failed = env.health.degrade_attempt_failed(
+                e.to_string(),
+                Duration::from_micros(wait_us),
+                counted,
+            );
             if failed < DEGRADE_ATTEMPTS_MAX {
                 Counters::add(&env.counters.degrade_retries, 1);
                 tracing::error!(

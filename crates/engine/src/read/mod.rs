@@ -327,5 +327,11 @@ fn promote(
         }
         Counters::add(&c.promotions, 1);
     }
+    if !p.env.health.cache_writable() {
+        // A degrade is pending: nothing more is written to the cache. A
+        // record left queued by a write that failed stays for the switch,
+        // which takes its data from memory.
+        return Ok(Vec::new());
+    }
     Ok(st.log.claim_sealed())
 }

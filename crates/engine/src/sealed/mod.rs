@@ -52,12 +52,8 @@ pub(crate) async fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) ->
         return Ok(());
     }
     if cairn_io::Reactor::current().is_none() {
-        for record in records {
-            if let Err(e) = record.write(env) {
-                return Err(env.health.cache_write_failed("sealing a log record", e));
-            }
-        }
-        return Ok(());
+        return write_in_order(env, &records)
+            .map_err(|e| env.health.cache_write_failed("sealing a log record", e));
     }
     hand_off(env, &records);
     for record in &records {
@@ -78,6 +74,29 @@ pub(crate) async fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) ->
             Err(env.health.cache_write_failed("sealing a log record", e))
         }
     }
+}
+
+/// Write claimed `records` here, in order. At the first failure the rest
+/// are not tried: each is published as failed, since a claimed record that
+/// is never done would keep whoever waits for it (a barrier, the switch to
+/// degraded mode) waiting forever. Their data stays in memory, queued, for
+/// degraded mode.
+pub(crate) fn write_in_order(env: &Env, records: &[Arc<SealedRecord>]) -> Result<(), DeviceError> {
+    for (k, record) in records.iter().enumerate() {
+        if let Err(e) = record.write(env) {
+            for rest in &records[k + 1..] {
+                rest.publish(
+                    env,
+                    Err(format!(
+                        "not written: the write of record {} before it failed",
+                        record.sequence
+                    )),
+                );
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// [`write_claimed`] for records a read's fills completed, inside a

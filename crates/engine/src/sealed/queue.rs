@@ -73,12 +73,8 @@ impl SealedQueue {
 
     /// Write every unclaimed record here, in sequence order.
     fn write_unclaimed(&mut self, env: &Env) -> EngineResult<()> {
-        for record in self.claim() {
-            if let Err(e) = record.write(env) {
-                return Err(env.health.cache_write_failed("sealing a log record", e));
-            }
-        }
-        Ok(())
+        super::write_in_order(env, &self.claim())
+            .map_err(|e| env.health.cache_write_failed("sealing a log record", e))
     }
 
     /// Wait (holding the engine lock: writers do not need it) until at most
