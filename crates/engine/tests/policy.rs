@@ -172,3 +172,35 @@ fn writearound_drops_the_cached_copy_and_reads_return_new_data() {
     assert!(e.is_cached(10), "reads are still cached in write-around");
     assert_eq!(e.stats().dirty_blocks, 0);
 }
+
+/// Write-around keeps no written copy, also of the partial blocks at the
+/// edges of a write-zeroes (zeroed by read-modify-write, so written as
+/// data): they are on the origin on return and not cached. (A cargo-mutants
+/// survivor, `offset / block_bytes` to `*` in `zero_range`, left them
+/// cached.)
+#[test]
+fn writearound_zeroes_keep_no_copy_of_their_partial_edges() {
+    use cairn_engine::CacheMode;
+    let mib = 1u64 << 20;
+    let (origin, e) = rig(16 * mib, 32 * mib, EngineConfig::default());
+    let old: Vec<u8> = (20..24u64).flat_map(|k| pattern(k, BS as usize)).collect();
+    e.write(20 * BS, &old, false).unwrap();
+    e.set_mode(CacheMode::WriteAround, |_| {}).unwrap();
+    assert!((20..24).all(|lba| e.is_cached(lba)), "cached, clean");
+    // From the middle of block 20 to the middle of block 23.
+    let (at, len) = (20 * BS + 512, 3 * BS);
+    e.write_zeroes(at, len).unwrap();
+    for lba in 20..24 {
+        assert!(!e.is_cached(lba), "write-around keeps block {lba} cached");
+    }
+    let mut expected = old.clone();
+    expected[512..512 + len as usize].fill(0);
+    assert_eq!(
+        &origin.live_image()[(20 * BS) as usize..(24 * BS) as usize],
+        &expected[..],
+        "the origin has the zeroes on return"
+    );
+    let mut got = vec![0u8; (4 * BS) as usize];
+    e.read(20 * BS, &mut got).unwrap();
+    assert_eq!(got, expected);
+}
