@@ -176,9 +176,11 @@ impl Health {
     /// The switch to degraded mode completed.
     pub(crate) fn set_degraded(&self) {
         let mut reasons = self.reasons();
+        // Degraded first: a check between the two stores sees both set
+        // (the degraded path), never neither (the normal one).
+        self.degraded.store(true, Ordering::SeqCst);
         reasons.degrade_pending = None;
         self.degrade_pending.store(false, Ordering::SeqCst);
-        self.degraded.store(true, Ordering::SeqCst);
     }
 
     /// Stop the engine: every request fails from now on.
