@@ -93,11 +93,13 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
     // Wait for SIGTERM/SIGINT, or for the server to stop by itself.
     let trigger = server.trigger();
     let signal_stop = stop.clone();
+    let signal_engine = engine.clone();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 tracing::info!("signal {sig}: finishing in-flight requests and shutting down");
+                signal_engine.begin_shutdown();
                 notify_systemd(&[
                     sd_notify::NotifyState::Stopping,
                     sd_notify::NotifyState::Status(

@@ -543,14 +543,22 @@ impl Engine {
         })
     }
 
+    /// A clean shutdown has begun: from now on a pending switch to degraded
+    /// mode is tried by the next request (the final flushes) without
+    /// waiting for its pace, since this is the last chance to get unflushed
+    /// writes held in memory to the origin. The engine serves as before.
+    pub fn begin_shutdown(&self) {
+        self.env.health.set_shutting_down();
+    }
+
     /// Clean shutdown: flush, checkpoint. The engine stays usable.
     /// Degraded: flush the origin (every write is durable there already).
     /// A degrade pending is tried once more first, without waiting for its
-    /// pace: this is the last chance to get unflushed writes held in memory
-    /// to the origin.
+    /// pace (see [`Engine::begin_shutdown`]).
     pub fn close(&self) -> EngineResult<()> {
+        self.begin_shutdown();
         if self.env.health.is_degrade_pending() {
-            degrade::enter_now(self.parts())?;
+            degrade::enter(self.parts())?;
         }
         self.with_degrade(|degraded| {
             if degraded {

@@ -40,6 +40,8 @@ pub(crate) struct Health {
     /// the limit (cache failures), and all of them (for the pace).
     degrade_attempts_failed: AtomicU32,
     degrade_failures_total: AtomicU32,
+    /// A clean shutdown has begun: attempts at the switch are not paced.
+    shutting_down: AtomicBool,
     reasons: Mutex<Reasons>,
 }
 
@@ -162,6 +164,14 @@ impl Health {
     /// any reason.
     pub(crate) fn degrade_failures_total(&self) -> u32 {
         self.degrade_failures_total.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_shutting_down(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
     }
 
     /// If the last attempt at the switch failed less than its wait ago: how

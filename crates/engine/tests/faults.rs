@@ -1778,34 +1778,53 @@ fn a_failed_switch_to_degraded_mode_waits_before_it_is_tried_again() {
 
 /// A clean shutdown during the wait makes one last attempt at once: the
 /// writes acknowledged but never flushed, held in memory, reach the origin
-/// instead of being left to a restart that would not have them.
+/// instead of being left to a restart that would not have them. Both ways
+/// a shutdown goes: the daemon's (`begin_shutdown`, then its final
+/// flushes, then `close`) and `close` alone.
 #[test]
-fn a_clean_close_during_the_wait_makes_the_switch_at_once() {
-    let mut rig = Rig::new(16 << 20, VOLUME_BLOCKS);
-    // A 1 s wait after the first failure: far longer than this test.
-    let e = open_with_backoff(&mut rig, 50_000);
-    // Flushed dirty data the switch must read back, then an unflushed
-    // write held only in memory.
-    let flushed = pattern(9101, (64 * BS) as usize);
-    e.write(10 * BS, &flushed, false).unwrap();
-    e.flush().unwrap();
-    let unflushed = pattern(9100, BS as usize);
-    e.write(0, &unflushed, false).unwrap();
-    fail_log(&rig, true);
-    assert!(e.flush().is_err());
-    assert_eq!(e.stats().degrade_retries, 1);
-    fail_log(&rig, false);
-    e.close().expect("close makes the switch without waiting");
-    assert!(e.is_degraded());
-    let origin = rig.origin.durable_image();
-    assert!(
-        origin[..BS as usize] == unflushed[..],
-        "the unflushed write is durable on the origin"
-    );
-    assert!(
-        origin[(10 * BS) as usize..(74 * BS) as usize] == flushed[..],
-        "and the flushed data"
-    );
+fn a_clean_shutdown_during_the_wait_makes_the_switch_at_once() {
+    for daemon_order in [true, false] {
+        let ctx = format!("begin_shutdown and a flush first: {daemon_order}");
+        let mut rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+        // A 1 s wait after the first failure: far longer than this test.
+        let e = open_with_backoff(&mut rig, 50_000);
+        // Flushed dirty data the switch must read back, then an unflushed
+        // write held only in memory.
+        let flushed = pattern(9101, (64 * BS) as usize);
+        e.write(10 * BS, &flushed, false).unwrap();
+        e.flush().unwrap();
+        let unflushed = pattern(9100, BS as usize);
+        e.write(0, &unflushed, false).unwrap();
+        fail_log(&rig, true);
+        assert!(e.flush().is_err(), "{ctx}");
+        assert_eq!(e.stats().degrade_retries, 1, "{ctx}");
+        fail_log(&rig, false);
+        assert!(
+            matches!(
+                e.flush(),
+                Err(cairn_engine::EngineError::DegradeDelayed { .. })
+            ),
+            "{ctx}: still inside the wait"
+        );
+        if daemon_order {
+            e.begin_shutdown();
+            e.flush().unwrap_or_else(|err| {
+                panic!("{ctx}: the final flush makes the switch without waiting: {err}")
+            });
+        }
+        e.close()
+            .unwrap_or_else(|err| panic!("{ctx}: close makes the switch without waiting: {err}"));
+        assert!(e.is_degraded(), "{ctx}");
+        let origin = rig.origin.durable_image();
+        assert!(
+            origin[..BS as usize] == unflushed[..],
+            "{ctx}: the unflushed write is durable on the origin"
+        );
+        assert!(
+            origin[(10 * BS) as usize..(74 * BS) as usize] == flushed[..],
+            "{ctx}: and the flushed data"
+        );
+    }
 }
 
 /// An origin that fails while the switch drains to it is waited for, as

@@ -87,18 +87,10 @@ enum SwitchError {
 /// Enter degraded mode (see the module comment). Serialised with
 /// write-back; the engine lock is held for the whole drain, so requests
 /// wait for it. Idempotent: a second caller finds it done.
+/// Once a clean shutdown has begun, attempts are not paced.
 pub(crate) fn enter(p: Parts<'_>) -> EngineResult<()> {
-    enter_paced(p, true)
-}
-
-/// [`enter`] without waiting for the pace of attempts (a clean shutdown's
-/// last attempt).
-pub(crate) fn enter_now(p: Parts<'_>) -> EngineResult<()> {
-    enter_paced(p, false)
-}
-
-fn enter_paced(p: Parts<'_>, paced: bool) -> EngineResult<()> {
     let env = p.env;
+    let paced = !env.health.is_shutting_down();
     let _writeback = p.writeback.lock();
     let mut st = p.state.unchecked();
     env.health.check_running()?;
@@ -149,8 +141,9 @@ fn enter_paced(p: Parts<'_>, paced: bool) -> EngineResult<()> {
             if failed < DEGRADE_ATTEMPTS_MAX {
                 Counters::add(&env.counters.degrade_retries, 1);
                 tracing::error!(
-                    attempt = failed,
-                    attempts_max = DEGRADE_ATTEMPTS_MAX,
+                    failures = failed_before + 1,
+                    cache_failures = failed,
+                    cache_failures_max = DEGRADE_ATTEMPTS_MAX,
                     retry_in_ms = wait_us / 1000,
                     "entering degraded mode failed ({e}) before anything but ordinary write-back was done: the log is whole and the cache is not written; requests fail until the next attempt"
                 );
