@@ -1992,3 +1992,39 @@ fn a_single_write_larger_than_the_log_succeeds() {
     rig.engine().read(4 * BS, &mut back).unwrap();
     assert!(back == data, "and after a restart");
 }
+
+/// More discards than a checkpoint can hold pending, with no write-back
+/// between them but what writers run for room: the range reservation makes
+/// a writer write back before the 1025th range, so every checkpoint (and
+/// recovery) holds at most `PENDING_RANGES_MAX`, and every block reads as
+/// zeroes after a restart. (A cargo-mutants survivor, the reservation's
+/// `!ranges_full` guard replaced by `true`, let ranges pass the bound.)
+#[test]
+fn more_discards_than_a_checkpoint_holds_wait_for_write_back() {
+    let volume_blocks = 3000u64;
+    let mut rig = Rig::new(16 << 20, volume_blocks);
+    let e = rig.engine();
+    let data: Vec<u8> = (0..volume_blocks)
+        .flat_map(|k| pattern(10_000 + k, BS as usize))
+        .collect();
+    e.write(0, &data, false).unwrap();
+    e.flush().unwrap();
+    while e.writeback_step().unwrap().blocks_written > 0 {}
+    let mut model = Model::new(volume_blocks);
+    model.write(0, &data);
+    // Every other block: 1400 ranges that cannot merge.
+    let ranges = 1400u64;
+    for k in 0..ranges {
+        e.discard(2 * k * BS, BS).unwrap();
+        model.discard(2 * k * BS, BS);
+        assert!(
+            e.stats().pending_ranges <= cairn_format::PENDING_RANGES_MAX as u64,
+            "{} ranges pending after discard {k}",
+            e.stats().pending_ranges
+        );
+    }
+    e.checkpoint().expect("a checkpoint holds what is pending");
+    assert_volume(e, &model, "after the discards");
+    rig.reopen_clean();
+    assert_volume(rig.engine(), &model, "after a restart");
+}
