@@ -551,6 +551,42 @@ fn flush_costs_one_barrier_and_none_when_clean() {
     assert_eq!(c.bytes_written, 9 * BS + 2 * BS);
 }
 
+/// Writes without a flush cost no barrier, no internal flush and no
+/// checkpoint until their bounds (`unsynced_blocks_max`, a quarter of the
+/// log) are reached. (cargo-mutants: inverting or bending either bound in
+/// `reserve` made every write pay a flush or a checkpoint, which no test
+/// counted: the runs only timed out under load.)
+#[test]
+fn writes_below_their_bounds_cost_no_flush_and_no_checkpoint() {
+    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let e = rig.engine();
+    // A checkpoint well into the log (past a quarter of it), so a bound
+    // measured from the wrong place shows.
+    let slots = Layout::compute(16 << 20, BS as u32).unwrap().log_blocks;
+    for i in 0..slots / 4 + 100 {
+        let lba = i % VOLUME_BLOCKS;
+        e.write(lba * BS, &pattern(400 + i, BS as usize), false)
+            .unwrap();
+    }
+    e.checkpoint().unwrap();
+    rig.cache.reset_counters();
+    let before = e.stats();
+    // 200 blocks: several records sealed, far below either bound.
+    for i in 0..200u64 {
+        let lba = (i * 3) % VOLUME_BLOCKS;
+        e.write(lba * BS, &pattern(500 + i, BS as usize), false)
+            .unwrap();
+    }
+    assert!(
+        e.stats().records_sealed > before.records_sealed + 2,
+        "records were sealed"
+    );
+    let s = e.stats();
+    assert_eq!(rig.cache.counters().flushes, 0, "no barrier");
+    assert_eq!(s.internal_flushes, before.internal_flushes, "{s:?}");
+    assert_eq!(s.checkpoints, before.checkpoints, "{s:?}");
+}
+
 #[test]
 fn aligned_writes_read_nothing() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);

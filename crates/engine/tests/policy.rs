@@ -204,3 +204,29 @@ fn writearound_zeroes_keep_no_copy_of_their_partial_edges() {
     e.read(20 * BS, &mut got).unwrap();
     assert_eq!(got, expected);
 }
+
+/// In write-back mode a write-zeroes or a discard is absorbed like a
+/// write: it waits for no write-through and leaves its range dirty for
+/// write-back. (A cargo-mutants survivor, the mode test of `zero_range`
+/// inverted, made every zero in write-back mode wait for the origin:
+/// correct data, the cost of write-through.)
+#[test]
+fn writeback_zeroes_and_discards_do_not_wait_for_the_origin() {
+    let mib = 1u64 << 20;
+    let (origin, e) = rig(16 * mib, 32 * mib, EngineConfig::default());
+    let data: Vec<u8> = (0..8u64).flat_map(|k| pattern(k, BS as usize)).collect();
+    e.write(0, &data, false).unwrap();
+    let origin_before = origin.live_image();
+    e.write_zeroes(512, 3 * BS).unwrap();
+    e.discard(4 * BS, 2 * BS).unwrap();
+    let s = e.stats();
+    assert_eq!(s.writethrough_waits, 0, "{s:?}");
+    assert!(
+        s.pending_ranges > 0,
+        "the ranges wait for write-back: {s:?}"
+    );
+    assert!(
+        origin.live_image() == origin_before,
+        "nothing reached the origin before write-back"
+    );
+}
