@@ -726,21 +726,46 @@ use cairn_format::SUPERBLOCK_OFFSETS;
 
 /// Byte range of the cache's log area (the superblocks and checkpoint
 /// slots lie before it).
-fn log_area() -> (u64, u64) {
-    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
-    (layout.log_offset_bytes(), cache_bytes_small())
+/// The byte range of `cache`'s log.
+fn log_area(cache: &SimDevice) -> (u64, u64) {
+    let size = cache.size_bytes();
+    let layout = Layout::compute(size, BS as u32).unwrap();
+    (layout.log_offset_bytes(), size)
 }
 
-/// The log area stops taking writes for good (a worn-out region); the
-/// superblocks still work, and reads everywhere.
-fn fail_log_writes(cache: &SimDevice) {
-    let (start, end) = log_area();
+/// The log area stops taking writes for good (a worn-out region), and its
+/// reads too if `reads` (until the fault is replaced); the superblocks
+/// still work.
+fn fail_log(cache: &SimDevice, reads: bool) {
+    let (start, end) = log_area(cache);
     cache.fail_range(RangeFault {
-        kinds: OpKinds::WRITES,
+        kinds: OpKinds {
+            reads,
+            writes: true,
+            flushes: false,
+        },
         start,
         end,
         mode: FaultMode::Sticky,
     });
+}
+
+fn fail_log_writes(cache: &SimDevice) {
+    fail_log(cache, false);
+}
+
+/// Damage, on the device, the block holding `victim` (the newest copy the
+/// log has of it), and make the log stop taking writes: the next barrier
+/// fails and the cache goes degraded.
+fn damage_then_fail_log_writes(cache: &SimDevice, victim: &[u8], what: &str) {
+    let at = cache
+        .live_image()
+        .chunks(BS as usize)
+        .position(|w| w == victim)
+        .map(|i| i as u64 * BS)
+        .unwrap_or_else(|| panic!("{what} is on the cache device"));
+    cache.flip(at + 100, 0x5a);
+    fail_log_writes(cache);
 }
 
 fn durable_superblock(cache: &SimDevice) -> cairn_format::Superblock {
@@ -1154,17 +1179,7 @@ fn failure_during_the_degrade_drain_stops_without_write_through() {
     let x = 50u64;
     let new_x = pattern(5050, BS as usize);
     e.write(x * BS, &new_x, false).unwrap();
-    let (start, end) = log_area();
-    rig.cache.fail_range(RangeFault {
-        kinds: OpKinds {
-            reads: true,
-            writes: true,
-            flushes: false,
-        },
-        start,
-        end,
-        mode: FaultMode::Sticky,
-    });
+    fail_log(&rig.cache, true);
     let origin_before = rig.origin.live_image();
     let mut err = e.flush().expect_err("the flush cannot succeed");
     for attempt in 2..=8 {
@@ -1518,20 +1533,7 @@ fn a_damaged_dirty_block_drained_at_the_switch_reads_as_eio() {
         model.write(64 * BS, &more);
     }
     let victim = pattern(6105, BS as usize);
-    let image = rig.cache.live_image();
-    let at = image
-        .chunks(BS as usize)
-        .position(|w| w == victim.as_slice())
-        .map(|i| i as u64 * BS)
-        .expect("the first record is on the cache device");
-    rig.cache.flip(at + 100, 0x5a);
-    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
-    rig.cache.fail_range(RangeFault {
-        kinds: OpKinds::WRITES,
-        start: layout.log_offset_bytes(),
-        end: 16 << 20,
-        mode: FaultMode::Sticky,
-    });
+    damage_then_fail_log_writes(&rig.cache, &victim, "the first record");
     let data = pattern(0xdead, BS as usize);
     rig.engine()
         .write(200 * BS, &data, true)
@@ -1591,20 +1593,7 @@ fn a_damaged_unflushed_record_drained_at_the_switch_reads_as_eio() {
         .collect();
     e.write(64 * BS, &more, false).unwrap();
     let victim = pattern(6105, BS as usize);
-    let image = rig.cache.live_image();
-    let at = image
-        .chunks(BS as usize)
-        .position(|w| w == victim.as_slice())
-        .map(|i| i as u64 * BS)
-        .expect("the record holding block 5 is on the cache device");
-    rig.cache.flip(at + 100, 0x5a);
-    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
-    rig.cache.fail_range(RangeFault {
-        kinds: OpKinds::WRITES,
-        start: layout.log_offset_bytes(),
-        end: 16 << 20,
-        mode: FaultMode::Sticky,
-    });
+    damage_then_fail_log_writes(&rig.cache, &victim, "the record holding block 5");
     let data = pattern(0xdead, BS as usize);
     rig.engine()
         .write(200 * BS, &data, true)
@@ -1644,7 +1633,7 @@ fn a_damaged_unflushed_record_drained_at_the_switch_reads_as_eio() {
 /// written but not flushed (32..160, in two writes, so the records of the
 /// first are on the device only), then the log stops taking writes and
 /// reads.
-fn rig_whose_log_fails_reads_and_writes(written_back: bool) -> (Rig, Model, Layout) {
+fn rig_whose_log_fails_reads_and_writes(written_back: bool) -> (Rig, Model) {
     let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
     let mut model = Model::new(VOLUME_BLOCKS);
     let e = rig.engine();
@@ -1660,18 +1649,8 @@ fn rig_whose_log_fails_reads_and_writes(written_back: bool) -> (Rig, Model, Layo
     e.write(32 * BS, &blocks(32..96), false).unwrap();
     e.write(96 * BS, &blocks(96..160), false).unwrap();
     model.write(32 * BS, &blocks(32..160));
-    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
-    rig.cache.fail_range(RangeFault {
-        kinds: OpKinds {
-            reads: true,
-            writes: true,
-            flushes: false,
-        },
-        start: layout.log_offset_bytes(),
-        end: 16 << 20,
-        mode: FaultMode::Sticky,
-    });
-    (rig, model, layout)
+    fail_log(&rig.cache, true);
+    (rig, model)
 }
 
 /// A cache that fails writes for good and also fails reads of the log for
@@ -1686,7 +1665,7 @@ fn rig_whose_log_fails_reads_and_writes(written_back: bool) -> (Rig, Model, Layo
 fn a_switch_to_degraded_mode_whose_reads_fail_is_tried_again() {
     for written_back in [false, true] {
         let ctx = format!("flushed data written back first: {written_back}");
-        let (rig, mut model, layout) = rig_whose_log_fails_reads_and_writes(written_back);
+        let (rig, mut model) = rig_whose_log_fails_reads_and_writes(written_back);
         let e = rig.engine();
         let data = pattern(0xbeef, BS as usize);
         let err = e
@@ -1701,12 +1680,7 @@ fn a_switch_to_degraded_mode_whose_reads_fail_is_tried_again() {
         let s = e.stats();
         assert!(s.degrading && !s.failed, "{ctx}: {s:?}");
         assert_eq!(s.degrade_retries, 2, "{ctx}");
-        rig.cache.fail_range(RangeFault {
-            kinds: OpKinds::WRITES,
-            start: layout.log_offset_bytes(),
-            end: 16 << 20,
-            mode: FaultMode::Sticky,
-        });
+        fail_log(&rig.cache, false);
         e.flush().expect("the third attempt completes the switch");
         let s = e.stats();
         assert!(s.degraded && !s.degrading && !s.failed, "{ctx}: {s:?}");
@@ -1742,20 +1716,6 @@ fn open_with_backoff(rig: &mut Rig, backoff_us: u64) -> Engine {
     .expect("open")
 }
 
-fn fail_log(rig: &Rig, reads: bool) {
-    let layout = Layout::compute(16 << 20, BS as u32).unwrap();
-    rig.cache.fail_range(RangeFault {
-        kinds: OpKinds {
-            reads,
-            writes: true,
-            flushes: false,
-        },
-        start: layout.log_offset_bytes(),
-        end: 16 << 20,
-        mode: FaultMode::Sticky,
-    });
-}
-
 /// Attempts at the switch are paced: after a failed one, requests that
 /// need the cache fail at once (naming the failure and the wait) without
 /// a new attempt, until the wait (20 cache write backoffs, doubled after
@@ -1768,7 +1728,7 @@ fn a_failed_switch_to_degraded_mode_waits_before_it_is_tried_again() {
     let old = pattern(9000, BS as usize);
     e.write(0, &old, false).unwrap();
     e.flush().unwrap();
-    fail_log(&rig, true);
+    fail_log(&rig.cache, true);
     assert!(e.write(BS, &pattern(9001, BS as usize), true).is_err());
     // The wait starts when the attempt fails, just before that returns.
     let failed_at = std::time::Instant::now();
@@ -1791,7 +1751,7 @@ fn a_failed_switch_to_degraded_mode_waits_before_it_is_tried_again() {
             "the devices are not touched during the wait"
         );
     }
-    fail_log(&rig, false);
+    fail_log(&rig.cache, false);
     // However long this machine took, the switch completes within a few
     // waits once the reads work.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -1831,10 +1791,10 @@ fn a_clean_shutdown_during_the_wait_makes_the_switch_at_once() {
         e.flush().unwrap();
         let unflushed = pattern(9100, BS as usize);
         e.write(0, &unflushed, false).unwrap();
-        fail_log(&rig, true);
+        fail_log(&rig.cache, true);
         assert!(e.flush().is_err(), "{ctx}");
         assert_eq!(e.stats().degrade_retries, 1, "{ctx}");
-        fail_log(&rig, false);
+        fail_log(&rig.cache, false);
         assert!(
             matches!(
                 e.flush(),
@@ -1868,8 +1828,8 @@ fn a_clean_shutdown_during_the_wait_makes_the_switch_at_once() {
 /// attempts, and once the origin is back the switch completes.
 #[test]
 fn a_switch_to_degraded_mode_waits_for_a_failing_origin_without_stopping() {
-    let (rig, mut model, _) = rig_whose_log_fails_reads_and_writes(false);
-    fail_log(&rig, false);
+    let (rig, mut model) = rig_whose_log_fails_reads_and_writes(false);
+    fail_log(&rig.cache, false);
     rig.origin.fail_range(RangeFault {
         kinds: OpKinds::WRITES,
         start: 0,
@@ -1898,7 +1858,7 @@ fn a_switch_to_degraded_mode_waits_for_a_failing_origin_without_stopping() {
 /// recovers every flushed write from the log.
 #[test]
 fn a_switch_to_degraded_mode_that_keeps_failing_stops_after_its_attempts() {
-    let (mut rig, model, _) = rig_whose_log_fails_reads_and_writes(false);
+    let (mut rig, model) = rig_whose_log_fails_reads_and_writes(false);
     let e = rig.engine();
     let data = pattern(0xbeef, BS as usize);
     assert!(e.write(200 * BS, &data, true).is_err());
