@@ -17,7 +17,8 @@ pub fn status_json(
     m.insert("mode".into(), json!(s.mode));
     // The cache device's state: ok; degrading (a cache write failed for
     // good and the switch to degraded mode is under way or, after a failed
-    // attempt, waits to be tried again: requests fail meanwhile); degraded
+    // attempt, waits to be tried again: writes and flushes fail meanwhile,
+    // reads are served); degraded
     // (every dirty block was written back, every write goes straight to
     // the origin); failed (stopped, every request fails until restart).
     // `state` is the same word.

@@ -553,13 +553,10 @@ impl Engine {
 
     /// Clean shutdown: flush, checkpoint. The engine stays usable.
     /// Degraded: flush the origin (every write is durable there already).
-    /// A degrade pending is tried once more first, without waiting for its
-    /// pace (see [`Engine::begin_shutdown`]).
+    /// A degrade pending is tried once more, without waiting for its pace
+    /// (see [`Engine::begin_shutdown`]).
     pub fn close(&self) -> EngineResult<()> {
         self.begin_shutdown();
-        if self.env.health.is_degrade_pending() {
-            degrade::enter(self.parts())?;
-        }
         self.with_degrade(|degraded| {
             if degraded {
                 return degrade::degraded_flush(self.parts());

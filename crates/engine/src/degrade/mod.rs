@@ -28,8 +28,9 @@
 //! again (a clean shutdown at once), up to [`DEGRADE_ATTEMPTS_MAX`]
 //! failures of the cache device (an origin that fails is waited for). If a
 //! later step fails, or the attempts are spent, the engine stops (every
-//! request fails) and nothing is written through. Once the flag is durable, open never replays or
-//! reads the cache again (see `crate::open`).
+//! request fails) and nothing is written through. Once the flag is
+//! durable, open never replays or reads the cache again (see
+//! `crate::open`).
 //!
 //! Degraded writes, zeroes and discards (`degraded_io`) drop the cached
 //! copy of every block they change, then write the origin and flush it
@@ -64,8 +65,9 @@ pub(crate) const DEGRADE_ATTEMPTS_MAX: u32 = 8;
 
 /// The wait after the first failed attempt, in cache write backoffs
 /// (`EngineConfig::cache_write_backoff_us`, 5 ms by default: 100 ms),
-/// doubled after each further one (all eight spread over about 13 s).
-/// Requests meanwhile fail at once, without touching the devices.
+/// doubled after each further one (eight cache failures alone spread over
+/// about 13 s). Meanwhile writes and flushes fail at once without a new
+/// attempt; reads are served.
 const DEGRADE_RETRY_WAIT_BACKOFFS: u64 = 20;
 
 /// The wait stops doubling after this many failures (at 6.4 s by default),
