@@ -241,7 +241,7 @@ struct OnDevice {
 /// or completed behind one that had not: see `crate::sealed`) are read from
 /// the device here, in log order, changing nothing: if the log cannot be
 /// read, the switch can be tried again.
-fn read_unflushed(env: &Env, st: &mut State, end: u64) -> EngineResult<OnDevice> {
+fn read_unflushed(env: &Env, st: &State, end: u64) -> EngineResult<OnDevice> {
     let slot_count = st.log.slot_count();
     let cache_end = st.log.settle_unflushed(env).unwrap_or(end);
     let from = st.log.writeback_position();
