@@ -15,22 +15,7 @@ pub fn status_json(
     let mut m = Map::new();
     m.insert("served".into(), json!(served));
     m.insert("mode".into(), json!(s.mode));
-    // The cache device's state: ok; degrading (a cache write failed for
-    // good and the switch to degraded mode is under way or, after a failed
-    // attempt, waits to be tried again: writes and flushes fail meanwhile,
-    // reads are served); degraded
-    // (every dirty block was written back, every write goes straight to
-    // the origin); failed (stopped, every request fails until restart).
-    // `state` is the same word.
-    let cache_state = if s.failed {
-        "failed"
-    } else if s.degraded {
-        "degraded"
-    } else if s.degrading {
-        "degrading"
-    } else {
-        "ok"
-    };
+    let cache_state = cache_state(s);
     m.insert("state".into(), json!(cache_state));
     m.insert("cache_state".into(), json!(cache_state));
     m.insert("origin".into(), json!(sb.origin_identity));
@@ -59,24 +44,7 @@ pub fn status_json(
     m.insert("index_memory_bytes".into(), json!(s.index_memory_bytes));
     m.insert("policy_memory_bytes".into(), json!(s.policy_memory_bytes));
     m.insert("integrity".into(), json!(s.integrity));
-    if s.integrity {
-        m.insert("tag_algorithm".into(), json!(s.tag_algorithm));
-        m.insert(
-            "recalc_position_blocks".into(),
-            json!(s.recalc_position_blocks),
-        );
-        m.insert("recalc_total_blocks".into(), json!(s.recalc_total_blocks));
-        m.insert(
-            "recalc_state".into(),
-            json!(if s.recalc_position_blocks >= s.recalc_total_blocks {
-                "complete"
-            } else {
-                "running"
-            }),
-        );
-        m.insert("tag_pages_dirty".into(), json!(s.tag_pages_dirty));
-        m.insert("tag_memory_bytes".into(), json!(s.tag_memory_bytes));
-    }
+    insert_integrity(&mut m, s);
     let lookups = s.read_hits + s.read_misses;
     // The ratio counts block lookups of client reads: cache hits over hits
     // plus origin misses (zeroed ranges are neither).
@@ -104,6 +72,47 @@ pub fn status_json(
     }
     insert_extras(&mut m, s, server, latency, settings);
     Value::Object(m)
+}
+
+/// The cache device's state: ok; degrading (a cache write failed for good
+/// and the switch to degraded mode is under way or, after a failed attempt,
+/// waits to be tried again: writes and flushes fail meanwhile, reads are
+/// served); degraded (every dirty block was written back, every write goes
+/// straight to the origin); failed (stopped, every request fails until
+/// restart). `state` is the same word.
+fn cache_state(s: &StatsSnapshot) -> &'static str {
+    if s.failed {
+        "failed"
+    } else if s.degraded {
+        "degraded"
+    } else if s.degrading {
+        "degrading"
+    } else {
+        "ok"
+    }
+}
+
+/// The integrity tags' figures, present only when integrity is on.
+fn insert_integrity(m: &mut Map<String, Value>, s: &StatsSnapshot) {
+    if !s.integrity {
+        return;
+    }
+    m.insert("tag_algorithm".into(), json!(s.tag_algorithm));
+    m.insert(
+        "recalc_position_blocks".into(),
+        json!(s.recalc_position_blocks),
+    );
+    m.insert("recalc_total_blocks".into(), json!(s.recalc_total_blocks));
+    m.insert(
+        "recalc_state".into(),
+        json!(if s.recalc_position_blocks >= s.recalc_total_blocks {
+            "complete"
+        } else {
+            "running"
+        }),
+    );
+    m.insert("tag_pages_dirty".into(), json!(s.tag_pages_dirty));
+    m.insert("tag_memory_bytes".into(), json!(s.tag_memory_bytes));
 }
 
 /// The NBD server's counters and the latencies (online), the settings in
