@@ -22,6 +22,8 @@ mod records;
 mod settings;
 mod superblock;
 mod tags;
+mod volume_entry;
+mod volume_table;
 
 pub use codec::{Reader, Writer};
 pub use layout::{Layout, LayoutError};
@@ -38,6 +40,11 @@ pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY
 pub use tags::{
     fold_tag, origin_tag, tag_area_bytes_for, tag_matches, tag_pages_for, TagPage, TAGS_PER_PAGE,
     TAG_DISCARDED, TAG_PAGE_BYTES, TAG_PAGE_HEADER_BYTES, TAG_RESERVED_MAX, TAG_UNSET, TAG_ZERO,
+};
+pub use volume_entry::{VolumeEntry, VolumeState, VOLUME_ENTRY_BYTES, VOLUME_NAME_MAX_BYTES};
+pub use volume_table::{
+    VolumeTable, VolumeTableExpected, VOLUMES_MAX, VOLUME_TABLE_COPY_BYTES, VOLUME_TABLE_MAGIC,
+    VOLUME_TABLE_OFFSETS, VOLUME_TABLE_VERSION,
 };
 
 /// Version of the on-disk format written by this code.
