@@ -99,6 +99,30 @@ pub fn crc_with_hole(buf: &[u8], crc_at: usize) -> u32 {
     crate::crc32c_append(crc, &buf[crc_at + 4..])
 }
 
+/// The first `need` bytes of `buf`, or `Short` if it has fewer.
+pub fn prefix(buf: &[u8], need: usize) -> Result<&[u8], DecodeError> {
+    buf.get(..need).ok_or(DecodeError::Short {
+        need,
+        have: buf.len(),
+    })
+}
+
+/// Compare the crc32c stored at `crc_at` with that of `buf` (the 4 bytes
+/// at `crc_at` taken as zero).
+pub fn check_crc(buf: &[u8], crc_at: usize) -> Result<(), DecodeError> {
+    let stored = u32::from_le_bytes([
+        buf[crc_at],
+        buf[crc_at + 1],
+        buf[crc_at + 2],
+        buf[crc_at + 3],
+    ]);
+    let computed = crc_with_hole(buf, crc_at);
+    if stored != computed {
+        return Err(DecodeError::BadChecksum { stored, computed });
+    }
+    Ok(())
+}
+
 pub fn check_magic(found: u64, expected: u64) -> Result<(), DecodeError> {
     if found != expected {
         return Err(DecodeError::BadMagic { found, expected });

@@ -91,26 +91,11 @@ impl Superblock {
     }
 
     pub fn decode(buf: &[u8]) -> Result<Superblock, DecodeError> {
-        if buf.len() < SUPERBLOCK_BYTES {
-            return Err(DecodeError::Short {
-                need: SUPERBLOCK_BYTES,
-                have: buf.len(),
-            });
-        }
-        let buf = &buf[..SUPERBLOCK_BYTES];
+        let buf = crate::codec::prefix(buf, SUPERBLOCK_BYTES)?;
         let mut r = Reader::new(buf);
         check_magic(r.u64()?, SUPERBLOCK_MAGIC)?;
         check_version(r.u32()?)?;
-        let stored = u32::from_le_bytes([
-            buf[CRC_OFFSET],
-            buf[CRC_OFFSET + 1],
-            buf[CRC_OFFSET + 2],
-            buf[CRC_OFFSET + 3],
-        ]);
-        let computed = crate::codec::crc_with_hole(buf, CRC_OFFSET);
-        if stored != computed {
-            return Err(DecodeError::BadChecksum { stored, computed });
-        }
+        crate::codec::check_crc(buf, CRC_OFFSET)?;
         let features = r.u32()?;
         if features & !crate::FEATURES_KNOWN != 0 {
             return Err(DecodeError::OutOfRange {

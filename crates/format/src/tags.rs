@@ -109,13 +109,7 @@ impl TagPage {
     /// Decode and validate one page copy. The caller checks `page_index` and
     /// `format_tag` against where it read the page from.
     pub fn decode(buf: &[u8]) -> Result<TagPage, DecodeError> {
-        if buf.len() < TAG_PAGE_BYTES {
-            return Err(DecodeError::Short {
-                need: TAG_PAGE_BYTES,
-                have: buf.len(),
-            });
-        }
-        let buf = &buf[..TAG_PAGE_BYTES];
+        let buf = crate::codec::prefix(buf, TAG_PAGE_BYTES)?;
         let mut r = Reader::new(buf);
         check_magic(r.u64()?, TAG_PAGE_MAGIC)?;
         check_version(r.u32()?)?;

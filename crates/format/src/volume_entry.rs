@@ -137,13 +137,7 @@ impl VolumeEntry {
     /// Read and check one entry (device contents: anything impossible is
     /// an error).
     pub fn decode(buf: &[u8]) -> Result<VolumeEntry, DecodeError> {
-        if buf.len() < VOLUME_ENTRY_BYTES {
-            return Err(DecodeError::Short {
-                need: VOLUME_ENTRY_BYTES,
-                have: buf.len(),
-            });
-        }
-        let buf = &buf[..VOLUME_ENTRY_BYTES];
+        let buf = crate::codec::prefix(buf, VOLUME_ENTRY_BYTES)?;
         let mut r = Reader::new(buf);
         let id = r.u16()?;
         let state_code = r.u8()?;

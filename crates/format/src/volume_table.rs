@@ -143,13 +143,7 @@ impl VolumeTable {
 
     /// Read a copy and check it against what the superblock expects.
     pub fn decode(buf: &[u8], expected: VolumeTableExpected) -> Result<VolumeTable, DecodeError> {
-        if buf.len() < VOLUME_TABLE_COPY_BYTES {
-            return Err(DecodeError::Short {
-                need: VOLUME_TABLE_COPY_BYTES,
-                have: buf.len(),
-            });
-        }
-        let buf = &buf[..VOLUME_TABLE_COPY_BYTES];
+        let buf = crate::codec::prefix(buf, VOLUME_TABLE_COPY_BYTES)?;
         let mut r = Reader::new(buf);
         check_magic(r.u64()?, VOLUME_TABLE_MAGIC)?;
         let version = r.u32()?;
@@ -159,16 +153,7 @@ impl VolumeTable {
                 supported: VOLUME_TABLE_VERSION,
             });
         }
-        let stored = u32::from_le_bytes([
-            buf[CRC_OFFSET],
-            buf[CRC_OFFSET + 1],
-            buf[CRC_OFFSET + 2],
-            buf[CRC_OFFSET + 3],
-        ]);
-        let computed = crc_with_hole(buf, CRC_OFFSET);
-        if stored != computed {
-            return Err(DecodeError::BadChecksum { stored, computed });
-        }
+        crate::codec::check_crc(buf, CRC_OFFSET)?;
         let count = r.u32()? as usize;
         if count > VOLUMES_MAX {
             return Err(DecodeError::OutOfRange {
