@@ -1,12 +1,13 @@
 //! Status output: stable JSON (snake_case keys) and a human table.
 
-use cairn_engine::{StatsSnapshot, Superblock};
+use cairn_engine::{StatsSnapshot, Superblock, VolumeEntry};
 use cairn_nbd::ServerStats;
 use serde_json::{json, Map, Value};
 
 pub fn status_json(
     s: &StatsSnapshot,
     sb: &Superblock,
+    volume: &VolumeEntry,
     served: bool,
     server: Option<&ServerStats>,
     latency: Option<Value>,
@@ -18,7 +19,9 @@ pub fn status_json(
     let cache_state = cache_state(s);
     m.insert("state".into(), json!(cache_state));
     m.insert("cache_state".into(), json!(cache_state));
-    m.insert("origin".into(), json!(sb.origin_identity));
+    m.insert("origin".into(), json!(volume.origin_identity));
+    m.insert("volume".into(), json!(volume.name));
+    m.insert("format_version".into(), json!(sb.version()));
     m.insert(
         "origin_state".into(),
         json!(if s.origin_failing { "failing" } else { "ok" }),

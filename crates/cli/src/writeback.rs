@@ -240,7 +240,7 @@ pub fn writeback_loop(
                 "the cache went degraded while serving; {}",
                 crate::advice::degraded_cache(
                     std::path::Path::new(engine.cache_name()),
-                    &engine.superblock().origin_identity
+                    &engine.volume().origin_identity
                 )
             );
         }

@@ -109,6 +109,10 @@ pub enum CrashPlan {
     /// Keep each write with probability `keep`, apply the kept ones in a
     /// shuffled order, and tear each kept write with probability `tear`.
     Random { keep: f64, tear: f64 },
+    /// Tear every unflushed write: only its first sector lands. The worst
+    /// case for a structure written twice without a barrier between (two
+    /// copies of it both lost), which random tearing finds only sometimes.
+    TearAll,
 }
 
 struct SimState {
@@ -343,6 +347,13 @@ pub fn build_crash_image(
         CrashPlan::KeepAll => {
             for w in pending {
                 image[w.offset as usize..w.offset as usize + w.data.len()].copy_from_slice(&w.data);
+            }
+        }
+        CrashPlan::TearAll => {
+            for w in pending {
+                let first = w.data.len().min(SECTOR_BYTES);
+                let at = w.offset as usize;
+                image[at..at + first].copy_from_slice(&w.data[..first]);
             }
         }
         CrashPlan::Random { keep, tear } => {

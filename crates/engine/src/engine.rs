@@ -6,7 +6,9 @@
 use std::sync::{Arc, Mutex};
 
 use cairn_device::Device;
-use cairn_format::{block_checksum, RangeKind, StoredSettings, Superblock};
+use cairn_format::{
+    block_checksum, RangeKind, StoredSettings, Superblock, VolumeEntry, VolumeTable,
+};
 
 use crate::block_status::{self, BlockStatusRun};
 use crate::checkpoint;
@@ -53,6 +55,14 @@ impl Engine {
     /// Read and validate the newest superblock of a cache device.
     pub fn read_superblock(cache: &dyn Device) -> EngineResult<Superblock> {
         superblocks::read_newest(cache)
+    }
+
+    /// Read the volumes a cache device serves, from the volume table its
+    /// newest superblock names (a format 1 cache: its one origin, as the
+    /// table an upgrade will write).
+    pub fn read_volume_table(cache: &dyn Device) -> EngineResult<VolumeTable> {
+        let superblock = superblocks::read_newest(cache)?;
+        superblocks::read_table(cache, &superblock)
     }
 
     /// Open a formatted cache: load the newest checkpoint, replay the log.
@@ -131,6 +141,32 @@ impl Engine {
 
     pub fn superblock(&self) -> Superblock {
         self.state.unchecked().superblock.clone()
+    }
+
+    /// The volumes, as the volume table last written says.
+    pub fn volume_table(&self) -> VolumeTable {
+        self.state.unchecked().volumes.clone()
+    }
+
+    /// The volume this engine serves, as last written.
+    pub fn volume(&self) -> VolumeEntry {
+        self.state.unchecked().volumes.volumes()[0].clone()
+    }
+
+    /// `table`'s only volume, changed by `change`, as the next table.
+    fn changed_volume(
+        &self,
+        table: &VolumeTable,
+        change: impl FnOnce(&mut VolumeEntry),
+    ) -> EngineResult<VolumeTable> {
+        let mut volumes = table.volumes().to_vec();
+        change(&mut volumes[0]);
+        VolumeTable::new(table.sequence, table.uuid, volumes).map_err(|e| {
+            EngineError::InvalidVolume {
+                device: self.env.cache.name().to_string(),
+                detail: e.to_string(),
+            }
+        })
     }
 
     fn check_range(&self, offset: u64, length_bytes: u64) -> EngineResult<()> {
@@ -409,7 +445,7 @@ impl Engine {
 
     /// Switch the cache mode online. New writes follow the new mode at
     /// once; leaving write-back drains the dirty data first (with progress).
-    /// The mode is persisted in the superblock.
+    /// The mode is persisted in the volume table.
     pub fn set_mode(
         &self,
         mode: CacheMode,
@@ -428,8 +464,8 @@ impl Engine {
             self.policy.set_mode(mode);
             {
                 let mut st = self.state.normal(&self.env)?;
-                st.superblock.mode = mode.code();
-                st.write_superblock(&self.env)?;
+                let table = self.changed_volume(&st.volumes, |v| v.mode = mode.code())?;
+                st.write_volume_table(&self.env, table)?;
             }
             if mode == CacheMode::WriteBack {
                 return Ok(WritebackProgress {
@@ -445,16 +481,16 @@ impl Engine {
 
     /// The policy settings stored in the cache (`cairn set`).
     pub fn stored_settings(&self) -> StoredSettings {
-        self.state.unchecked().superblock.settings
+        self.volume().settings
     }
 
-    /// Store policy settings in the cache, with the superblock (a torn
-    /// write leaves the previous copy, with the previous settings). A
+    /// Store policy settings in the cache, in the volume table (a torn
+    /// write leaves the previous table, with the previous settings). A
     /// degraded cache takes no writes: refused, like a mode change.
     pub fn store_settings(&self, settings: StoredSettings) -> EngineResult<()> {
         let mut st = self.state.normal(&self.env)?;
-        st.superblock.settings = settings;
-        st.write_superblock(&self.env)
+        let table = self.changed_volume(&st.volumes, |v| v.settings = settings)?;
+        st.write_volume_table(&self.env, table)
     }
 
     /// Change the read policy while serving: the sequential cutoff (0

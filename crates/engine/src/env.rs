@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cairn_device::{Backing, Device, DeviceError, SizeClassPool};
-use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock};
+use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock, VolumeEntry};
 
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
@@ -67,6 +67,7 @@ impl Env {
         origin: Arc<dyn Device>,
         layout: Layout,
         superblock: &Superblock,
+        volume: &VolumeEntry,
         config: EngineConfig,
         health: Health,
     ) -> Env {
@@ -82,7 +83,7 @@ impl Env {
             counters: Arc::new(Counters::default()),
             lifetime: LifetimeBase::default(),
             block_size_bytes: block_size_bytes as usize,
-            volume_blocks: superblock.origin_size_bytes / block_size_bytes as u64,
+            volume_blocks: volume.origin_size_bytes / block_size_bytes as u64,
             config,
             record_data_blocks_max: record_data_blocks_max(block_size_bytes) as u64,
             record_entries_max: RecordHeader::entries_max(block_size_bytes),

@@ -54,6 +54,8 @@ pub enum EngineError {
         size_bytes: u64,
         recorded_bytes: u64,
     },
+    #[error("cache {device}: the volume cannot be made: {detail}")]
+    InvalidVolume { device: String, detail: String },
     #[error("cache {device}: superblock invalid: {detail}. The cache cannot be opened safely")]
     SuperblockInvalid { device: String, detail: String },
     #[error("cache {device}: checkpoint damaged: {detail}. The cache cannot be opened safely")]

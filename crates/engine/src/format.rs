@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use cairn_device::Device;
 use cairn_format::{
-    origin_identity_for_superblock, CheckpointHeader, Layout, Superblock, ORIGIN_BLOCKS_MAX,
+    origin_identity_for_superblock, CheckpointHeader, Layout, Superblock, SuperblockVolumes,
+    VolumeEntry, VolumePosition, VolumeState, VolumeTable, ORIGIN_BLOCKS_MAX,
 };
 
 use crate::env::chain_seed;
@@ -24,9 +25,13 @@ pub(crate) fn format(
     cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
     if !opts.force {
         if let Ok(existing) = superblocks::read_newest(cache.as_ref()) {
+            let origin = superblocks::read_table(cache.as_ref(), &existing)
+                .ok()
+                .and_then(|t| t.volumes().first().map(|v| v.origin_identity.clone()))
+                .unwrap_or_else(|| "an unreadable volume table".into());
             return Err(EngineError::AlreadyFormatted {
                 device: cache.name().to_string(),
-                origin: existing.origin_identity,
+                origin,
             });
         }
     }
@@ -51,33 +56,61 @@ pub(crate) fn format(
             .map_err(EngineError::Cache)?;
     }
     write_empty_checkpoint(cache.as_ref(), &layout, &uuid)?;
-    // Cut at a character boundary: `String::truncate` panics inside one.
-    let identity = origin_identity_for_superblock(&origin.identity()).to_string();
+    let table = first_volume_table(cache.as_ref(), origin.as_ref(), opts, uuid)?;
+    superblocks::write_table(cache.as_ref(), &table).map_err(EngineError::Cache)?;
     let mut superblock = Superblock {
         sequence: 1,
         uuid,
         block_size_bytes: block_bytes,
         cache_size_bytes: cache.size_bytes(),
-        origin_size_bytes: origin.size_bytes(),
-        origin_identity: identity,
         log_blocks: layout.log_blocks,
         checkpoint_slot_bytes: layout.checkpoint_slot_bytes,
         generation: 1,
         active_checkpoint: 0,
         checkpoint_sequence: 1,
         writeback_offset: 0,
-        mode: 0,
         features: if opts.integrity {
             cairn_format::FEATURE_INTEGRITY
         } else {
             0
         },
-        recalc_position_blocks: 0,
-        // A new cache starts with serve's defaults.
-        settings: Default::default(),
+        volumes: SuperblockVolumes::V2 {
+            table_sequence: table.sequence,
+            positions: vec![VolumePosition {
+                id: 0,
+                writeback_offset: 0,
+                recalc_position_blocks: 0,
+            }],
+        },
     };
     superblocks::write_both(cache.as_ref(), &mut superblock).map_err(EngineError::Cache)?;
     Ok(superblock)
+}
+
+/// The table of a new cache: volume 0, in write-back mode with serve's
+/// default settings.
+fn first_volume_table(
+    cache: &dyn Device,
+    origin: &dyn Device,
+    opts: &FormatOptions,
+    uuid: [u8; 16],
+) -> EngineResult<VolumeTable> {
+    let volume = VolumeEntry {
+        id: 0,
+        state: VolumeState::Active,
+        name: opts.volume_name.clone(),
+        // Cut at a character boundary: `String::truncate` panics inside one.
+        origin_identity: origin_identity_for_superblock(&origin.identity()).to_string(),
+        origin_size_bytes: origin.size_bytes(),
+        mode: 0,
+        integrity: opts.integrity,
+        dirty_share_pct: None,
+        settings: Default::default(),
+    };
+    VolumeTable::new(1, uuid, vec![volume]).map_err(|e| EngineError::InvalidVolume {
+        device: cache.name().to_string(),
+        detail: e.to_string(),
+    })
 }
 
 /// Checkpoint 1 in slot 0: an empty index, an empty log.

@@ -49,6 +49,7 @@ mod state_lock;
 mod stats;
 mod superblocks;
 mod tags;
+mod upgrade;
 mod write;
 mod writeback;
 
@@ -62,4 +63,6 @@ pub use read_data::ReadData;
 pub use stats::StatsSnapshot;
 pub use writeback::WritebackProgress;
 
-pub use cairn_format::{StoredSettings, Superblock, SETTINGS_COUNT};
+pub use cairn_format::{
+    StoredSettings, Superblock, VolumeEntry, VolumeState, VolumeTable, SETTINGS_COUNT,
+};

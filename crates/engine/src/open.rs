@@ -1,10 +1,13 @@
-//! Opening a formatted cache: check it belongs to this origin, recover its
-//! state, load the integrity tags, and make what was replayed durable.
+//! Opening a formatted cache: check it belongs to this origin, upgrade a
+//! format 1 cache in place, recover its state, load the integrity tags,
+//! and make what was replayed durable.
 
 use std::sync::Arc;
 
 use cairn_device::Device;
-use cairn_format::{origin_identity_for_superblock, Layout, Superblock};
+use cairn_format::{
+    origin_identity_for_superblock, Layout, Superblock, SuperblockVolumes, VolumeEntry, VolumeTable,
+};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -18,6 +21,7 @@ use crate::state::State;
 use crate::stats::Counters;
 use crate::superblocks::{self, LOG_COUNTER_LIMIT};
 use crate::tags::TagTable;
+use crate::upgrade;
 
 /// What opening produced.
 pub(crate) struct Opened {
@@ -33,42 +37,55 @@ pub(crate) fn open(
 ) -> EngineResult<Opened> {
     cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
     let superblock = superblocks::read_newest(cache.as_ref())?;
-    let layout = check_devices(cache.as_ref(), origin.as_ref(), &superblock, opts)?;
-    let mode =
-        CacheMode::from_code(superblock.mode).ok_or_else(|| EngineError::CheckpointDamaged {
-            device: cache.name().to_string(),
-            detail: format!(
-                "unknown cache mode code {} in the superblock",
-                superblock.mode
-            ),
-        })?;
+    let volumes = superblocks::read_table(cache.as_ref(), &superblock)?;
+    let volume = the_volume(cache.as_ref(), &volumes)?.clone();
+    let layout = check_devices(cache.as_ref(), origin.as_ref(), &superblock, &volume, opts)?;
+    let mode = CacheMode::from_code(volume.mode).ok_or_else(|| EngineError::SuperblockInvalid {
+        device: cache.name().to_string(),
+        detail: format!("unknown cache mode code {} for the volume", volume.mode),
+    })?;
     if superblock.degraded() {
         let env = Env::new(
             cache,
             origin,
             layout,
             &superblock,
+            &volume,
             opts.config.clone(),
             Health::degraded(),
         );
-        return Ok(open_degraded(env, superblock, mode));
+        return Ok(open_degraded(env, superblock, volumes, mode));
     }
+    let (superblock, volumes) = match &superblock.volumes {
+        SuperblockVolumes::V1(v1) => upgrade::upgrade_v1(cache.as_ref(), &superblock, v1)?,
+        SuperblockVolumes::V2 { .. } => (superblock, volumes),
+    };
     let env = Env::new(
         cache,
         origin,
         layout,
         &superblock,
+        &volume,
         opts.config.clone(),
         Health::default(),
     );
-    let mut state = recovery::recover(&env, superblock)?;
+    let mut state = recovery::recover(&env, superblock, volumes)?;
     if env.integrity {
         state.tags = Some(load_tags(&env, &mut state)?);
     }
     let identity = env.origin.identity();
     let identity = origin_identity_for_superblock(&identity);
-    if opts.force_origin && state.superblock.origin_identity != identity {
-        state.superblock.origin_identity = identity.to_string();
+    if opts.force_origin && volume.origin_identity != identity {
+        let mut volumes = state.volumes.volumes().to_vec();
+        for v in volumes.iter_mut().filter(|v| v.id == volume.id) {
+            v.origin_identity = identity.to_string();
+        }
+        let table = VolumeTable::new(state.volumes.sequence, state.superblock.uuid, volumes)
+            .map_err(|e| EngineError::SuperblockInvalid {
+                device: env.cache.name().to_string(),
+                detail: format!("the volume table with the new origin: {e}"),
+            })?;
+        state.write_volume_table(&env, table)?;
     }
     // Bump the generation and make everything replayed durable before
     // anything new is written. A failure here refuses the open (nothing
@@ -79,29 +96,51 @@ pub(crate) fn open(
     Ok(Opened { env, state, mode })
 }
 
+/// The one volume this build serves: volume 0, the only one a cache has
+/// until volumes can be added.
+fn the_volume<'a>(cache: &dyn Device, volumes: &'a VolumeTable) -> EngineResult<&'a VolumeEntry> {
+    match volumes.volumes() {
+        [volume] if volume.id == 0 => Ok(volume),
+        other => Err(EngineError::SuperblockInvalid {
+            device: cache.name().to_string(),
+            detail: format!(
+                "the volume table lists {} volumes (ids {:?}); this build serves exactly one, id 0",
+                other.len(),
+                other.iter().map(|v| v.id).collect::<Vec<_>>()
+            ),
+        }),
+    }
+}
+
 /// The cache must be this origin's, of the size it had, laid out as the
 /// superblock says. Returns the layout.
 fn check_devices(
     cache: &dyn Device,
     origin: &dyn Device,
     superblock: &Superblock,
+    volume: &VolumeEntry,
     opts: &OpenOptions,
 ) -> EngineResult<Layout> {
-    // The superblock holds the identity as format stored it (cut to the
+    // The table holds the identity as format stored it (cut to the
     // limit), so that is what is compared.
     let identity = origin.identity();
-    if origin_identity_for_superblock(&identity) != superblock.origin_identity && !opts.force_origin
-    {
+    if origin_identity_for_superblock(&identity) != volume.origin_identity && !opts.force_origin {
         return Err(EngineError::WrongOrigin {
-            recorded: superblock.origin_identity.clone(),
+            recorded: volume.origin_identity.clone(),
             given: origin.identity(),
         });
     }
-    if origin.size_bytes() != superblock.origin_size_bytes {
+    if origin.size_bytes() != volume.origin_size_bytes {
         return Err(EngineError::OriginSizeChanged {
             origin: origin.name().to_string(),
-            recorded_bytes: superblock.origin_size_bytes,
+            recorded_bytes: volume.origin_size_bytes,
             given_bytes: origin.size_bytes(),
+        });
+    }
+    if volume.integrity != (superblock.features & cairn_format::FEATURE_INTEGRITY != 0) {
+        return Err(EngineError::SuperblockInvalid {
+            device: cache.name().to_string(),
+            detail: "the volume's integrity flag differs from the cache's".into(),
         });
     }
     if cache.size_bytes() < superblock.cache_size_bytes {
@@ -130,7 +169,7 @@ fn check_devices(
         }
     }
     let integrity = superblock.features & cairn_format::FEATURE_INTEGRITY != 0;
-    let volume_blocks = superblock.origin_size_bytes / block_bytes as u64;
+    let volume_blocks = volume.origin_size_bytes / block_bytes as u64;
     let layout = Layout::compute_with_tags(
         superblock.cache_size_bytes,
         block_bytes,
@@ -154,12 +193,17 @@ fn check_devices(
 /// A cache whose DEGRADED flag is set: its contents may be older than the
 /// origin, so nothing is replayed, nothing is read from it, nothing is
 /// written to it. The engine serves the origin directly.
-fn open_degraded(env: Env, superblock: Superblock, mode: CacheMode) -> Opened {
+fn open_degraded(
+    env: Env,
+    superblock: Superblock,
+    volumes: VolumeTable,
+    mode: CacheMode,
+) -> Opened {
     assert!(superblock.degraded());
     tracing::error!(
         "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
         env.cache.name(),
-        superblock.origin_identity
+        env.origin.identity()
     );
     let slot_count = env.layout.log_blocks;
     let log = Log::new(
@@ -178,6 +222,7 @@ fn open_degraded(env: Env, superblock: Superblock, mode: CacheMode) -> Opened {
     );
     let state = State {
         superblock,
+        volumes,
         log,
         index: Index::new(slot_count),
         tags: None,
@@ -193,7 +238,7 @@ fn load_tags(env: &Env, state: &mut State) -> EngineResult<TagTable> {
         &env.layout,
         env.volume_blocks,
         env.format_tag,
-        state.superblock.recalc_position_blocks,
+        superblocks::recalc_position(&state.superblock),
     )
     .map_err(EngineError::Cache)?;
     if let Some(&first) = lost_pages.first() {
@@ -205,7 +250,7 @@ fn load_tags(env: &Env, state: &mut State) -> EngineResult<TagTable> {
         );
         Counters::add(&env.counters.tag_pages_lost, lost_pages.len() as u64);
         tags.recalc_pos = tags.recalc_pos.min(from);
-        state.superblock.recalc_position_blocks = tags.recalc_pos;
+        superblocks::set_recalc_position(&mut state.superblock, tags.recalc_pos);
     }
     let healed = tags.heal_from_clean_copies(state.index.clean_copies(), env.block_size_bytes);
     if healed > 0 {

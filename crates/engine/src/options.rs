@@ -8,6 +8,9 @@ pub struct FormatOptions {
     pub force: bool,
     /// Keep an integrity tag for every origin block (`FEATURE_INTEGRITY`).
     pub integrity: bool,
+    /// The first volume's name: its NBD export name. `""` (the default) is
+    /// what clients that name no export ask for.
+    pub volume_name: String,
 }
 
 impl Default for FormatOptions {
@@ -16,6 +19,7 @@ impl Default for FormatOptions {
             block_size_bytes: 4096,
             force: false,
             integrity: false,
+            volume_name: String::new(),
         }
     }
 }

@@ -1,8 +1,8 @@
-//! What the engine lock protects: the superblock as last written, the log,
-//! the index and the integrity tags. Each part owns its fields; the few
+//! What the engine lock protects: the superblock and the volume table as
+//! last written, the log, the index and the integrity tags. Each part owns its fields; the few
 //! steps that must change several of them together live here.
 
-use cairn_format::Superblock;
+use cairn_format::{Superblock, SuperblockVolumes, VolumeTable};
 
 use crate::env::Env;
 use crate::error::EngineResult;
@@ -14,6 +14,9 @@ use crate::tags::TagTable;
 
 pub(crate) struct State {
     pub(crate) superblock: Superblock,
+    /// The volumes (format 2: the table the superblock names; a degraded
+    /// format 1 cache: its origin, in memory only).
+    pub(crate) volumes: VolumeTable,
     pub(crate) log: Log,
     pub(crate) index: Index,
     /// Origin integrity tags, with integrity on (dropped once degraded).
@@ -49,10 +52,44 @@ impl State {
                 env.health
                     .cache_write_failed("writing integrity tag pages", e)
             })?;
-            self.superblock.recalc_position_blocks = tags.recalc_pos;
+            superblocks::set_recalc_position(&mut self.superblock, tags.recalc_pos);
         }
         superblocks::write_next(env, &mut self.superblock, retry_safe)
             .map_err(|e| env.health.cache_write_failed("writing the superblock", e))
+    }
+
+    /// Make `table` the volume table: written into the copy the current
+    /// superblock does not name, durably, then named by the next
+    /// superblock. A crash before that superblock is durable leaves the
+    /// current pair (superblock and table) in charge.
+    pub(crate) fn write_volume_table(
+        &mut self,
+        env: &Env,
+        mut table: VolumeTable,
+    ) -> EngineResult<()> {
+        let SuperblockVolumes::V2 { table_sequence, .. } = &mut self.superblock.volumes else {
+            // Only a degraded format 1 cache keeps a v1 superblock, and
+            // degraded mode never writes the cache.
+            unreachable!("the volume table of a format 1 cache is never written");
+        };
+        table.sequence = *table_sequence + 1;
+        let retry_safe = self.log.unsynced_blocks() == 0;
+        retrying_cache_write(env, "writing the volume table", retry_safe, || {
+            superblocks::write_table(env.cache.as_ref(), &table)
+        })
+        .map_err(|e| env.health.cache_write_failed("writing the volume table", e))?;
+        let named = std::mem::replace(table_sequence, table.sequence);
+        if let Err(e) = self.write_superblock(env) {
+            // The superblock on the device may name either table; both are
+            // intact (the new one went into the other copy), and the next
+            // superblock names the old one again, as memory does.
+            if let SuperblockVolumes::V2 { table_sequence, .. } = &mut self.superblock.volumes {
+                *table_sequence = named;
+            }
+            return Err(e);
+        }
+        self.volumes = table;
+        Ok(())
     }
 
     /// Persist the write-back position, so the tail may move past it.

@@ -1,8 +1,12 @@
 //! The two alternating superblock copies: reading the newest valid one,
-//! and writing the next copy durably.
+//! and writing the next copy durably; and the volume table each superblock
+//! of format 2 names.
 
 use cairn_device::{Device, DeviceError};
-use cairn_format::{DecodeError, Superblock, SUPERBLOCK_OFFSETS};
+use cairn_format::{
+    DecodeError, OriginV1, Superblock, SuperblockVolumes, VolumeEntry, VolumeState, VolumeTable,
+    VolumeTableExpected, SUPERBLOCK_OFFSETS, VOLUME_TABLE_COPY_BYTES, VOLUME_TABLE_OFFSETS,
+};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -64,6 +68,114 @@ pub(crate) fn write_both(
     cache.flush()
 }
 
+/// The volumes `superblock` serves: the volume table it names (format 2),
+/// or, for format 1, its one origin as a table of sequence 0 that exists
+/// only in memory.
+pub(crate) fn read_table(cache: &dyn Device, superblock: &Superblock) -> EngineResult<VolumeTable> {
+    let table_sequence = match &superblock.volumes {
+        SuperblockVolumes::V1(origin) => return table_of_v1(cache, superblock, origin, 0),
+        SuperblockVolumes::V2 { table_sequence, .. } => *table_sequence,
+    };
+    let damaged = |detail: String| EngineError::SuperblockInvalid {
+        device: cache.name().to_string(),
+        detail,
+    };
+    let at = VOLUME_TABLE_OFFSETS[VolumeTable::copy_for(table_sequence)];
+    let mut buf = vec![0u8; VOLUME_TABLE_COPY_BYTES];
+    cache.read_at(at, &mut buf).map_err(EngineError::Cache)?;
+    let expected = VolumeTableExpected {
+        uuid: superblock.uuid,
+        sequence: table_sequence,
+    };
+    let table = VolumeTable::decode(&buf, expected)
+        .map_err(|e| damaged(format!("volume table {table_sequence} at byte {at}: {e}")))?;
+    // Every volume has its positions in the superblock, and no position
+    // names a volume the table does not have.
+    let positions = superblock.volume_table().map_or(&[][..], |(_, p)| p);
+    let matched = positions.len() == table.volumes().len()
+        && positions.iter().all(|p| table.by_id(p.id).is_some());
+    if !matched {
+        return Err(damaged(format!(
+            "the superblock has positions for {} volumes, the volume table {} lists {}",
+            positions.len(),
+            table_sequence,
+            table.volumes().len()
+        )));
+    }
+    Ok(table)
+}
+
+/// Format 1's origin as volume 0 of a table of `sequence`: the name `""`
+/// (what clients ask for when they name no export), its mode, integrity
+/// and settings.
+pub(crate) fn table_of_v1(
+    cache: &dyn Device,
+    superblock: &Superblock,
+    origin: &OriginV1,
+    sequence: u64,
+) -> EngineResult<VolumeTable> {
+    let volume = VolumeEntry {
+        id: 0,
+        state: VolumeState::Active,
+        name: String::new(),
+        origin_identity: origin.origin_identity.clone(),
+        origin_size_bytes: origin.origin_size_bytes,
+        mode: origin.mode,
+        integrity: superblock.features & cairn_format::FEATURE_INTEGRITY != 0,
+        dirty_share_pct: None,
+        settings: origin.settings,
+    };
+    VolumeTable::new(sequence, superblock.uuid, vec![volume]).map_err(|e| {
+        EngineError::SuperblockInvalid {
+            device: cache.name().to_string(),
+            detail: format!("its origin does not make a volume: {e}"),
+        }
+    })
+}
+
+/// Write `table` into its copy, durably: before any superblock names it.
+/// The other copy, which the current superblock may name, is not touched.
+pub(crate) fn write_table(cache: &dyn Device, table: &VolumeTable) -> Result<(), DeviceError> {
+    let at = VOLUME_TABLE_OFFSETS[VolumeTable::copy_for(table.sequence)];
+    cache.write_vectored_and_flush(at, &[&table.encode()])
+}
+
+/// Raise every volume's write-back position to the cache's: a volume is
+/// never behind the least of them (which `writeback_offset` is).
+pub(crate) fn lift_positions(superblock: &mut Superblock) {
+    let floor = superblock.writeback_offset;
+    if let SuperblockVolumes::V2 { positions, .. } = &mut superblock.volumes {
+        for p in positions {
+            p.writeback_offset = p.writeback_offset.max(floor);
+        }
+    }
+}
+
+/// Where integrity recalculation of the volume stands (the engine's one
+/// volume, id 0).
+pub(crate) fn recalc_position(superblock: &Superblock) -> u64 {
+    match &superblock.volumes {
+        SuperblockVolumes::V1(origin) => origin.recalc_position_blocks,
+        SuperblockVolumes::V2 { positions, .. } => positions
+            .iter()
+            .find(|p| p.id == 0)
+            .map_or(0, |p| p.recalc_position_blocks),
+    }
+}
+
+/// Record that every integrity tag of the volume is computed below
+/// `blocks` (the engine's one volume, id 0).
+pub(crate) fn set_recalc_position(superblock: &mut Superblock, blocks: u64) {
+    match &mut superblock.volumes {
+        SuperblockVolumes::V1(origin) => origin.recalc_position_blocks = blocks,
+        SuperblockVolumes::V2 { positions, .. } => {
+            for p in positions.iter_mut().filter(|p| p.id == 0) {
+                p.recalc_position_blocks = blocks;
+            }
+        }
+    }
+}
+
 /// Write the next superblock copy durably. The sequence only moves on once
 /// the copy is durable, so a retry (or the degraded superblock after a
 /// failure) rewrites the same copy, and the other copy, the last good one,
@@ -79,12 +191,13 @@ pub(crate) fn write_next(
     );
     let mut next = superblock.clone();
     next.sequence += 1;
+    lift_positions(&mut next);
     let buf = next.encode();
     let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(next.sequence)];
     retrying_cache_write(env, "writing the superblock", retry_safe, || {
         env.cache.write_vectored_and_flush(at, &[&buf])
     })?;
-    superblock.sequence = next.sequence;
+    *superblock = next;
     Counters::add(&env.counters.cache_bytes_written, buf.len() as u64);
     Counters::add(&env.counters.cache_barriers, 1);
     Counters::add(&env.counters.superblock_writes, 1);

@@ -10,13 +10,19 @@
 //! and records after it that only replay recovers. `write_v1_fixture`
 //! wrote them once, with format version 1; it is kept to show how, and
 //! refuses to run under any other version.
+//!
+//! Today's build opens such a cache by upgrading it in place to format 2
+//! (a volume table in the gap v1 left; see `upgrade.rs`): the upgrade is
+//! checked here, and cut at every device write.
 
 mod common;
 use common::*;
 
-use cairn_device::SimDevice;
-use cairn_engine::{Engine, StoredSettings};
-use cairn_format::{Layout, FORMAT_VERSION, SUPERBLOCK_OFFSETS};
+use cairn_device::{build_crash_image, CrashPlan, Device, Journal, JournalEvent, SimDevice};
+use cairn_engine::{Engine, StoredSettings, VolumeState};
+use cairn_format::{Layout, Superblock, FORMAT_VERSION, FORMAT_VERSION_V1, SUPERBLOCK_OFFSETS};
+use common::crash_check::Shadow;
+use rand::SeedableRng;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 
@@ -104,6 +110,10 @@ fn gunzip(path: &std::path::Path) -> Vec<u8> {
 #[ignore = "wrote tests/fixtures/v1 once, with format version 1"]
 fn write_v1_fixture() {
     assert_eq!(
+        FORMAT_VERSION_V1, FIXTURE_VERSION,
+        "the v1 fixture is written by format version 1 only"
+    );
+    assert_eq!(
         FORMAT_VERSION, FIXTURE_VERSION,
         "the v1 fixture is written by format version 1 only"
     );
@@ -128,15 +138,27 @@ fn fixture_devices() -> (SimDevice, SimDevice) {
     (cache, origin)
 }
 
-/// Today's format opens the v1 cache and serves everything it held (this
-/// test changes with the format: a v2 reads it after an upgrade).
+/// The format version stamped in each superblock copy of `image`.
+fn superblock_versions(image: &[u8]) -> [u32; 2] {
+    SUPERBLOCK_OFFSETS.map(|at| {
+        let at = at as usize + 8;
+        u32::from_le_bytes(image[at..at + 4].try_into().unwrap())
+    })
+}
+
+/// Today's build opens the v1 cache, upgrading it in place to format 2,
+/// and serves everything it held.
 #[test]
 fn a_v1_cache_opens_with_everything_it_held() {
     let (cache, origin) = fixture_devices();
     let image = cache.live_image();
-    let version_at = SUPERBLOCK_OFFSETS[0] as usize + 8;
-    let version = u32::from_le_bytes(image[version_at..version_at + 4].try_into().unwrap());
-    assert_eq!(version, FIXTURE_VERSION, "the fixture is a v1 cache");
+    assert_eq!(
+        superblock_versions(&image),
+        [FIXTURE_VERSION; 2],
+        "the fixture is a v1 cache"
+    );
+    let v1 = Engine::read_superblock(&cache).expect("the v1 superblock");
+    assert_eq!(v1.version(), FORMAT_VERSION_V1);
     // The v2 volume table goes in the gap v1 never writes (between the
     // superblock copies and the metadata area; see docs/design.md).
     let gap = 2 * cairn_format::SUPERBLOCK_BYTES..cairn_format::METADATA_AREA_OFFSET as usize;
@@ -150,6 +172,34 @@ fn a_v1_cache_opens_with_everything_it_held() {
     let engine = open(&cache, &origin).expect("the v1 cache opens");
     assert!(engine.integrity(), "integrity tags were on");
     assert_eq!(engine.stored_settings(), stored_settings());
+    // Upgraded: both superblock copies are format 2 (no v1 copy is left
+    // for an older build to fall back to), and the table's only volume is
+    // the v1 origin under the empty name.
+    assert_eq!(
+        superblock_versions(&cache.durable_image()),
+        [FORMAT_VERSION; 2]
+    );
+    let table = Engine::read_volume_table(&cache).expect("the volume table");
+    assert_eq!(table.sequence, 1);
+    let [volume] = table.volumes() else {
+        panic!("one volume: {table:?}")
+    };
+    let v1_origin = match &v1.volumes {
+        cairn_format::SuperblockVolumes::V1(o) => o.clone(),
+        other => panic!("a v1 superblock: {other:?}"),
+    };
+    assert_eq!(
+        (volume.id, volume.state, volume.name.as_str()),
+        (0, VolumeState::Active, "")
+    );
+    assert_eq!(volume.origin_identity, v1_origin.origin_identity);
+    assert_eq!(volume.origin_identity, origin.identity());
+    assert_eq!(volume.origin_size_bytes, VOLUME_BLOCKS * BS);
+    assert_eq!((volume.mode, volume.integrity), (0, true));
+    assert_eq!(volume.settings, stored_settings());
+    let v2 = engine.superblock();
+    assert_eq!(v2.uuid, v1.uuid, "the same cache");
+    assert_eq!(v2.generation, v1.generation + 1, "opened once more");
     let s = engine.stats();
     assert!(s.dirty_blocks > 0, "dirty data survives: {s:?}");
     assert!(s.pending_ranges > 0, "the discard is still pending: {s:?}");
@@ -168,4 +218,106 @@ fn a_v1_cache_opens_with_everything_it_held() {
     let engine = open(&cache, &origin).expect("reopens");
     let vol = read_volume(&engine).expect("reading the volume again");
     assert!(vol == model.image, "the volume after a drain and a reopen");
+}
+
+/// The upgrade and the open around it, cut after every write and every
+/// flush of the cache: each crash state (unflushed writes dropped, kept,
+/// or a random torn and reordered subset) is a valid format 1 or format 2
+/// cache, and opens with everything the fixture held. Both kinds occur.
+#[test]
+fn an_upgrade_cut_at_any_write_leaves_a_v1_or_a_v2_cache_with_all_its_data() {
+    let (cache, origin) = fixture_devices();
+    let before = cache.durable_image();
+    let journal = Journal::default();
+    cache.attach_journal(&journal, 0);
+    let engine = open(&cache, &origin).expect("the v1 cache opens");
+    drop(engine);
+    let events = journal.since(0);
+    assert!(events.len() >= 6, "the upgrade wrote: {events:?}");
+    let mut model = Model::new(VOLUME_BLOCKS);
+    history(None, &mut model);
+    let origin_image = origin.durable_image();
+    let mut shadow = Shadow {
+        durable: before,
+        pending: Vec::new(),
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+    let (mut states, mut v1_states, mut v2_states) = (0u64, 0u64, 0u64);
+    for (cut, event) in events.iter().enumerate() {
+        match event {
+            JournalEvent::Write { offset, data, .. } => shadow.write(*offset, data),
+            JournalEvent::Flush { .. } => shadow.flush(),
+        }
+        // Besides dropping and keeping all, random subsets, and every
+        // unflushed write torn (two superblock copies in flight at once
+        // would then both be lost).
+        let mut plans = vec![CrashPlan::DropAll, CrashPlan::KeepAll, CrashPlan::TearAll];
+        plans.extend(
+            [CrashPlan::Random {
+                keep: 0.5,
+                tear: 0.3,
+            }; 6],
+        );
+        for plan in plans {
+            let image = build_crash_image(&shadow.durable, &shadow.pending, plan, &mut rng);
+            let crashed = SimDevice::from_image("cache", image);
+            let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
+            let version = Engine::read_superblock(&crashed)
+                .unwrap_or_else(|e| panic!("{ctx}: no valid superblock: {e}"))
+                .version();
+            match version {
+                FORMAT_VERSION_V1 => v1_states += 1,
+                FORMAT_VERSION => v2_states += 1,
+                other => panic!("{ctx}: superblock version {other}"),
+            }
+            let origin = SimDevice::from_image("origin", origin_image.clone());
+            let engine = open(&crashed, &origin).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            assert_eq!(engine.stored_settings(), stored_settings(), "{ctx}");
+            let vol = read_volume(&engine).unwrap_or_else(|e| panic!("{ctx}: reading: {e}"));
+            assert!(
+                vol == model.image,
+                "{ctx}: the volume differs from what v1 held"
+            );
+            assert_eq!(
+                superblock_versions(&crashed.durable_image()),
+                [FORMAT_VERSION; 2],
+                "{ctx}: opening finishes the upgrade"
+            );
+            states += 1;
+        }
+    }
+    eprintln!(
+        "upgrade: {} cut points, {states} crash states opened and verified ({v1_states} still format 1, {v2_states} format 2)",
+        events.len()
+    );
+    assert!(
+        v1_states > 0 && v2_states > 0,
+        "both sides of the upgrade were cut"
+    );
+}
+
+/// A superblock that names a volume table which is not on the device (a
+/// table write lost, a device copied without its first 64 KiB) is refused
+/// with a message naming the table, never opened without its volumes.
+#[test]
+fn a_superblock_naming_a_missing_volume_table_is_refused() {
+    let (cache, origin) = fixture_devices();
+    drop(open(&cache, &origin).expect("the v1 cache opens"));
+    let sb: Superblock = Engine::read_superblock(&cache).expect("superblock");
+    let (sequence, _) = sb.volume_table().expect("format 2");
+    let copy = cairn_format::VolumeTable::copy_for(sequence);
+    cache
+        .write_at(
+            cairn_format::VOLUME_TABLE_OFFSETS[copy],
+            &vec![0u8; cairn_format::VOLUME_TABLE_COPY_BYTES],
+        )
+        .expect("write");
+    cache.flush().expect("flush");
+    match open(&cache, &origin) {
+        Err(cairn_engine::EngineError::SuperblockInvalid { detail, .. }) => {
+            assert!(detail.contains("volume table"), "{detail}")
+        }
+        Err(other) => panic!("expected SuperblockInvalid, got {other}"),
+        Ok(_) => panic!("opened without its volume table"),
+    }
 }

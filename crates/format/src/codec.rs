@@ -130,11 +130,12 @@ pub fn check_magic(found: u64, expected: u64) -> Result<(), DecodeError> {
     Ok(())
 }
 
+/// Check the version of a record, checkpoint, tag page or lifetime block.
 pub fn check_version(found: u32) -> Result<(), DecodeError> {
-    if found != crate::FORMAT_VERSION {
+    if found != crate::STRUCTURE_VERSION {
         return Err(DecodeError::BadVersion {
             found,
-            supported: crate::FORMAT_VERSION,
+            supported: crate::STRUCTURE_VERSION,
         });
     }
     Ok(())

@@ -1,4 +1,5 @@
-//! cairn's on-disk format, version 1.
+//! cairn's on-disk format, version 2 (version 1 is read, and upgraded in
+//! place by the engine).
 //!
 //! Pure encode/decode with validation; no I/O happens here. Every structure
 //! carries a magic number, a format version and a crc32c. See `docs/format.md`
@@ -9,6 +10,8 @@
 //! ```text
 //! 0        superblock copy A (4 KiB)
 //! 4096     superblock copy B (4 KiB)
+//! 8192     volume table copy 0 (28 KiB, format 2)
+//! 36864    volume table copy 1 (28 KiB, format 2)
 //! 65536    tag area, only with FEATURE_INTEGRITY (2 copies of every tag page)
 //! ...      checkpoint slot 0 (ckpt_slot_bytes)
 //! ...      checkpoint slot 1 (ckpt_slot_bytes)
@@ -18,11 +21,14 @@
 mod codec;
 mod layout;
 mod lifetime;
+mod origin_v1;
 mod records;
 mod settings;
 mod superblock;
+mod superblock_volumes;
 mod tags;
 mod volume_entry;
+mod volume_position;
 mod volume_table;
 
 pub use codec::{Reader, Writer};
@@ -30,6 +36,7 @@ pub use layout::{Layout, LayoutError};
 pub use lifetime::{
     decode_lifetime, encode_lifetime, lifetime_key, lifetime_pairs_max, LIFETIME_MAGIC,
 };
+pub use origin_v1::OriginV1;
 pub use records::{
     CheckpointEntry, CheckpointHeader, PendingRange, RangeKind, RecordEntry, RecordHeader,
     CHECKPOINT_ENTRY_BYTES, CHECKPOINT_HEADER_BYTES, CHECKPOINT_LIFETIME_OFFSET, LOST_BLOCK_BYTES,
@@ -37,18 +44,29 @@ pub use records::{
 };
 pub use settings::{StoredSettings, SETTINGS_COUNT, STORED_SETTINGS_BYTES};
 pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY_MAX_BYTES};
+pub use superblock_volumes::SuperblockVolumes;
 pub use tags::{
     fold_tag, origin_tag, tag_area_bytes_for, tag_matches, tag_pages_for, TagPage, TAGS_PER_PAGE,
     TAG_DISCARDED, TAG_PAGE_BYTES, TAG_PAGE_HEADER_BYTES, TAG_RESERVED_MAX, TAG_UNSET, TAG_ZERO,
 };
 pub use volume_entry::{VolumeEntry, VolumeState, VOLUME_ENTRY_BYTES, VOLUME_NAME_MAX_BYTES};
+pub use volume_position::{VolumePosition, VOLUME_POSITION_BYTES};
 pub use volume_table::{
     VolumeTable, VolumeTableExpected, VOLUMES_MAX, VOLUME_TABLE_COPY_BYTES, VOLUME_TABLE_MAGIC,
     VOLUME_TABLE_OFFSETS, VOLUME_TABLE_VERSION,
 };
 
-/// Version of the on-disk format written by this code.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the cache format this code writes, stamped in the
+/// superblock: 2, a volume table beside the superblocks (see
+/// `volume_table`).
+pub const FORMAT_VERSION: u32 = 2;
+/// The first format: one origin, described by the superblock itself. It is
+/// still read; the engine upgrades it in place at open.
+pub const FORMAT_VERSION_V1: u32 = 1;
+/// Version stamped in records, checkpoints, tag pages and lifetime
+/// counters. Their layout is unchanged since format 1, so a v1 cache's log
+/// and checkpoints are read as they are after the upgrade.
+pub const STRUCTURE_VERSION: u32 = 1;
 
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNSB1");
 pub const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNREC");

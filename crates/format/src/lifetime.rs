@@ -9,7 +9,7 @@
 //! builds keep the others' values.
 
 use crate::codec::{check_magic, check_version, Reader, Writer};
-use crate::{crc32c, DecodeError, FORMAT_VERSION};
+use crate::{crc32c, DecodeError, STRUCTURE_VERSION};
 
 pub const LIFETIME_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNLTC");
 
@@ -33,7 +33,7 @@ pub fn encode_lifetime(region: &mut [u8], pairs: &[(u32, u64)]) {
     let used = FIXED_BYTES - 4 + pairs.len() * PAIR_BYTES;
     let mut w = Writer::new(region);
     w.u64(LIFETIME_MAGIC);
-    w.u32(FORMAT_VERSION);
+    w.u32(STRUCTURE_VERSION);
     w.u32(pairs.len() as u32);
     for &(key, value) in pairs {
         w.u32(key);

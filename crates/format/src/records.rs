@@ -12,7 +12,7 @@
 //! positions replay continues from.
 
 use crate::codec::{check_magic, check_version, crc_with_hole, Reader, Writer};
-use crate::{DecodeError, CHECKPOINT_MAGIC, FORMAT_VERSION, ORIGIN_BLOCKS_MAX, RECORD_MAGIC};
+use crate::{DecodeError, CHECKPOINT_MAGIC, ORIGIN_BLOCKS_MAX, RECORD_MAGIC, STRUCTURE_VERSION};
 
 pub const RECORD_HEADER_FIXED_BYTES: usize = 64;
 pub const RECORD_ENTRY_BYTES: usize = 16;
@@ -100,7 +100,7 @@ impl RecordHeader {
         {
             let mut w = Writer::new(&mut buf);
             w.u64(RECORD_MAGIC);
-            w.u32(FORMAT_VERSION);
+            w.u32(STRUCTURE_VERSION);
             w.u32(self.flags);
             w.u64(self.sequence);
             w.u64(self.log_offset);
@@ -311,7 +311,7 @@ impl CheckpointHeader {
         {
             let mut w = Writer::new(&mut buf);
             w.u64(CHECKPOINT_MAGIC);
-            w.u32(FORMAT_VERSION);
+            w.u32(STRUCTURE_VERSION);
             w.u32(0);
             w.u64(self.sequence);
             w.u64(self.generation);

@@ -90,7 +90,7 @@ impl TagPage {
         {
             let mut w = Writer::new(buf);
             w.u64(TAG_PAGE_MAGIC);
-            w.u32(crate::FORMAT_VERSION);
+            w.u32(crate::STRUCTURE_VERSION);
             w.u32(self.format_tag);
             w.u64(self.page_index);
             w.u64(self.sequence);

@@ -55,6 +55,7 @@ pub fn execute(
             status: crate::status::status_json(
                 &engine.stats(),
                 &engine.superblock(),
+                &engine.volume(),
                 target.served,
                 target.server.as_ref(),
                 target.latency.clone(),

@@ -22,6 +22,10 @@ pub struct FormatArgs {
     /// Overwrite a cache that is already formatted.
     #[arg(long)]
     pub force: bool,
+    /// The volume's name: the NBD export name clients ask for. The default,
+    /// the empty name, is what clients get when they name no export.
+    #[arg(long, default_value = "")]
+    pub name: String,
     /// Keep an integrity tag (crc32c of address and data) for every origin
     /// block, on the cache device, so origin blocks that rot, tear or land
     /// in the wrong place read as EIO instead of wrong data. Costs 8 bytes
@@ -36,24 +40,31 @@ pub fn run(args: &FormatArgs) -> Result<()> {
     let cache_dev = open_cache(&args.cache, OpenMode::Exclusive)?;
     let origin_dev = open_origin(&args.origin)?;
     let sb = Engine::format(
-        cache_dev,
+        cache_dev.clone(),
         origin_dev,
         &FormatOptions {
             block_size_bytes: args.block_size_bytes,
             force: args.force,
             integrity: args.integrity,
+            volume_name: args.name.clone(),
         },
     )?;
+    let table = Engine::read_volume_table(cache_dev.as_ref())?;
+    let volume = table
+        .by_id(0)
+        .ok_or_else(|| anyhow::anyhow!("the new cache's volume table lists no volume 0"))?;
+    let origin_size_bytes = volume.origin_size_bytes;
     say!(
-        "formatted {} for origin {}: {} cache blocks of {} bytes, volume {} bytes",
+        "formatted {} for origin {}: {} cache blocks of {} bytes, volume {:?} of {} bytes",
         args.cache.display(),
-        sb.origin_identity,
+        volume.origin_identity,
         sb.log_blocks,
         sb.block_size_bytes,
-        sb.origin_size_bytes
+        volume.name,
+        origin_size_bytes
     )?;
     if args.integrity {
-        let origin_blocks = sb.origin_size_bytes / sb.block_size_bytes as u64;
+        let origin_blocks = origin_size_bytes / sb.block_size_bytes as u64;
         say!(
             "integrity on: {} tag bytes on the cache, {} bytes of RAM for tags; `cairn serve` tags the origin's existing data in the background (see `cairn status`)",
             cairn_format::tag_area_bytes_for(origin_blocks),

@@ -57,17 +57,27 @@ pub fn open_origin_with(spec: &str, queue_depth: Option<usize>) -> Result<Arc<dy
     Ok(Arc::from(dev))
 }
 
-/// The policy settings stored in the cache's superblock (`cairn set`),
+/// The policy settings stored in the cache's volume table (`cairn set`),
 /// read before the engine opens (it opens with one of them).
 pub fn read_stored_settings(cache_path: &Path) -> Result<cairn_engine::StoredSettings> {
     let cache = open_cache(cache_path, OpenMode::Shared)?;
-    Ok(Engine::read_superblock(cache.as_ref())?.settings)
+    Ok(first_volume(cache.as_ref())?.settings)
 }
 
-/// The origin recorded in the superblock, as something we can open.
+/// The origin recorded in the volume table, as something we can open.
 fn recorded_origin(cache: &dyn Device) -> Result<String> {
-    let sb = Engine::read_superblock(cache)?;
-    Ok(cairn_device::spec_of_identity(&sb.origin_identity).to_string())
+    let volume = first_volume(cache)?;
+    Ok(cairn_device::spec_of_identity(&volume.origin_identity).to_string())
+}
+
+/// The cache's first volume, as its volume table records it.
+fn first_volume(cache: &dyn Device) -> Result<cairn_engine::VolumeEntry> {
+    let table = Engine::read_volume_table(cache)?;
+    table
+        .volumes()
+        .first()
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("cache {}: its volume table lists no volume", cache.name()))
 }
 
 pub fn open_engine(cache_path: &Path, origin: Option<&str>, force: bool) -> Result<Arc<Engine>> {

@@ -103,7 +103,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tracing::error!(
             "cache {} is degraded: serving the origin directly; {}",
             args.cache.display(),
-            crate::advice::degraded_cache(&args.cache, &engine.superblock().origin_identity)
+            crate::advice::degraded_cache(&args.cache, &engine.volume().origin_identity)
         );
     }
     if let Some(mode) = args.mode {

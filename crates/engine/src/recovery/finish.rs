@@ -10,7 +10,6 @@ use crate::env::Env;
 use crate::error::EngineResult;
 use crate::index::Index;
 use crate::log::{read_record_header, record_start, Log, LogPositions};
-use crate::state::State;
 
 pub(crate) fn finish(
     env: &Env,
@@ -20,7 +19,7 @@ pub(crate) fn finish(
     chain: &Chain,
     rebuilt: &Rebuilt,
     durable: u64,
-) -> EngineResult<State> {
+) -> EngineResult<(Superblock, Log, Index)> {
     let slot_count = env.layout.log_blocks;
     let head = rebuilt.head;
     let writeback = checkpoint.writeback_offset.max(superblock.writeback_offset);
@@ -72,12 +71,7 @@ pub(crate) fn finish(
             |slot| log.logical_of(slot) >= writeback,
         )
         .map_err(|detail| log_damaged(env, detail))?;
-    Ok(State {
-        superblock,
-        log,
-        index,
-        tags: None,
-    })
+    Ok((superblock, log, index))
 }
 
 /// The persisted write-back position must be a record boundary the log

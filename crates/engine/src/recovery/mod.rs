@@ -20,20 +20,24 @@ mod finish;
 mod rebuild;
 mod replay;
 
-use cairn_format::Superblock;
+use cairn_format::{Superblock, VolumeTable};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::state::State;
 
 /// Recover the engine's state from the cache device.
-pub(crate) fn recover(env: &Env, superblock: Superblock) -> EngineResult<State> {
+pub(crate) fn recover(
+    env: &Env,
+    superblock: Superblock,
+    volumes: VolumeTable,
+) -> EngineResult<State> {
     let (checkpoint, mut index) = checkpoint_load::load(env, &superblock)?;
     let mut chain = replay::replay_chain(env, &superblock, &checkpoint)?;
     let durable = classify::durable_sequence(&chain.records, &checkpoint);
     classify::verify_unsynced(env, &mut chain.records, durable)?;
     let rebuilt = rebuild::apply(env, &mut index, &chain.records, durable, &checkpoint);
-    let state = finish::finish(
+    let (superblock, log, index) = finish::finish(
         env,
         superblock,
         &checkpoint,
@@ -42,6 +46,13 @@ pub(crate) fn recover(env: &Env, superblock: Superblock) -> EngineResult<State> 
         &rebuilt,
         durable,
     )?;
+    let state = State {
+        superblock,
+        volumes,
+        log,
+        index,
+        tags: None,
+    };
     tracing::info!(
         records = chain.records.len(),
         dirty_blocks = state.index.dirty_blocks(),
