@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use cairn_device::Device;
 use cairn_format::{
-    block_checksum, RangeKind, StoredSettings, Superblock, VolumeEntry, VolumeTable,
+    block_checksum, block_key, RangeKind, StoredSettings, Superblock, VolumeEntry, VolumeTable,
+    ORIGIN_BLOCKS_MAX,
 };
 
 use crate::block_status::{self, BlockStatusRun};
@@ -18,7 +19,7 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::format;
 use crate::integrity::{self, RecalcProgress, ScrubOptions, ScrubReport};
-use crate::open;
+use crate::open::{self, OriginResolver};
 use crate::options::{FormatOptions, OpenOptions};
 use crate::parts::Parts;
 use crate::policy::{CacheMode, Policy};
@@ -27,6 +28,7 @@ use crate::read_data::ReadData;
 use crate::state_lock::StateLock;
 use crate::stats::{Counters, StatsSnapshot};
 use crate::superblocks;
+use crate::volume_admin::{self, NewVolume};
 use crate::write;
 use crate::writeback::{Writeback, WritebackProgress};
 
@@ -65,14 +67,41 @@ impl Engine {
         superblocks::read_table(cache, &superblock)
     }
 
-    /// Open a formatted cache: load the newest checkpoint, replay the log.
+    /// Open a formatted cache of one volume on `origin`: load the newest
+    /// checkpoint, replay the log. A cache of several volumes needs each
+    /// one's origin: [`Engine::open_volumes`].
     pub fn open(
         cache: Arc<dyn Device>,
         origin: Arc<dyn Device>,
         opts: &OpenOptions,
     ) -> EngineResult<Engine> {
-        let opened = open::open(cache, origin, opts)?;
-        let policy = Policy::new(opened.mode, &opened.env.config);
+        Self::open_volumes(
+            cache,
+            &mut |volume: &VolumeEntry| {
+                if volume.id == 0 {
+                    Ok(origin.clone())
+                } else {
+                    Err(EngineError::VolumeOriginMissing {
+                        name: volume.name.clone(),
+                        origin: volume.origin_identity.clone(),
+                    })
+                }
+            },
+            opts,
+        )
+    }
+
+    /// Open a formatted cache, asking `resolve` for each volume's origin.
+    pub fn open_volumes(
+        cache: Arc<dyn Device>,
+        resolve: &mut OriginResolver<'_>,
+        opts: &OpenOptions,
+    ) -> EngineResult<Engine> {
+        let opened = open::open(cache, resolve, opts)?;
+        let policy = Policy::new(CacheMode::WriteBack, &opened.env.config);
+        for &(id, mode) in &opened.modes {
+            policy.set_mode_of(id, mode);
+        }
         Ok(Engine {
             env: opened.env,
             state: StateLock::new(opened.state),
@@ -148,19 +177,36 @@ impl Engine {
         self.state.unchecked().volumes.clone()
     }
 
-    /// The volume this engine serves, as last written.
+    /// The first volume (id 0, the one format made), as last written.
     pub fn volume(&self) -> VolumeEntry {
-        self.state.unchecked().volumes.volumes()[0].clone()
+        let st = self.state.unchecked();
+        st.volumes
+            .by_id(0)
+            .expect("volume 0 is served for the engine's life")
+            .clone()
     }
 
-    /// `table`'s only volume, changed by `change`, as the next table.
+    /// Add a volume on `origin` while the cache is open; its requests go
+    /// through the `*_in` entry points with the id of the entry returned.
+    pub fn add_volume(
+        &self,
+        origin: Arc<dyn Device>,
+        new: &NewVolume,
+    ) -> EngineResult<VolumeEntry> {
+        volume_admin::add(self.parts(), origin, new)
+    }
+
+    /// `table` with its first volume changed by `change`, as the next
+    /// table.
     fn changed_volume(
         &self,
         table: &VolumeTable,
         change: impl FnOnce(&mut VolumeEntry),
     ) -> EngineResult<VolumeTable> {
         let mut volumes = table.volumes().to_vec();
-        change(&mut volumes[0]);
+        if let Some(first) = volumes.iter_mut().find(|v| v.id == 0) {
+            change(first);
+        }
         VolumeTable::new(table.sequence, table.uuid, volumes).map_err(|e| {
             EngineError::InvalidVolume {
                 device: self.env.cache.name().to_string(),
@@ -169,22 +215,46 @@ impl Engine {
         })
     }
 
-    fn check_range(&self, offset: u64, length_bytes: u64) -> EngineResult<()> {
+    /// The size of volume `volume` in bytes.
+    pub fn volume_size_bytes(&self, volume: u16) -> EngineResult<u64> {
+        let origin = self
+            .env
+            .origins
+            .get(volume)
+            .ok_or(EngineError::NoSuchVolume { volume_id: volume })?;
+        Ok(origin.blocks * self.env.block_size_bytes as u64)
+    }
+
+    /// Check that `[offset, offset + length_bytes)` lies inside `volume`,
+    /// and return where `offset` is in the key space every part of the
+    /// engine below the entry points works in (block `key` at byte
+    /// `key * block_size_bytes`; see `cairn_format::block_key`).
+    fn key_offset(&self, volume: u16, offset: u64, length_bytes: u64) -> EngineResult<u64> {
+        let size_bytes = self.volume_size_bytes(volume)?;
         match offset.checked_add(length_bytes) {
-            Some(end) if end <= self.size_bytes() => Ok(()),
+            Some(end) if end <= size_bytes => {
+                let base_bytes = block_key(volume, 0) * self.env.block_size_bytes as u64;
+                Ok(base_bytes + offset)
+            }
             _ => Err(EngineError::OutOfRange {
                 offset,
                 length_bytes,
-                size_bytes: self.size_bytes(),
+                size_bytes,
             }),
         }
     }
 
     // --------------------------------------------------------------- reads
 
-    /// Read `buf.len()` bytes at `offset`. Any alignment is accepted.
+    /// Read `buf.len()` bytes at `offset` of the first volume. Any
+    /// alignment is accepted.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
-        let data = cairn_io::block_on(self.read_async(offset, buf.len(), false))?;
+        self.read_in(0, offset, buf)
+    }
+
+    /// Read `buf.len()` bytes at `offset` of `volume`.
+    pub fn read_in(&self, volume: u16, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
+        let data = cairn_io::block_on(self.read_async_in(volume, offset, buf.len(), false))?;
         buf.copy_from_slice(data.as_bytes());
         Ok(())
     }
@@ -192,7 +262,12 @@ impl Engine {
     /// Read and promote every missed block, ignoring the sequential cutoff
     /// and the n-hit policy: a prefetch (NBD CACHE, `cairn warm`).
     pub fn read_uncut(&self, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
-        let data = cairn_io::block_on(self.read_async(offset, buf.len(), true))?;
+        self.read_uncut_in(0, offset, buf)
+    }
+
+    /// [`Engine::read_uncut`] of `volume`.
+    pub fn read_uncut_in(&self, volume: u16, offset: u64, buf: &mut [u8]) -> EngineResult<()> {
+        let data = cairn_io::block_on(self.read_async_in(volume, offset, buf.len(), true))?;
         buf.copy_from_slice(data.as_bytes());
         Ok(())
     }
@@ -207,7 +282,18 @@ impl Engine {
         length_bytes: usize,
         prefetch: bool,
     ) -> EngineResult<ReadData> {
-        self.check_range(offset, length_bytes as u64)?;
+        self.read_async_in(0, offset, length_bytes, prefetch).await
+    }
+
+    /// [`Engine::read_async`] of `volume`.
+    pub async fn read_async_in(
+        &self,
+        volume: u16,
+        offset: u64,
+        length_bytes: usize,
+        prefetch: bool,
+    ) -> EngineResult<ReadData> {
+        let offset = self.key_offset(volume, offset, length_bytes as u64)?;
         let c = &self.env.counters;
         Counters::add(&c.reads, 1);
         Counters::add(&c.read_bytes, length_bytes as u64);
@@ -226,7 +312,7 @@ impl Engine {
         }
         let bypassed = !prefetch && self.policy.observe_read(offset, length_bytes as u64);
         let scope = Scope::All {
-            promote: self.policy.promotes_misses(bypassed),
+            promote: self.policy.promotes_misses(volume, bypassed),
             bypassed,
             prefetch,
         };
@@ -261,24 +347,32 @@ impl Engine {
         &self,
         requests: &mut [(u64, &mut [u8])],
     ) -> Vec<Option<EngineResult<()>>> {
+        self.read_cached_many_in(0, requests)
+    }
+
+    /// [`Engine::read_cached_many`] of `volume`.
+    pub fn read_cached_many_in(
+        &self,
+        volume: u16,
+        requests: &mut [(u64, &mut [u8])],
+    ) -> Vec<Option<EngineResult<()>>> {
         let block_bytes = self.env.block_size_bytes as u64;
         let servable = |offset: u64, len: u64| {
-            len > 0
-                && offset.is_multiple_of(block_bytes)
-                && len.is_multiple_of(block_bytes)
-                && self.check_range(offset, len).is_ok()
+            if len == 0 || !offset.is_multiple_of(block_bytes) || !len.is_multiple_of(block_bytes) {
+                return None;
+            }
+            self.key_offset(volume, offset, len).ok()
         };
         let reads: Vec<_> = requests
             .iter()
             .map(|(offset, buf)| {
-                let servable = servable(*offset, buf.len() as u64);
+                let key_offset = servable(*offset, buf.len() as u64);
                 let mut data = self.env.read_bufs.lend(buf.len());
                 data.set_len(buf.len());
-                let offset = *offset;
                 async move {
-                    if !servable {
+                    let Some(offset) = key_offset else {
                         return (None, data);
-                    }
+                    };
                     read::read_blocks(self.parts(), offset, data, Scope::CachedOnly).await
                 }
             })
@@ -295,7 +389,9 @@ impl Engine {
                 let c = &self.env.counters;
                 Counters::add(&c.reads, 1);
                 Counters::add(&c.read_bytes, buf.len() as u64);
-                self.policy.observe_read(*offset, buf.len() as u64);
+                if let Ok(offset) = self.key_offset(volume, *offset, buf.len() as u64) {
+                    self.policy.observe_read(offset, buf.len() as u64);
+                }
             }
             results.push(result);
         }
@@ -307,26 +403,63 @@ impl Engine {
     /// where anything may be, zeroes only where that is certain (see
     /// `block_status`). `offset` must be inside the volume, `length` > 0.
     pub fn block_status(&self, offset: u64, length: u64) -> EngineResult<Vec<BlockStatusRun>> {
-        self.check_range(offset, length.max(1))?;
-        block_status::block_status(&self.env, &self.state, offset, length.max(1))
+        self.block_status_in(0, offset, length)
     }
 
-    /// Is this block cached (for block status and tests)?
+    /// [`Engine::block_status`] of `volume`.
+    pub fn block_status_in(
+        &self,
+        volume: u16,
+        offset: u64,
+        length: u64,
+    ) -> EngineResult<Vec<BlockStatusRun>> {
+        let key_offset = self.key_offset(volume, offset, length.max(1))?;
+        block_status::block_status(&self.env, &self.state, key_offset, length.max(1))
+    }
+
+    /// Is block `lba` of the first volume cached (for tests)?
     pub fn is_cached(&self, lba: u64) -> bool {
-        self.state.unchecked().index.is_cached(lba)
+        self.is_cached_in(0, lba)
+    }
+
+    /// Is block `lba` of `volume` cached (for tests)?
+    pub fn is_cached_in(&self, volume: u16, lba: u64) -> bool {
+        lba <= ORIGIN_BLOCKS_MAX
+            && (volume as usize) < cairn_format::VOLUMES_MAX
+            && self
+                .state
+                .unchecked()
+                .index
+                .is_cached(block_key(volume, lba))
     }
 
     // -------------------------------------------------------------- writes
 
     /// Write `data` at `offset`. With `fua`, the data is durable on return.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
-        cairn_io::block_on(self.write_async(offset, data, fua))
+        self.write_in(0, offset, data, fua)
+    }
+
+    /// [`Engine::write`] to `volume`.
+    pub fn write_in(&self, volume: u16, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
+        cairn_io::block_on(self.write_async_in(volume, offset, data, fua))
     }
 
     /// [`Engine::write`] as a task: a FUA write waits for its barrier
     /// without holding a thread.
     pub async fn write_async(&self, offset: u64, data: &[u8], fua: bool) -> EngineResult<()> {
-        self.check_range(offset, data.len() as u64)?;
+        self.write_async_in(0, offset, data, fua).await
+    }
+
+    /// [`Engine::write_async`] to `volume`.
+    pub async fn write_async_in(
+        &self,
+        volume: u16,
+        offset: u64,
+        data: &[u8],
+        fua: bool,
+    ) -> EngineResult<()> {
+        let offset = self.key_offset(volume, offset, data.len() as u64)?;
         let c = &self.env.counters;
         Counters::add(&c.writes, 1);
         Counters::add(&c.write_bytes, data.len() as u64);
@@ -350,7 +483,7 @@ impl Engine {
             degrade::enter(self.parts())?;
             return degrade::degraded_write(self.parts(), offset, data);
         }
-        let mode = self.policy.mode();
+        let mode = self.policy.mode_of(volume);
         if !degraded && mode != CacheMode::WriteBack {
             let block_bytes = self.env.block_size_bytes as u64;
             let end = (offset + data.len() as u64).div_ceil(block_bytes);
@@ -371,20 +504,36 @@ impl Engine {
     /// Zero a range. Whole blocks become a logged zero range (no data is
     /// written); partial blocks at the edges are zeroed by read-modify-write.
     pub fn write_zeroes(&self, offset: u64, length_bytes: u64) -> EngineResult<()> {
+        self.write_zeroes_in(0, offset, length_bytes)
+    }
+
+    /// [`Engine::write_zeroes`] of `volume`.
+    pub fn write_zeroes_in(&self, volume: u16, offset: u64, length_bytes: u64) -> EngineResult<()> {
         Counters::add(&self.env.counters.write_zeroes, 1);
-        self.zero_range(offset, length_bytes, RangeKind::Zero)
+        self.zero_range(volume, offset, length_bytes, RangeKind::Zero)
     }
 
     /// Discard a range: cached copies are dropped and the origin is sent a
     /// discard, in order. Whole blocks read back as zeroes afterwards;
     /// partial blocks at the edges are left alone (discard is a hint).
     pub fn discard(&self, offset: u64, length_bytes: u64) -> EngineResult<()> {
-        Counters::add(&self.env.counters.discards, 1);
-        self.zero_range(offset, length_bytes, RangeKind::Discard)
+        self.discard_in(0, offset, length_bytes)
     }
 
-    fn zero_range(&self, offset: u64, length_bytes: u64, kind: RangeKind) -> EngineResult<()> {
-        self.check_range(offset, length_bytes)?;
+    /// [`Engine::discard`] of `volume`.
+    pub fn discard_in(&self, volume: u16, offset: u64, length_bytes: u64) -> EngineResult<()> {
+        Counters::add(&self.env.counters.discards, 1);
+        self.zero_range(volume, offset, length_bytes, RangeKind::Discard)
+    }
+
+    fn zero_range(
+        &self,
+        volume: u16,
+        offset: u64,
+        length_bytes: u64,
+        kind: RangeKind,
+    ) -> EngineResult<()> {
+        let offset = self.key_offset(volume, offset, length_bytes)?;
         if length_bytes == 0 {
             return Ok(());
         }

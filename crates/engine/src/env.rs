@@ -1,19 +1,23 @@
-//! The context every part of the engine shares: the two devices, the
-//! cache's geometry, the configuration, the counters, the buffer pools and
+//! The context every part of the engine shares: the cache device and the
+//! volumes' origins, the cache's geometry, the configuration, the counters, the buffer pools and
 //! the engine's health. Fixed at open except for the counters and health.
 
 use std::sync::Arc;
 
 use cairn_device::{Backing, Device, DeviceError, SizeClassPool};
-use cairn_format::{record_data_blocks_max, Layout, RecordHeader, Superblock, VolumeEntry};
+use cairn_format::{
+    key_lba, key_volume, record_data_blocks_max, Layout, RecordHeader, Superblock, VolumeEntry,
+};
 
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::lifetime::LifetimeBase;
 use crate::options::EngineConfig;
+use crate::origins::Origins;
 use crate::sealed::RecordIo;
 use crate::sealed::RecordWriters;
 use crate::stats::Counters;
+use crate::volume_origin::VolumeOrigin;
 use cairn_device::BufPool;
 
 /// Read buffers up to this size are pooled; larger ones come and go.
@@ -25,13 +29,16 @@ const READ_BUF_CLASS_IDLE_MIN: usize = 4;
 
 pub(crate) struct Env {
     pub(crate) cache: Arc<dyn Device>,
-    pub(crate) origin: Arc<dyn Device>,
+    /// Each volume's origin, found from a block's key.
+    pub(crate) origins: Origins,
     pub(crate) layout: Layout,
     /// Shared with the record writer threads.
     pub(crate) counters: Arc<Counters>,
     /// The counters' totals from earlier runs (the checkpoint's).
     pub(crate) lifetime: LifetimeBase,
     pub(crate) block_size_bytes: usize,
+    /// The first volume's size in blocks (the single-volume entry points',
+    /// and the integrity tags').
     pub(crate) volume_blocks: u64,
     pub(crate) config: EngineConfig,
     /// Most data blocks in one log record.
@@ -62,12 +69,14 @@ pub(crate) struct Env {
 }
 
 impl Env {
+    /// `first` is volume 0's entry; `origins` holds it and every other
+    /// volume served.
     pub(crate) fn new(
         cache: Arc<dyn Device>,
-        origin: Arc<dyn Device>,
+        origins: Vec<VolumeOrigin>,
         layout: Layout,
         superblock: &Superblock,
-        volume: &VolumeEntry,
+        first: &VolumeEntry,
         config: EngineConfig,
         health: Health,
     ) -> Env {
@@ -78,12 +87,12 @@ impl Env {
         Env {
             origin_slots,
             cache,
-            origin,
+            origins: Origins::new(origins),
             layout,
             counters: Arc::new(Counters::default()),
             lifetime: LifetimeBase::default(),
             block_size_bytes: block_size_bytes as usize,
-            volume_blocks: volume.origin_size_bytes / block_size_bytes as u64,
+            volume_blocks: first.origin_size_bytes / block_size_bytes as u64,
             config,
             record_data_blocks_max: record_data_blocks_max(block_size_bytes) as u64,
             record_entries_max: RecordHeader::entries_max(block_size_bytes),
@@ -109,14 +118,45 @@ impl Env {
         self.layout.slot_offset_bytes(slot as u64)
     }
 
-    /// Read whole origin blocks from block `lba`, counting a failure.
-    pub(crate) fn read_origin(&self, lba: u64, buf: &mut [u8]) -> EngineResult<()> {
-        self.origin
+    /// Read whole origin blocks from the block named by `key`, counting a
+    /// failure.
+    pub(crate) fn read_origin(&self, key: u64, buf: &mut [u8]) -> EngineResult<()> {
+        let (volume, lba) = self.origins.of_key(key)?;
+        volume
+            .device()
             .read_at(lba * self.block_size_bytes as u64, buf)
             .map_err(|e| {
                 Counters::add(&self.counters.origin_read_errors, 1);
                 EngineError::Origin(e)
             })
+    }
+
+    /// Is `key` a block of a volume the engine serves? Keys come from the
+    /// device too (records, checkpoints): one outside every volume is
+    /// damage.
+    pub(crate) fn key_valid(&self, key: u64) -> bool {
+        self.origins
+            .get(key_volume(key))
+            .is_some_and(|v| key_lba(key) < v.blocks)
+    }
+
+    /// Are the `count` keys from `key` blocks of one served volume?
+    pub(crate) fn keys_valid(&self, key: u64, count: u64) -> bool {
+        count > 0
+            && key
+                .checked_add(count - 1)
+                .is_some_and(|last| key_volume(last) == key_volume(key) && self.key_valid(last))
+            && self.key_valid(key)
+    }
+
+    /// The origin of the volume that byte `offset` of the key space (block
+    /// `key` is bytes `key * block_size_bytes..`) falls in, and where that
+    /// byte is on the origin. A request never crosses from one volume into
+    /// the next, so one answer serves all of it.
+    pub(crate) fn origin_of_offset(&self, offset: u64) -> EngineResult<(Arc<VolumeOrigin>, u64)> {
+        let block_bytes = self.block_size_bytes as u64;
+        let (volume, lba) = self.origins.of_key(offset / block_bytes)?;
+        Ok((volume, lba * block_bytes + offset % block_bytes))
     }
 
     /// Read one cache slot with O_DIRECT (the medium itself, never the page

@@ -54,6 +54,16 @@ pub enum EngineError {
         size_bytes: u64,
         recorded_bytes: u64,
     },
+    #[error("volume {name:?} (origin {origin}) was not given its origin device")]
+    VolumeOriginMissing { name: String, origin: String },
+    #[error("a volume named {name:?} exists already")]
+    VolumeExists { name: String },
+    #[error("origin {origin} is volume {name:?}'s already: two volumes writing back to one origin would overwrite each other")]
+    OriginInUse { origin: String, name: String },
+    #[error("the cache serves {max} volumes already, the most it can")]
+    TooManyVolumes { max: usize },
+    #[error("volume {volume_id} is not served by this cache (it was removed, or never added)")]
+    NoSuchVolume { volume_id: u16 },
     #[error("cache {device}: the volume cannot be made: {detail}")]
     InvalidVolume { device: String, detail: String },
     #[error("cache {device}: superblock invalid: {detail}. The cache cannot be opened safely")]

@@ -35,6 +35,7 @@ mod log;
 mod open;
 mod options;
 mod origin_check;
+mod origins;
 mod parts;
 mod policy;
 mod read;
@@ -50,6 +51,8 @@ mod stats;
 mod superblocks;
 mod tags;
 mod upgrade;
+mod volume_admin;
+mod volume_origin;
 mod write;
 mod writeback;
 
@@ -57,10 +60,12 @@ pub use block_status::{BlockState, BlockStatusRun};
 pub use engine::Engine;
 pub use error::{EngineError, EngineResult};
 pub use integrity::{RecalcProgress, ScrubOptions, ScrubReport};
+pub use open::OriginResolver;
 pub use options::{EngineConfig, FormatOptions, OpenOptions};
 pub use policy::CacheMode;
 pub use read_data::ReadData;
 pub use stats::StatsSnapshot;
+pub use volume_admin::NewVolume;
 pub use writeback::WritebackProgress;
 
 pub use cairn_format::{

@@ -22,70 +22,71 @@ use crate::stats::Counters;
 use crate::superblocks::{self, LOG_COUNTER_LIMIT};
 use crate::tags::TagTable;
 use crate::upgrade;
+use crate::volume_origin::VolumeOrigin;
 
 /// What opening produced.
 pub(crate) struct Opened {
     pub(crate) env: Env,
     pub(crate) state: State,
-    pub(crate) mode: CacheMode,
+    /// Each volume's mode, by id.
+    pub(crate) modes: Vec<(u16, CacheMode)>,
 }
+
+/// Finds the origin device of a volume of the table (the caller opens it
+/// from the recorded identity, or from what the user named).
+pub type OriginResolver<'a> = dyn FnMut(&VolumeEntry) -> EngineResult<Arc<dyn Device>> + 'a;
 
 pub(crate) fn open(
     cache: Arc<dyn Device>,
-    origin: Arc<dyn Device>,
+    resolve: &mut OriginResolver<'_>,
     opts: &OpenOptions,
 ) -> EngineResult<Opened> {
     cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
     let superblock = superblocks::read_newest(cache.as_ref())?;
     let volumes = superblocks::read_table(cache.as_ref(), &superblock)?;
-    let volume = the_volume(cache.as_ref(), &volumes)?.clone();
-    let layout = check_devices(cache.as_ref(), origin.as_ref(), &superblock, &volume, opts)?;
-    let mode = CacheMode::from_code(volume.mode).ok_or_else(|| EngineError::SuperblockInvalid {
-        device: cache.name().to_string(),
-        detail: format!("unknown cache mode code {} for the volume", volume.mode),
-    })?;
-    if superblock.degraded() {
-        let env = Env::new(
-            cache,
-            origin,
-            layout,
-            &superblock,
-            &volume,
-            opts.config.clone(),
-            Health::degraded(),
-        );
-        return Ok(open_degraded(env, superblock, volumes, mode));
+    let first = first_volume(cache.as_ref(), &volumes)?.clone();
+    let layout = check_cache(cache.as_ref(), &superblock, &first)?;
+    let mut origins = Vec::with_capacity(volumes.volumes().len());
+    let mut modes = Vec::with_capacity(volumes.volumes().len());
+    for volume in volumes.volumes() {
+        let origin = resolve(volume)?;
+        // Only the first volume's origin is the one a user may name anew.
+        let force = opts.force_origin && volume.id == first.id;
+        check_origin(origin.as_ref(), &superblock, volume, force)?;
+        origins.push(VolumeOrigin {
+            id: volume.id,
+            blocks: volume.origin_size_bytes / superblock.block_size_bytes as u64,
+            device: origin,
+        });
+        modes.push((volume.id, mode_of(cache.as_ref(), volume)?));
     }
-    let (superblock, volumes) = match &superblock.volumes {
-        SuperblockVolumes::V1(v1) => upgrade::upgrade_v1(cache.as_ref(), &superblock, v1)?,
-        SuperblockVolumes::V2 { .. } => (superblock, volumes),
+    let health = if superblock.degraded() {
+        Health::degraded()
+    } else {
+        Health::default()
     };
     let env = Env::new(
         cache,
-        origin,
+        origins,
         layout,
         &superblock,
-        &volume,
+        &first,
         opts.config.clone(),
-        Health::default(),
+        health,
     );
+    if superblock.degraded() {
+        return Ok(open_degraded(env, superblock, volumes, modes));
+    }
+    let (superblock, volumes) = match &superblock.volumes {
+        SuperblockVolumes::V1(v1) => upgrade::upgrade_v1(env.cache.as_ref(), &superblock, v1)?,
+        SuperblockVolumes::V2 { .. } => (superblock, volumes),
+    };
     let mut state = recovery::recover(&env, superblock, volumes)?;
     if env.integrity {
         state.tags = Some(load_tags(&env, &mut state)?);
     }
-    let identity = env.origin.identity();
-    let identity = origin_identity_for_superblock(&identity);
-    if opts.force_origin && volume.origin_identity != identity {
-        let mut volumes = state.volumes.volumes().to_vec();
-        for v in volumes.iter_mut().filter(|v| v.id == volume.id) {
-            v.origin_identity = identity.to_string();
-        }
-        let table = VolumeTable::new(state.volumes.sequence, state.superblock.uuid, volumes)
-            .map_err(|e| EngineError::SuperblockInvalid {
-                device: env.cache.name().to_string(),
-                detail: format!("the volume table with the new origin: {e}"),
-            })?;
-        state.write_volume_table(&env, table)?;
+    if opts.force_origin {
+        record_new_identity(&env, &mut state, first.id)?;
     }
     // Bump the generation and make everything replayed durable before
     // anything new is written. A failure here refuses the open (nothing
@@ -93,38 +94,72 @@ pub(crate) fn open(
     state.superblock.generation += 1;
     state.write_superblock(&env)?;
     state.log.recovered(state.superblock.generation);
-    Ok(Opened { env, state, mode })
+    Ok(Opened { env, state, modes })
 }
 
-/// The one volume this build serves: volume 0, the only one a cache has
-/// until volumes can be added.
-fn the_volume<'a>(cache: &dyn Device, volumes: &'a VolumeTable) -> EngineResult<&'a VolumeEntry> {
-    match volumes.volumes() {
-        [volume] if volume.id == 0 => Ok(volume),
-        other => Err(EngineError::SuperblockInvalid {
+/// With `--force-origin`: the first volume's origin is the one given now;
+/// record its identity if it changed.
+fn record_new_identity(env: &Env, state: &mut State, id: u16) -> EngineResult<()> {
+    let identity = env.origins.first().device().identity();
+    let identity = origin_identity_for_superblock(&identity);
+    let mut volumes = state.volumes.volumes().to_vec();
+    let mut changed = false;
+    for v in volumes
+        .iter_mut()
+        .filter(|v| v.id == id && v.origin_identity != identity)
+    {
+        v.origin_identity = identity.to_string();
+        changed = true;
+    }
+    if !changed {
+        return Ok(());
+    }
+    let table =
+        VolumeTable::new(state.volumes.sequence, state.superblock.uuid, volumes).map_err(|e| {
+            EngineError::SuperblockInvalid {
+                device: env.cache.name().to_string(),
+                detail: format!("the volume table with the new origin: {e}"),
+            }
+        })?;
+    state.write_volume_table(env, table)
+}
+
+fn mode_of(cache: &dyn Device, volume: &VolumeEntry) -> EngineResult<CacheMode> {
+    CacheMode::from_code(volume.mode).ok_or_else(|| EngineError::SuperblockInvalid {
+        device: cache.name().to_string(),
+        detail: format!(
+            "unknown cache mode code {} for volume {:?}",
+            volume.mode, volume.name
+        ),
+    })
+}
+
+/// The first volume (id 0): the one format made, which the single-volume
+/// entry points serve and the integrity tags cover.
+fn first_volume<'a>(cache: &dyn Device, volumes: &'a VolumeTable) -> EngineResult<&'a VolumeEntry> {
+    volumes
+        .by_id(0)
+        .ok_or_else(|| EngineError::SuperblockInvalid {
             device: cache.name().to_string(),
             detail: format!(
-                "the volume table lists {} volumes (ids {:?}); this build serves exactly one, id 0",
-                other.len(),
-                other.iter().map(|v| v.id).collect::<Vec<_>>()
+                "the volume table lists no volume 0 (ids {:?})",
+                volumes.volumes().iter().map(|v| v.id).collect::<Vec<_>>()
             ),
-        }),
-    }
+        })
 }
 
-/// The cache must be this origin's, of the size it had, laid out as the
-/// superblock says. Returns the layout.
-fn check_devices(
-    cache: &dyn Device,
+/// A volume's origin must be the one it was made for (unless `force`), of
+/// the size it had, and one `format` accepts for the block size.
+fn check_origin(
     origin: &dyn Device,
     superblock: &Superblock,
     volume: &VolumeEntry,
-    opts: &OpenOptions,
-) -> EngineResult<Layout> {
+    force: bool,
+) -> EngineResult<()> {
     // The table holds the identity as format stored it (cut to the
     // limit), so that is what is compared.
     let identity = origin.identity();
-    if origin_identity_for_superblock(&identity) != volume.origin_identity && !opts.force_origin {
+    if origin_identity_for_superblock(&identity) != volume.origin_identity && !force {
         return Err(EngineError::WrongOrigin {
             recorded: volume.origin_identity.clone(),
             given: origin.identity(),
@@ -137,6 +172,18 @@ fn check_devices(
             given_bytes: origin.size_bytes(),
         });
     }
+    // The table passed its checksum, but its fields are still device
+    // contents.
+    crate::format::check_origin_size(origin, superblock.block_size_bytes)
+}
+
+/// The cache must be laid out as the superblock says, with the first
+/// volume's integrity tags where the layout puts them. Returns the layout.
+fn check_cache(
+    cache: &dyn Device,
+    superblock: &Superblock,
+    volume: &VolumeEntry,
+) -> EngineResult<Layout> {
     if volume.integrity != (superblock.features & cairn_format::FEATURE_INTEGRITY != 0) {
         return Err(EngineError::SuperblockInvalid {
             device: cache.name().to_string(),
@@ -152,9 +199,7 @@ fn check_devices(
     }
     let block_bytes = superblock.block_size_bytes;
     // The superblock passed its checksum, but its fields are still device
-    // contents: the origin must be one `format` accepts for this block
-    // size, and the counters that only grow must be far from overflowing.
-    crate::format::check_origin_size(origin, block_bytes)?;
+    // contents: the counters that only grow must be far from overflowing.
     for (field, value) in [
         ("sequence", superblock.sequence),
         ("generation", superblock.generation),
@@ -197,13 +242,13 @@ fn open_degraded(
     env: Env,
     superblock: Superblock,
     volumes: VolumeTable,
-    mode: CacheMode,
+    modes: Vec<(u16, CacheMode)>,
 ) -> Opened {
     assert!(superblock.degraded());
     tracing::error!(
         "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
         env.cache.name(),
-        env.origin.identity()
+        env.origins.first().device().identity()
     );
     let slot_count = env.layout.log_blocks;
     let log = Log::new(
@@ -227,7 +272,7 @@ fn open_degraded(
         index: Index::new(slot_count),
         tags: None,
     };
-    Opened { env, state, mode }
+    Opened { env, state, modes }
 }
 
 /// Load every integrity tag. Pages unreadable in both copies are

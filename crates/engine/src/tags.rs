@@ -73,6 +73,13 @@ impl TagTable {
         self.tags[lba as usize]
     }
 
+    /// The tag of the block named by `key`, if the table covers it: tags
+    /// are kept for the first volume only (its keys are its addresses), so
+    /// any other volume's block has none.
+    pub fn tag_of(&self, key: u64) -> Option<u32> {
+        (key < self.origin_blocks()).then(|| self.get(key))
+    }
+
     pub fn set(&mut self, lba: u64, tag: u32) {
         let cell = &mut self.tags[lba as usize];
         if *cell != tag {
@@ -107,14 +114,16 @@ impl TagTable {
         ranges: &[(RangeKind, u64, u64)],
         blocks: &[(u64, u32)],
     ) {
-        for &(kind, lba, count) in ranges {
+        // Tags cover the first volume only; a range never crosses volumes.
+        let covered = self.origin_blocks();
+        for &(kind, lba, count) in ranges.iter().filter(|r| r.1 < covered) {
             let tag = match kind {
                 RangeKind::Zero => cairn_format::TAG_ZERO,
                 RangeKind::Discard => cairn_format::TAG_DISCARDED,
             };
             self.set_range(lba, count, tag);
         }
-        for &(lba, crc) in blocks {
+        for &(lba, crc) in blocks.iter().filter(|b| b.0 < covered) {
             self.set(lba, cairn_format::fold_tag(crc));
         }
     }
@@ -135,7 +144,8 @@ impl TagTable {
     ) -> u64 {
         let zeroes = vec![0u8; block_size_bytes];
         let mut healed = 0u64;
-        for (lba, crc) in copies {
+        let covered = self.origin_blocks();
+        for (lba, crc) in copies.filter(|c| c.0 < covered) {
             let expected = cairn_format::fold_tag(crc);
             let tag = self.get(lba);
             let agrees = tag == expected

@@ -52,7 +52,7 @@ pub use tags::{
 pub use volume_entry::{VolumeEntry, VolumeState, VOLUME_ENTRY_BYTES, VOLUME_NAME_MAX_BYTES};
 pub use volume_position::{VolumePosition, VOLUME_POSITION_BYTES};
 pub use volume_table::{
-    VolumeTable, VolumeTableExpected, VOLUMES_MAX, VOLUME_TABLE_COPY_BYTES, VOLUME_TABLE_MAGIC,
+    VolumeTable, VolumeTableExpected, VOLUME_TABLE_COPY_BYTES, VOLUME_TABLE_MAGIC,
     VOLUME_TABLE_OFFSETS, VOLUME_TABLE_VERSION,
 };
 
@@ -105,8 +105,46 @@ pub const RECORD_DATA_MAX_BYTES: u32 = 256 << 10;
 /// Bounded so the checkpoint slot has a fixed size.
 pub const PENDING_RANGES_MAX: usize = 1024;
 
-/// Largest origin address (in blocks) the index can hold: 40 bits.
+/// Largest origin address (in blocks) a volume can have: 40 bits.
 pub const ORIGIN_BLOCKS_MAX: u64 = (1 << 40) - 1;
+
+/// At most this many volumes share one cache; their ids are below it.
+pub const VOLUMES_MAX: usize = 32;
+
+/// A cached block is named by a key: its volume's id above the 40 bits of
+/// its address. Volume 0's keys are its addresses, exactly what format 1
+/// wrote in records and checkpoints, so a format 1 log is format 2's log of
+/// volume 0 as it is.
+pub const VOLUME_KEY_SHIFT: u32 = 40;
+/// The largest key: volume ids are below [`VOLUMES_MAX`], so keys take 45
+/// bits.
+pub const KEY_MAX: u64 = ((VOLUMES_MAX as u64) << VOLUME_KEY_SHIFT) - 1;
+
+/// The key of block `lba` of volume `volume_id`.
+pub fn block_key(volume_id: u16, lba: u64) -> u64 {
+    assert!((volume_id as usize) < VOLUMES_MAX && lba <= ORIGIN_BLOCKS_MAX);
+    (volume_id as u64) << VOLUME_KEY_SHIFT | lba
+}
+
+/// The volume a key belongs to.
+pub fn key_volume(key: u64) -> u16 {
+    (key >> VOLUME_KEY_SHIFT) as u16
+}
+
+/// The address within its volume that a key names.
+pub fn key_lba(key: u64) -> u64 {
+    key & ORIGIN_BLOCKS_MAX
+}
+
+/// Are the `count` keys from `key` valid keys of one volume? (A range of a
+/// record or a checkpoint never crosses from one volume into the next.)
+pub fn keys_in_one_volume(key: u64, count: u64) -> bool {
+    count > 0
+        && key <= KEY_MAX
+        && key
+            .checked_add(count - 1)
+            .is_some_and(|last| last <= KEY_MAX && key_volume(last) == key_volume(key))
+}
 
 /// The log must hold at least this many of the largest records, so write-back
 /// and eviction always have room to make progress.

@@ -12,7 +12,9 @@
 //! positions replay continues from.
 
 use crate::codec::{check_magic, check_version, crc_with_hole, Reader, Writer};
-use crate::{DecodeError, CHECKPOINT_MAGIC, ORIGIN_BLOCKS_MAX, RECORD_MAGIC, STRUCTURE_VERSION};
+use crate::{
+    keys_in_one_volume, DecodeError, CHECKPOINT_MAGIC, KEY_MAX, RECORD_MAGIC, STRUCTURE_VERSION,
+};
 
 pub const RECORD_HEADER_FIXED_BYTES: usize = 64;
 pub const RECORD_ENTRY_BYTES: usize = 16;
@@ -115,7 +117,7 @@ impl RecordHeader {
             for entry in &self.entries {
                 match *entry {
                     RecordEntry::Data { lba, crc, clean } => {
-                        assert!(lba <= ORIGIN_BLOCKS_MAX);
+                        assert!(lba <= KEY_MAX);
                         w.u8(ENTRY_KIND_DATA);
                         w.u8(if clean { ENTRY_FLAG_CLEAN } else { 0 });
                         w.u16(0);
@@ -127,8 +129,7 @@ impl RecordHeader {
                         lba,
                         block_count,
                     } => {
-                        assert!(block_count > 0);
-                        assert!(lba + block_count as u64 - 1 <= ORIGIN_BLOCKS_MAX);
+                        assert!(keys_in_one_volume(lba, block_count as u64));
                         w.u8(match kind {
                             RangeKind::Zero => ENTRY_KIND_ZERO,
                             RangeKind::Discard => ENTRY_KIND_DISCARD,
@@ -184,50 +185,9 @@ impl RecordHeader {
                 value: flags as u64,
             });
         }
-        let mut entries = Vec::with_capacity(entry_count);
-        for _ in 0..entry_count {
-            let kind = r.u8()?;
-            let eflags = r.u8()?;
-            let _pad = r.u16()?;
-            let crc_or_count = r.u32()?;
-            let lba = r.u64()?;
-            if lba > ORIGIN_BLOCKS_MAX {
-                return Err(DecodeError::OutOfRange {
-                    field: "entry_lba",
-                    value: lba,
-                });
-            }
-            entries.push(match kind {
-                ENTRY_KIND_DATA => RecordEntry::Data {
-                    lba,
-                    crc: crc_or_count,
-                    clean: eflags & ENTRY_FLAG_CLEAN != 0,
-                },
-                ENTRY_KIND_ZERO | ENTRY_KIND_DISCARD => {
-                    if crc_or_count == 0 {
-                        return Err(DecodeError::OutOfRange {
-                            field: "range_block_count",
-                            value: 0,
-                        });
-                    }
-                    RecordEntry::Range {
-                        kind: if kind == ENTRY_KIND_ZERO {
-                            RangeKind::Zero
-                        } else {
-                            RangeKind::Discard
-                        },
-                        lba,
-                        block_count: crc_or_count,
-                    }
-                }
-                other => {
-                    return Err(DecodeError::OutOfRange {
-                        field: "entry_kind",
-                        value: other as u64,
-                    })
-                }
-            });
-        }
+        let entries = (0..entry_count)
+            .map(|_| decode_entry(&mut r))
+            .collect::<Result<Vec<_>, _>>()?;
         let header = RecordHeader {
             sequence,
             log_offset,
@@ -377,9 +337,59 @@ impl CheckpointHeader {
     }
 }
 
+/// One entry of a record header: a data block or a zero/discard range,
+/// named by keys of one volume.
+fn decode_entry(r: &mut Reader<'_>) -> Result<RecordEntry, DecodeError> {
+    let kind = r.u8()?;
+    let eflags = r.u8()?;
+    let _pad = r.u16()?;
+    let crc_or_count = r.u32()?;
+    let lba = r.u64()?;
+    if lba > KEY_MAX {
+        return Err(DecodeError::OutOfRange {
+            field: "entry_lba",
+            value: lba,
+        });
+    }
+    match kind {
+        ENTRY_KIND_DATA => Ok(RecordEntry::Data {
+            lba,
+            crc: crc_or_count,
+            clean: eflags & ENTRY_FLAG_CLEAN != 0,
+        }),
+        ENTRY_KIND_ZERO | ENTRY_KIND_DISCARD => {
+            if crc_or_count == 0 {
+                return Err(DecodeError::OutOfRange {
+                    field: "range_block_count",
+                    value: 0,
+                });
+            }
+            if !keys_in_one_volume(lba, crc_or_count as u64) {
+                return Err(DecodeError::OutOfRange {
+                    field: "range_crosses_volumes",
+                    value: lba,
+                });
+            }
+            Ok(RecordEntry::Range {
+                kind: if kind == ENTRY_KIND_ZERO {
+                    RangeKind::Zero
+                } else {
+                    RangeKind::Discard
+                },
+                lba,
+                block_count: crc_or_count,
+            })
+        }
+        other => Err(DecodeError::OutOfRange {
+            field: "entry_kind",
+            value: other as u64,
+        }),
+    }
+}
+
 impl CheckpointEntry {
     pub fn encode(&self, w: &mut Writer<'_>) {
-        assert!(self.lba <= ORIGIN_BLOCKS_MAX);
+        assert!(self.lba <= KEY_MAX);
         w.u32(self.slot);
         w.u32(self.crc);
         w.u64(self.lba | (self.state as u64) << 56);
@@ -390,7 +400,7 @@ impl CheckpointEntry {
         let crc = r.u32()?;
         let packed = r.u64()?;
         let lba = packed & ((1 << 56) - 1);
-        if lba > ORIGIN_BLOCKS_MAX {
+        if lba > KEY_MAX {
             return Err(DecodeError::OutOfRange {
                 field: "checkpoint_lba",
                 value: lba,
@@ -432,7 +442,7 @@ impl PendingRange {
             }
         };
         r.bytes(7)?;
-        if block_count == 0 || start_lba.saturating_add(block_count) > ORIGIN_BLOCKS_MAX + 1 {
+        if !keys_in_one_volume(start_lba, block_count) {
             return Err(DecodeError::OutOfRange {
                 field: "range",
                 value: start_lba,
@@ -494,6 +504,80 @@ mod tests {
             let mut bad = buf.clone();
             bad[i] ^= 1;
             assert!(RecordHeader::decode(&bad, 4096).is_err(), "flip at {i}");
+        }
+    }
+
+    #[test]
+    fn keys_of_every_volume_round_trip_and_ranges_never_cross_volumes() {
+        let last_volume = crate::VOLUMES_MAX as u16 - 1;
+        let top = crate::block_key(last_volume, crate::ORIGIN_BLOCKS_MAX);
+        assert_eq!(top, KEY_MAX);
+        let h = header(vec![
+            RecordEntry::Data {
+                lba: crate::block_key(3, 77),
+                crc: 1,
+                clean: false,
+            },
+            RecordEntry::Range {
+                kind: RangeKind::Discard,
+                lba: top - 9,
+                block_count: 10,
+            },
+        ]);
+        let (buf, _) = h.encode(4096);
+        assert_eq!(RecordHeader::decode(&buf, 4096).unwrap().0, h);
+        // Bytes a bug or a forger could write (with a good crc): a key past
+        // the last volume, and a range running from one volume into the next.
+        let forged = |lba: u64, count: u32| {
+            let entry = if count == 0 {
+                RecordEntry::Data {
+                    lba: 0,
+                    crc: 0,
+                    clean: false,
+                }
+            } else {
+                RecordEntry::Range {
+                    kind: RangeKind::Zero,
+                    lba: 0,
+                    block_count: count,
+                }
+            };
+            let mut buf = header(vec![entry]).encode(4096).0;
+            let at = RECORD_HEADER_FIXED_BYTES;
+            buf[at + 8..at + 16].copy_from_slice(&lba.to_le_bytes());
+            let used = RECORD_HEADER_FIXED_BYTES + RECORD_ENTRY_BYTES;
+            let crc = crc_with_hole(&buf[..used], RECORD_CRC_OFFSET);
+            buf[RECORD_CRC_OFFSET..RECORD_CRC_OFFSET + 4].copy_from_slice(&crc.to_le_bytes());
+            RecordHeader::decode(&buf, 4096)
+        };
+        assert!(forged(KEY_MAX, 0).is_ok());
+        assert!(forged(KEY_MAX + 1, 0).is_err());
+        assert!(forged(crate::block_key(1, 0) - 2, 2).is_ok());
+        assert_eq!(
+            forged(crate::block_key(1, 0) - 2, 3),
+            Err(DecodeError::OutOfRange {
+                field: "range_crosses_volumes",
+                value: crate::block_key(1, 0) - 2
+            })
+        );
+        let range = |start_lba, block_count| PendingRange {
+            start_lba,
+            block_count,
+            record_offset: 0,
+            kind: RangeKind::Zero,
+        };
+        for (r, ok) in [
+            (range(top - 1, 2), true),
+            (range(top, 2), false),
+            (range(crate::block_key(2, 0) - 1, 2), false),
+        ] {
+            let mut buf = vec![0u8; PENDING_RANGE_BYTES];
+            r.encode(&mut Writer::new(&mut buf));
+            assert_eq!(
+                PendingRange::decode(&mut Reader::new(&buf)).is_ok(),
+                ok,
+                "{r:?}"
+            );
         }
     }
 

@@ -86,6 +86,13 @@ impl VolumeEntry {
     /// identities a user typed with this before anything is written; the
     /// decoder checks what it read with the same rules.
     pub fn check(&self) -> Result<(), DecodeError> {
+        // Keys hold the id in the 5 bits above the address (`KEY_MAX`).
+        if self.id as usize >= crate::VOLUMES_MAX {
+            return Err(DecodeError::OutOfRange {
+                field: "volume_id",
+                value: self.id as u64,
+            });
+        }
         if self.name.len() > VOLUME_NAME_MAX_BYTES {
             return Err(DecodeError::OutOfRange {
                 field: "volume_name_len",
@@ -277,5 +284,7 @@ pub(crate) mod tests {
         e.dirty_share_pct = Some(0);
         assert!(e.check().is_err());
         assert!(sample(0, "").check().is_ok());
+        assert!(sample(crate::VOLUMES_MAX as u16 - 1, "").check().is_ok());
+        assert!(sample(crate::VOLUMES_MAX as u16, "").check().is_err());
     }
 }

@@ -27,7 +27,7 @@
 
 use crate::codec::{check_magic, crc_with_hole, Reader, Writer};
 use crate::volume_entry::{VolumeEntry, VOLUME_ENTRY_BYTES};
-use crate::{DecodeError, METADATA_AREA_OFFSET, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
+use crate::{DecodeError, METADATA_AREA_OFFSET, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS, VOLUMES_MAX};
 
 pub const VOLUME_TABLE_MAGIC: u64 = u64::from_le_bytes(*b"CAIRNVOL");
 /// The table's own version: the format version that introduced it.
@@ -40,8 +40,6 @@ pub const VOLUME_TABLE_OFFSETS: [u64; 2] = [
     SUPERBLOCK_OFFSETS[1] + SUPERBLOCK_BYTES as u64,
     SUPERBLOCK_OFFSETS[1] + SUPERBLOCK_BYTES as u64 + VOLUME_TABLE_COPY_BYTES as u64,
 ];
-/// At most this many volumes share one cache.
-pub const VOLUMES_MAX: usize = 32;
 
 const HEADER_BYTES: usize = 64;
 const CRC_OFFSET: usize = VOLUME_TABLE_COPY_BYTES - 4;
@@ -116,7 +114,7 @@ impl VolumeTable {
     /// The lowest id no entry holds. An entry in `Removing` keeps its id, so
     /// an id is given again only once no block of its old volume is left.
     pub fn free_id(&self) -> Option<u16> {
-        (0..=u16::MAX).find(|id| self.by_id(*id).is_none())
+        (0..VOLUMES_MAX as u16).find(|id| self.by_id(*id).is_none())
     }
 
     /// Which copy (0 or 1) the table with `sequence` is written to.

@@ -13,7 +13,7 @@ mod state;
 
 pub use state::{BlockState, BlockStatusRun};
 
-use cairn_format::{RangeKind, TAG_DISCARDED};
+use cairn_format::{block_key, RangeKind, TAG_DISCARDED};
 
 use crate::env::Env;
 use crate::error::EngineResult;
@@ -41,7 +41,9 @@ pub(crate) fn block_status(
     length: u64,
 ) -> EngineResult<Vec<BlockStatusRun>> {
     let block_bytes = env.block_size_bytes as u64;
-    let volume_bytes = env.volume_blocks * block_bytes;
+    // The end of the volume `offset` lies in, in the key space.
+    let (volume, _) = env.origins.of_key(offset / block_bytes)?;
+    let volume_bytes = (block_key(volume.id, 0) + volume.blocks) * block_bytes;
     assert!(
         length > 0 && offset < volume_bytes,
         "block status inside the volume"
@@ -90,7 +92,7 @@ fn known_runs(
             match st.index.range_covering(lba) {
                 Some(RangeKind::Zero) => Known::Volume(BlockState::Zero),
                 Some(RangeKind::Discard) => Known::Volume(BlockState::Hole),
-                None if st.tags.as_ref().map(|t| t.get(lba)) == Some(TAG_DISCARDED) => {
+                None if st.tags.as_ref().and_then(|t| t.tag_of(lba)) == Some(TAG_DISCARDED) => {
                     Known::Volume(BlockState::Hole)
                 }
                 None => Known::Origin,
@@ -107,7 +109,14 @@ fn known_runs(
 /// The origin's allocation of a byte range, without the engine lock. An
 /// origin that cannot say, or fails to, reports data.
 fn origin_runs(env: &Env, offset: u64, length: u64) -> Vec<(u64, BlockState)> {
-    match env.origin.allocation(offset, length) {
+    let asked = match env.origin_of_offset(offset) {
+        Ok((volume, at)) => volume
+            .device()
+            .allocation(at, length)
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match asked {
         Ok(runs) => runs
             .into_iter()
             .map(|r| {

@@ -25,19 +25,22 @@ pub(crate) fn degraded_write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineRe
     })?;
     let full_first = offset.div_ceil(block_bytes);
     let full_end = end / block_bytes;
+    // Key-space offsets less `base` are the volume's origin offsets.
+    let (origin, at) = p.env.origin_of_offset(offset)?;
+    let base = offset - at;
     let mut writes: Vec<(u64, &[u8])> = edges
         .iter()
-        .map(|(lba, b)| (lba * block_bytes, b.as_slice()))
+        .map(|(lba, b)| (lba * block_bytes - base, b.as_slice()))
         .collect();
     if full_first < full_end {
         let from = (full_first * block_bytes - offset) as usize;
         let to = (full_end * block_bytes - offset) as usize;
-        writes.push((full_first * block_bytes, &data[from..to]));
+        writes.push((full_first * block_bytes - base, &data[from..to]));
     }
     forget_cached(p, offset / block_bytes, end.div_ceil(block_bytes))?;
     Counters::add(&p.env.counters.degraded_writes, 1);
-    p.env
-        .origin
+    origin
+        .device()
         .write_many_and_flush(&writes)
         .map_err(|e| origin_write_error(p, e))
 }
@@ -72,17 +75,19 @@ pub(crate) fn degraded_zero_range(
         }
     }
     Counters::add(&p.env.counters.degraded_writes, 1);
-    let origin = p.env.origin.as_ref();
+    let (volume, at) = p.env.origin_of_offset(offset)?;
+    let base = offset - at;
+    let origin = volume.device();
     let writes: Vec<(u64, &[u8])> = edges
         .iter()
-        .map(|(lba, b)| (lba * block_bytes, b.as_slice()))
+        .map(|(lba, b)| (lba * block_bytes - base, b.as_slice()))
         .collect();
     origin
         .write_many(&writes)
         .map_err(|e| origin_write_error(p, e))?;
     if full_first < full_end {
         let (at, len) = (
-            full_first * block_bytes,
+            full_first * block_bytes - base,
             (full_end - full_first) * block_bytes,
         );
         match kind {
@@ -95,11 +100,18 @@ pub(crate) fn degraded_zero_range(
 }
 
 /// Degraded: every acknowledged write is durable on the origin already;
-/// flush it anyway, so a FLUSH means what it says whatever happened.
+/// flush the origins anyway, so a FLUSH means what it says whatever
+/// happened.
 pub(crate) fn degraded_flush(p: Parts<'_>) -> EngineResult<()> {
     // A stopped engine answers with its error, as every request does.
     p.env.health.check_running()?;
-    p.env.origin.flush().map_err(|e| origin_write_error(p, e))
+    for volume in p.env.origins.all() {
+        volume
+            .device()
+            .flush()
+            .map_err(|e| origin_write_error(p, e))?;
+    }
+    Ok(())
 }
 
 /// The blocks of `[offset, end)` that the request covers only in part:

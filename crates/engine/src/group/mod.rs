@@ -11,7 +11,7 @@ pub(crate) use group_record::GroupRecord;
 
 use std::collections::BTreeMap;
 
-use cairn_format::{block_checksum, RangeKind, RecordEntry};
+use cairn_format::{block_checksum, key_lba, key_volume, RangeKind, RecordEntry};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -271,9 +271,9 @@ fn verify_final(env: &Env, records: &[GroupRecord], fin: &mut Final) {
     fin.bad = failed;
 }
 
-/// Runs of consecutive addresses, up to 1 MiB each, as slices of the
-/// records' buffers: blocks that also follow each other in one record
-/// become one slice.
+/// Runs of consecutive keys of one volume, up to 1 MiB each, by their
+/// first key, as slices of the records' buffers: blocks that also follow
+/// each other in one record become one slice.
 fn runs<'a>(env: &Env, records: &'a [GroupRecord], fin: &Final) -> Vec<(u64, Vec<&'a [u8]>)> {
     let block_bytes = env.block_size_bytes;
     let mut runs: Vec<(u64, usize, Vec<&'a [u8]>)> = Vec::new(); // (lba, blocks, slices)
@@ -281,8 +281,12 @@ fn runs<'a>(env: &Env, records: &'a [GroupRecord], fin: &Final) -> Vec<(u64, Vec
     for (&lba, &(ri, k, _)) in &fin.blocks {
         let data: &'a [u8] = &records[ri].data;
         let block = &data[k * block_bytes..(k + 1) * block_bytes];
+        // A run stays in one volume: the next volume's first key follows
+        // the last key of a volume of the largest size.
         let extends = runs.last().is_some_and(|(start, blocks, _)| {
-            *start + *blocks as u64 == lba && (*blocks + 1) * block_bytes <= RUN_BYTES_MAX
+            *start + *blocks as u64 == lba
+                && (*blocks + 1) * block_bytes <= RUN_BYTES_MAX
+                && key_volume(*start) == key_volume(lba)
         });
         if !extends {
             runs.push((lba, 1, vec![block]));
@@ -301,37 +305,49 @@ fn runs<'a>(env: &Env, records: &'a [GroupRecord], fin: &Final) -> Vec<(u64, Vec
         last = Some((ri, k));
     }
     runs.into_iter()
-        .map(|(lba, _, slices)| (lba * block_bytes as u64, slices))
+        .map(|(key, _, slices)| (key, slices))
         .collect()
 }
 
-/// Copy one group to the origin: its final state (ranges in order, then
-/// the last valid version of each block, sorted and merged by address),
-/// then one origin flush.
+/// Copy one group to the origins: each volume's final state (ranges in
+/// order, then the last valid version of each block, sorted and merged by
+/// address) to that volume's origin, then one flush of that origin.
 pub(crate) fn apply(env: &Env, records: &[GroupRecord]) -> EngineResult<Applied> {
     let block_bytes = env.block_size_bytes as u64;
     let mut fin = final_choice(env, records);
     verify_final(env, records, &mut fin);
-    let origin = env.origin.as_ref();
     let origin_err = |e| {
         Counters::add(&env.counters.origin_write_errors, 1);
         EngineError::Origin(e)
     };
-    for &(kind, lba, count) in &fin.ranges {
-        let (at, len) = (lba * block_bytes, count * block_bytes);
-        match kind {
-            RangeKind::Zero => origin.write_zeroes(at, len),
-            RangeKind::Discard => origin.discard(at, len),
-        }
-        .map_err(origin_err)?;
-    }
     let runs = runs(env, records, &fin);
-    let writes: Vec<(u64, &[&[u8]])> = runs
+    let volumes: std::collections::BTreeSet<u16> = fin
+        .ranges
         .iter()
-        .map(|(at, slices)| (*at, slices.as_slice()))
+        .map(|r| key_volume(r.1))
+        .chain(fin.blocks.keys().map(|&key| key_volume(key)))
         .collect();
-    origin.write_many_vectored(&writes).map_err(origin_err)?;
-    origin.flush().map_err(origin_err)?;
+    for id in volumes {
+        let Some(volume) = env.origins.get(id) else {
+            return Err(EngineError::NoSuchVolume { volume_id: id });
+        };
+        let origin = volume.device();
+        for &(kind, key, count) in fin.ranges.iter().filter(|r| key_volume(r.1) == id) {
+            let (at, len) = (key_lba(key) * block_bytes, count * block_bytes);
+            match kind {
+                RangeKind::Zero => origin.write_zeroes(at, len),
+                RangeKind::Discard => origin.discard(at, len),
+            }
+            .map_err(origin_err)?;
+        }
+        let writes: Vec<(u64, &[&[u8]])> = runs
+            .iter()
+            .filter(|(key, _)| key_volume(*key) == id)
+            .map(|(key, slices)| (key_lba(*key) * block_bytes, slices.as_slice()))
+            .collect();
+        origin.write_many_vectored(&writes).map_err(origin_err)?;
+        origin.flush().map_err(origin_err)?;
+    }
     Ok(Applied {
         blocks_written: fin.blocks.len() as u64,
         ranges: fin.ranges,

@@ -1,10 +1,11 @@
-//! Per log slot: which origin block it holds, its checksum and its state.
+//! Per log slot: which block it holds (its key: volume and address), its
+//! checksum and its state.
 //!
-//! 40 bits of origin address and 8 bits of state (6 bytes, split into a
-//! `u32` and a `u16` array so both stay naturally aligned) and the block's
-//! crc32c (4 bytes): 10 bytes per slot.
+//! 48 bits of key (a `u32` and a `u16` array, so both stay naturally
+//! aligned; keys take 45, see `cairn_format::KEY_MAX`), 8 bits of state and
+//! the block's crc32c (4 bytes): 11 bytes per slot.
 
-use cairn_format::ORIGIN_BLOCKS_MAX;
+use cairn_format::KEY_MAX;
 
 /// Slot state bits.
 pub(crate) mod state {
@@ -25,16 +26,18 @@ pub(crate) mod state {
 }
 
 pub(crate) struct SlotTable {
-    lba_low: Vec<u32>,
-    lba_high_state: Vec<u16>,
+    key_low: Vec<u32>,
+    key_high: Vec<u16>,
+    state: Vec<u8>,
     crc: Vec<u32>,
 }
 
 impl SlotTable {
     pub(crate) fn new(slot_count: usize) -> SlotTable {
         SlotTable {
-            lba_low: vec![0; slot_count],
-            lba_high_state: vec![0; slot_count],
+            key_low: vec![0; slot_count],
+            key_high: vec![0; slot_count],
+            state: vec![0; slot_count],
             crc: vec![0; slot_count],
         }
     }
@@ -43,13 +46,14 @@ impl SlotTable {
         self.crc.len()
     }
 
+    /// The key of the block in `slot` (for volume 0, its address).
     pub(crate) fn lba(&self, slot: u32) -> u64 {
         let s = slot as usize;
-        self.lba_low[s] as u64 | ((self.lba_high_state[s] & 0xff) as u64) << 32
+        self.key_low[s] as u64 | (self.key_high[s] as u64) << 32
     }
 
     pub(crate) fn state(&self, slot: u32) -> u8 {
-        (self.lba_high_state[slot as usize] >> 8) as u8
+        self.state[slot as usize]
     }
 
     pub(crate) fn crc(&self, slot: u32) -> u32 {
@@ -60,17 +64,17 @@ impl SlotTable {
         self.state(slot) & state::LIVE != 0
     }
 
-    pub(crate) fn set(&mut self, slot: u32, lba: u64, crc: u32, st: u8) {
-        assert!(lba <= ORIGIN_BLOCKS_MAX);
+    pub(crate) fn set(&mut self, slot: u32, key: u64, crc: u32, st: u8) {
+        assert!(key <= KEY_MAX);
         let s = slot as usize;
-        self.lba_low[s] = lba as u32;
-        self.lba_high_state[s] = ((lba >> 32) as u16 & 0xff) | (st as u16) << 8;
+        self.key_low[s] = key as u32;
+        self.key_high[s] = (key >> 32) as u16;
+        self.state[s] = st;
         self.crc[s] = crc;
     }
 
     pub(crate) fn set_state(&mut self, slot: u32, st: u8) {
-        let s = slot as usize;
-        self.lba_high_state[s] = (self.lba_high_state[s] & 0xff) | (st as u16) << 8;
+        self.state[slot as usize] = st;
     }
 
     pub(crate) fn clear(&mut self, slot: u32) {
@@ -78,6 +82,6 @@ impl SlotTable {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.len() * (4 + 2 + 4)
+        self.len() * (4 + 2 + 1 + 4)
     }
 }

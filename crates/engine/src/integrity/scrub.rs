@@ -121,7 +121,9 @@ fn scrub_block(
     // origin.
     if let Some(copy) = copy.filter(|c| tag_matches(tag, lba, c) == Some(true)) {
         let block_bytes = env.block_size_bytes as u64;
-        let origin = env.origin.as_ref();
+        // Tags, and so scrubbing, cover the first volume only.
+        let first = env.origins.first();
+        let origin = first.device();
         match origin
             .write_at(lba * block_bytes, &copy)
             .and_then(|()| origin.flush())

@@ -266,7 +266,7 @@ impl Log {
         clean: bool,
     ) -> EngineResult<()> {
         assert_eq!(block.len(), env.block_size_bytes);
-        assert!(lba < env.volume_blocks);
+        assert!(env.key_valid(lba), "key {lba} of a served volume");
         let crc = block_checksum(lba, block);
         let existing = index.lookup(lba);
         if !clean && existing.is_some() {

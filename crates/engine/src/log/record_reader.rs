@@ -68,12 +68,17 @@ pub(crate) fn check_shape(
                 lba, block_count, ..
             } => (lba, block_count as u64),
         };
-        // Decoding bounds lba by ORIGIN_BLOCKS_MAX and count by u32: no overflow.
-        if lba + count > env.volume_blocks {
+        // Decoding bounds keys by KEY_MAX and count by u32: no overflow.
+        if !env.keys_valid(lba, count) {
+            let id = cairn_format::key_volume(lba);
+            let first = cairn_format::key_lba(lba);
+            let within = match env.origins.get(id) {
+                Some(v) => format!("past the end of the {}-block volume {id}", v.blocks),
+                None => format!("in volume {id}, which the cache does not serve"),
+            };
             return Err(damaged(format!(
-                "blocks {lba}..{} lie past the end of the {}-block volume",
-                lba + count,
-                env.volume_blocks
+                "blocks {first}..{} lie {within}",
+                first + count
             )));
         }
     }

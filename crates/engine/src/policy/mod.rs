@@ -13,10 +13,13 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use hit_filter::HitFilter;
 use sequential::SequentialDetector;
 
+use cairn_format::VOLUMES_MAX;
+
 use crate::options::EngineConfig;
 
 pub(crate) struct Policy {
-    mode: AtomicU8,
+    /// Each volume's cache mode, by volume id.
+    modes: [AtomicU8; VOLUMES_MAX],
     promote_read_misses: bool,
     /// Both changeable while serving (`cairn set`).
     promote_after_misses: AtomicU32,
@@ -26,9 +29,10 @@ pub(crate) struct Policy {
 }
 
 impl Policy {
+    /// A policy whose volumes are all in `mode` until told otherwise.
     pub(crate) fn new(mode: CacheMode, config: &EngineConfig) -> Policy {
         Policy {
-            mode: AtomicU8::new(mode.code()),
+            modes: std::array::from_fn(|_| AtomicU8::new(mode.code())),
             promote_read_misses: config.promote_read_misses,
             promote_after_misses: AtomicU32::new(config.promote_after_misses.max(1)),
             sequential_cutoff_bytes: AtomicU64::new(config.sequential_cutoff_bytes),
@@ -37,12 +41,24 @@ impl Policy {
         }
     }
 
+    /// The first volume's mode.
     pub(crate) fn mode(&self) -> CacheMode {
-        CacheMode::from_code(self.mode.load(Ordering::Relaxed)).unwrap_or(CacheMode::WriteBack)
+        self.mode_of(0)
     }
 
+    /// The mode of volume `volume` (ids are below `VOLUMES_MAX`).
+    pub(crate) fn mode_of(&self, volume: u16) -> CacheMode {
+        let code = self.modes[volume as usize].load(Ordering::Relaxed);
+        CacheMode::from_code(code).unwrap_or(CacheMode::WriteBack)
+    }
+
+    /// Set the first volume's mode.
     pub(crate) fn set_mode(&self, mode: CacheMode) {
-        self.mode.store(mode.code(), Ordering::SeqCst);
+        self.set_mode_of(0, mode);
+    }
+
+    pub(crate) fn set_mode_of(&self, volume: u16, mode: CacheMode) {
+        self.modes[volume as usize].store(mode.code(), Ordering::SeqCst);
     }
 
     /// Note a client read; true if it continues a sequential stream past
@@ -57,8 +73,8 @@ impl Policy {
 
     /// Are this read's misses promoted at all (mode, configuration, the
     /// sequential cutoff's verdict)?
-    pub(crate) fn promotes_misses(&self, bypassed: bool) -> bool {
-        self.promote_read_misses && self.mode().caches_reads() && !bypassed
+    pub(crate) fn promotes_misses(&self, volume: u16, bypassed: bool) -> bool {
+        self.promote_read_misses && self.mode_of(volume).caches_reads() && !bypassed
     }
 
     /// Count a miss of `lba`; true once it is due for promotion (its Nth

@@ -21,8 +21,8 @@ mod recheck;
 pub(crate) use recheck::read_block_slow;
 pub(crate) use recheck::verify_origin_read;
 
-use cairn_device::{BufSlice, DeviceError, DeviceResult, PooledBuf, SharedBuf};
-use cairn_format::block_checksum;
+use cairn_device::{BufSlice, Device, DeviceError, DeviceResult, PooledBuf, SharedBuf};
+use cairn_format::{block_checksum, key_lba};
 use smallvec::SmallVec;
 
 use crate::env::Env;
@@ -86,7 +86,12 @@ pub(crate) async fn read_blocks(
         Err(e) => return (Some(Err(e)), buf),
     };
     let ios = ios(&plans);
-    let (buf, failures) = run_ios(env, first_lba, buf, &ios).await;
+    // A request lies in one volume: its misses go to that volume's origin.
+    let volume = match env.origins.of_key(first_lba) {
+        Ok((volume, _)) => volume,
+        Err(e) => return (Some(Err(e)), buf),
+    };
+    let (buf, failures) = run_ios(env, volume.device(), first_lba, buf, &ios).await;
     let mut buf = buf;
     let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
@@ -155,7 +160,13 @@ fn ios(plans: &[Plan]) -> Ios {
 
 /// Step 2: every read at once; the buffer back, and the reads that failed
 /// (by index into `ios`).
-async fn run_ios(env: &Env, first_lba: u64, buf: PooledBuf, ios: &[Io]) -> (PooledBuf, Failures) {
+async fn run_ios(
+    env: &Env,
+    origin: &dyn Device,
+    first_lba: u64,
+    buf: PooledBuf,
+    ios: &[Io],
+) -> (PooledBuf, Failures) {
     let block_bytes = env.block_size_bytes;
     let shared = SharedBuf::new(buf);
     let slice_of = |io: &Io| shared.slice(io.first * block_bytes..io.end * block_bytes);
@@ -163,14 +174,14 @@ async fn run_ios(env: &Env, first_lba: u64, buf: PooledBuf, ios: &[Io]) -> (Pool
         [] => Failures::new(),
         // One read (most requests): awaited as it is, without a join.
         [io] => {
-            let (result, slice) = start_read(env, first_lba, io, slice_of(io)).await;
+            let (result, slice) = start_read(env, origin, first_lba, io, slice_of(io)).await;
             drop(slice);
             std::iter::once(result.err()).collect()
         }
         _ => {
             let reads: Vec<_> = ios
                 .iter()
-                .map(|io| start_read(env, first_lba, io, slice_of(io)))
+                .map(|io| start_read(env, origin, first_lba, io, slice_of(io)))
                 .collect();
             cairn_io::join_all(reads)
                 .await
@@ -191,6 +202,7 @@ async fn run_ios(env: &Env, first_lba: u64, buf: PooledBuf, ios: &[Io]) -> (Pool
 
 fn start_read<'a>(
     env: &'a Env,
+    origin: &'a dyn Device,
     first_lba: u64,
     io: &Io,
     slice: BufSlice,
@@ -205,14 +217,14 @@ fn start_read<'a>(
             }
         }
         Source::Origin => {
-            let at = (first_lba + io.first as u64) * env.block_size_bytes as u64;
+            let at = key_lba(first_lba + io.first as u64) * env.block_size_bytes as u64;
             Box::pin(async move {
                 // Bounded origin concurrency: a miss beyond it waits here.
                 if env.origin_slots.acquire(1).await {
                     Counters::add(&env.counters.origin_queue_waits, 1);
                 }
                 let _slot = OriginSlot(env);
-                env.origin.read_into(at, slice).await
+                origin.read_into(at, slice).await
             })
         }
     }

@@ -90,7 +90,7 @@ pub(crate) fn read_block_slow(
     );
     env.read_origin(lba, block)?;
     // The lock is held: the tag cannot move under this check.
-    let tag = st.tags.as_ref().map(|t| t.get(lba));
+    let tag = st.tags.as_ref().and_then(|t| t.tag_of(lba));
     check_origin_data(env, lba, block, tag)?;
     st.index.retire(now_slot);
     if space::promote(env, &mut st, lba, block)? {

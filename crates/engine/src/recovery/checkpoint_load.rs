@@ -88,13 +88,13 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         let entry = CheckpointEntry::decode(&mut reader)
             .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
         index
-            .load_entry(&entry, env.volume_blocks)
+            .load_entry(&entry, |key| env.key_valid(key))
             .map_err(|detail| checkpoint_damaged(env, detail))?;
     }
     for _ in 0..header.range_count {
         let range = PendingRange::decode(&mut reader)
             .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
-        if range.start_lba + range.block_count > env.volume_blocks {
+        if !env.keys_valid(range.start_lba, range.block_count) {
             return Err(checkpoint_damaged(env, format!("bad range {range:?}")));
         }
         index.load_range(&range);
@@ -103,7 +103,7 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         let lba = reader
             .u64()
             .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
-        if lba >= env.volume_blocks {
+        if !env.key_valid(lba) {
             return Err(checkpoint_damaged(env, format!("bad lost block {lba}")));
         }
         index.load_lost(lba);

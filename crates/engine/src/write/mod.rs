@@ -101,7 +101,9 @@ pub(crate) fn zero_range(
         lba += count;
     }
     drop(st);
-    let mode = p.policy.mode();
+    let mode = p
+        .policy
+        .mode_of(cairn_format::key_volume(offset / block_bytes));
     if mode != CacheMode::WriteBack {
         write_through(p, mode, offset / block_bytes, end.div_ceil(block_bytes))?;
     }

@@ -40,7 +40,7 @@ pub(crate) fn write_partial(
                     }
                 }
                 env.read_origin(lba, &mut block)?;
-                let tag = st.tags.as_ref().map(|t| t.get(lba));
+                let tag = st.tags.as_ref().and_then(|t| t.tag_of(lba));
                 check_origin_data(env, lba, &block, tag)?;
                 Counters::add(&env.counters.repairs, 1);
             }

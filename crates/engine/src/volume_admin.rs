@@ -1,0 +1,120 @@
+//! Adding a volume to a cache that is open: a new origin, its own NBD
+//! export name, blocks named by keys with its id.
+//!
+//! The change is one volume table write: the table with the new entry
+//! into the copy the superblock does not name, a barrier, then the
+//! superblock that names it and holds the new volume's positions (see
+//! `State::write_volume_table`). A crash before that superblock is durable
+//! leaves the cache as it was; nothing of the new volume is in the log
+//! until requests reach it, which they do only once the call returns.
+
+use std::sync::Arc;
+
+use cairn_device::Device;
+use cairn_format::{
+    origin_identity_for_superblock, SuperblockVolumes, VolumeEntry, VolumePosition, VolumeState,
+    VolumeTable,
+};
+
+use crate::error::{EngineError, EngineResult};
+use crate::parts::Parts;
+use crate::policy::CacheMode;
+use crate::volume_origin::VolumeOrigin;
+
+/// What a new volume is: its name (the NBD export name), mode and
+/// whether it keeps integrity tags.
+#[derive(Debug, Clone)]
+pub struct NewVolume {
+    pub name: String,
+    pub mode: CacheMode,
+    pub integrity: bool,
+}
+
+/// Add a volume on `origin`. Returns its entry as written.
+pub(crate) fn add(
+    p: Parts<'_>,
+    origin: Arc<dyn Device>,
+    new: &NewVolume,
+) -> EngineResult<VolumeEntry> {
+    let env = p.env;
+    let invalid = |detail: String| EngineError::InvalidVolume {
+        device: env.cache.name().to_string(),
+        detail,
+    };
+    if new.integrity {
+        // The tag area was sized at format for the first volume's origin.
+        return Err(invalid(
+            "integrity tags are kept for the first volume only (its tag area was sized when the cache was formatted); add this volume without integrity".into(),
+        ));
+    }
+    crate::format::check_origin_size(origin.as_ref(), env.block_size_bytes as u32)?;
+    let identity = origin_identity_for_superblock(&origin.identity()).to_string();
+    let mut st = p.state.normal(env)?;
+    let table = &st.volumes;
+    if let Some(existing) = table.by_name(&new.name) {
+        return Err(EngineError::VolumeExists {
+            name: existing.name.clone(),
+        });
+    }
+    // Two volumes writing back to one origin would overwrite each other.
+    if let Some(existing) = table
+        .volumes()
+        .iter()
+        .find(|v| v.origin_identity == identity)
+    {
+        return Err(EngineError::OriginInUse {
+            origin: identity,
+            name: existing.name.clone(),
+        });
+    }
+    let id = table.free_id().ok_or(EngineError::TooManyVolumes {
+        max: cairn_format::VOLUMES_MAX,
+    })?;
+    let entry = VolumeEntry {
+        id,
+        state: VolumeState::Active,
+        name: new.name.clone(),
+        origin_identity: identity,
+        origin_size_bytes: origin.size_bytes(),
+        mode: new.mode.code(),
+        integrity: false,
+        dirty_share_pct: None,
+        settings: Default::default(),
+    };
+    let mut volumes = table.volumes().to_vec();
+    volumes.push(entry.clone());
+    let next = VolumeTable::new(table.sequence, table.uuid, volumes)
+        .map_err(|e| invalid(e.to_string()))?;
+    // The volume has nothing in the log yet: its write-back position is
+    // the cache's.
+    let floor = st.superblock.writeback_offset;
+    let SuperblockVolumes::V2 { positions, .. } = &mut st.superblock.volumes else {
+        // Only a degraded format 1 cache keeps a v1 superblock, and the
+        // normal path refused it above.
+        unreachable!("a cache taking writes is format 2");
+    };
+    positions.push(VolumePosition {
+        id,
+        writeback_offset: floor,
+        recalc_position_blocks: 0,
+    });
+    if let Err(e) = st.write_volume_table(env, next) {
+        if let SuperblockVolumes::V2 { positions, .. } = &mut st.superblock.volumes {
+            positions.retain(|p| p.id != id);
+        }
+        return Err(e);
+    }
+    p.policy.set_mode_of(id, new.mode);
+    env.origins.insert(VolumeOrigin {
+        id,
+        blocks: entry.origin_size_bytes / env.block_size_bytes as u64,
+        device: origin,
+    });
+    tracing::info!(
+        volume = entry.name,
+        id,
+        origin = entry.origin_identity,
+        "volume added"
+    );
+    Ok(entry)
+}

@@ -1,0 +1,362 @@
+//! Several volumes on one cache (issue 16): each volume its own origin and
+//! size, its blocks named by keys with its id, one shared log and index.
+//!
+//! - a seeded workload over three volumes (different sizes and modes),
+//!   checked against a model per volume after every read, a clean reopen,
+//!   a crash at a flush and a drain (each origin equals its volume);
+//! - adding a volume cut after every device write: every crash state opens
+//!   with the volumes it had or the new one, and loses nothing;
+//! - crash states of a workload over three volumes: each block holds its
+//!   last durably acknowledged value or a later one;
+//! - the errors a user can cause: a name or an origin twice, integrity on
+//!   an added volume, an unknown volume, a request past a volume's end.
+
+mod common;
+use common::*;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cairn_device::{build_crash_image, CrashPlan, Device, Journal, JournalEvent, SimDevice};
+use cairn_engine::{CacheMode, Engine, EngineError, FormatOptions, NewVolume, VolumeEntry};
+use common::crash_check::Shadow;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Volume sizes in blocks: the first (formatted) and two added ones.
+const SIZES: [u64; 3] = [256, 512, 96];
+const MODES: [CacheMode; 3] = [
+    CacheMode::WriteBack,
+    CacheMode::WriteBack,
+    CacheMode::WriteThrough,
+];
+
+struct Volumes {
+    cache: SimDevice,
+    /// By volume id.
+    origins: Vec<SimDevice>,
+    engine: Option<Engine>,
+}
+
+fn new_volume(name: &str, mode: CacheMode) -> NewVolume {
+    NewVolume {
+        name: name.into(),
+        mode,
+        integrity: false,
+    }
+}
+
+/// Open `cache`, each volume on the origin of `origins` with its identity.
+fn open_all(cache: &SimDevice, origins: &[SimDevice]) -> Result<Engine, EngineError> {
+    let by_identity: HashMap<String, SimDevice> =
+        origins.iter().map(|o| (o.identity(), o.clone())).collect();
+    Engine::open_volumes(
+        Arc::new(cache.clone()),
+        &mut |v: &VolumeEntry| {
+            by_identity
+                .get(&v.origin_identity)
+                .map(|o| Arc::new(o.clone()) as Arc<dyn Device>)
+                .ok_or_else(|| EngineError::VolumeOriginMissing {
+                    name: v.name.clone(),
+                    origin: v.origin_identity.clone(),
+                })
+        },
+        &open_opts(),
+    )
+}
+
+impl Volumes {
+    /// A cache formatted on the first origin, with the other two added.
+    fn new(cache_bytes: u64) -> Volumes {
+        let cache = SimDevice::new("cache", cache_bytes);
+        let origins: Vec<SimDevice> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(i, &blocks)| SimDevice::new(&format!("origin{i}"), blocks * BS))
+            .collect();
+        Engine::format(
+            Arc::new(cache.clone()),
+            Arc::new(origins[0].clone()),
+            &FormatOptions::default(),
+        )
+        .expect("format");
+        let engine = open_all(&cache, &origins[..1]).expect("open");
+        for (i, origin) in origins.iter().enumerate().skip(1) {
+            let entry = engine
+                .add_volume(
+                    Arc::new(origin.clone()),
+                    &new_volume(&format!("vol{i}"), MODES[i]),
+                )
+                .expect("add");
+            assert_eq!(entry.id as usize, i);
+        }
+        Volumes {
+            cache,
+            origins,
+            engine: Some(engine),
+        }
+    }
+
+    fn engine(&self) -> &Engine {
+        self.engine.as_ref().expect("open")
+    }
+
+    fn reopen_clean(&mut self) {
+        let engine = self.engine.take().expect("open");
+        engine.close().expect("close");
+        drop(engine);
+        self.engine = Some(open_all(&self.cache, &self.origins).expect("reopen"));
+    }
+}
+
+fn read_all(engine: &Engine, volume: u16) -> Result<Vec<u8>, EngineError> {
+    let size = engine.volume_size_bytes(volume)?;
+    let mut buf = vec![0u8; size as usize];
+    for (i, chunk) in buf.chunks_mut(32 * BS as usize).enumerate() {
+        engine.read_in(volume, i as u64 * 32 * BS, chunk)?;
+    }
+    Ok(buf)
+}
+
+/// One op of `workload` on `volume`, mirrored in its model. Flushes,
+/// write-back, drains and checkpoints are the cache's, not a volume's.
+fn apply(vols: &mut Volumes, volume: u16, model: &mut Model, op: &Op, ctx: &str) {
+    let e = vols.engine();
+    match *op {
+        Op::Write {
+            offset,
+            len,
+            fua,
+            seed,
+        } => {
+            let data = pattern(seed, len as usize);
+            e.write_in(volume, offset, &data, fua).expect(ctx);
+            model.write(offset, &data);
+        }
+        Op::Read { offset, len } => {
+            let mut buf = vec![0u8; len as usize];
+            e.read_in(volume, offset, &mut buf).expect(ctx);
+            let want = &model.image[offset as usize..(offset + len) as usize];
+            assert!(buf == want, "{ctx}: read of {offset}+{len} differs");
+        }
+        Op::Flush => e.flush().expect(ctx),
+        Op::Discard { offset, len } => {
+            e.discard_in(volume, offset, len).expect(ctx);
+            model.discard(offset, len);
+        }
+        Op::Zero { offset, len } => {
+            e.write_zeroes_in(volume, offset, len).expect(ctx);
+            model.zero(offset, len);
+        }
+        Op::WritebackStep => {
+            e.writeback_step().expect(ctx);
+        }
+        Op::Drain => {
+            e.drain().expect(ctx);
+        }
+        Op::Checkpoint => e.checkpoint().expect(ctx),
+        Op::ReopenClean => vols.reopen_clean(),
+        Op::SetMode(_) => {}
+    }
+}
+
+#[test]
+fn three_volumes_keep_their_own_data_through_writeback_reopen_and_crash() {
+    for seed in seeds(6) {
+        let ctx = |step: usize| format!("seed {seed} step {step}; {}", repro("volumes", seed));
+        // The log is smaller than the three volumes together: eviction and
+        // write-back for space mix the volumes' blocks.
+        let mut vols = Volumes::new(cache_bytes_small());
+        let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
+        let mut workloads: Vec<Workload> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| Workload::new(seed * 10 + i as u64, b))
+            .collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for step in 0..1500 {
+            let v = rng.gen_range(0..SIZES.len());
+            let op = workloads[v].next_op();
+            apply(&mut vols, v as u16, &mut models[v], &op, &ctx(step));
+            if step % 500 == 499 {
+                // A crash right after a flush: everything is in the log.
+                vols.engine().flush().expect("flush");
+                let crashed = SimDevice::from_image("cache", vols.cache.durable_image());
+                let origins: Vec<SimDevice> = vols
+                    .origins
+                    .iter()
+                    .enumerate()
+                    .map(|(i, o)| SimDevice::from_image(&format!("origin{i}"), o.durable_image()))
+                    .collect();
+                let engine =
+                    open_all(&crashed, &origins).unwrap_or_else(|e| panic!("{}: {e}", ctx(step)));
+                for (i, model) in models.iter().enumerate() {
+                    let got = read_all(&engine, i as u16)
+                        .unwrap_or_else(|e| panic!("{}: {e}", ctx(step)));
+                    assert!(
+                        got == model.image,
+                        "{}: volume {i} after a crash",
+                        ctx(step)
+                    );
+                }
+            }
+        }
+        vols.engine().flush().expect("flush");
+        vols.engine().drain().expect("drain");
+        for (i, model) in models.iter().enumerate() {
+            let got = read_all(vols.engine(), i as u16).expect("read");
+            assert!(got == model.image, "seed {seed}: volume {i} at the end");
+            assert!(
+                vols.origins[i].live_image() == model.image,
+                "seed {seed}: origin {i} after a drain differs from its volume"
+            );
+        }
+        vols.reopen_clean();
+        for (i, model) in models.iter().enumerate() {
+            let got = read_all(vols.engine(), i as u16).expect("read");
+            assert!(got == model.image, "seed {seed}: volume {i} after a reopen");
+        }
+    }
+}
+
+#[test]
+fn adding_a_volume_cut_at_any_write_keeps_every_volume() {
+    let cache = SimDevice::new("cache", cache_bytes_small());
+    let first = SimDevice::new("first", 64 * BS);
+    let second = SimDevice::new("second", 32 * BS);
+    Engine::format(
+        Arc::new(cache.clone()),
+        Arc::new(first.clone()),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    let engine = open(&cache, &first).expect("open");
+    let data = pattern(7, 16 * BS as usize);
+    engine.write(8 * BS, &data, false).expect("write");
+    engine.flush().expect("flush");
+    // The device as the add finds it, then every write and flush of the
+    // add replayed onto it.
+    let mut replay = Shadow::of(&cache);
+    let journal = Journal::default();
+    cache.attach_journal(&journal, 0);
+    engine
+        .add_volume(
+            Arc::new(second.clone()),
+            &new_volume("second", CacheMode::WriteBack),
+        )
+        .expect("add");
+    let events = journal.since(0);
+    assert!(events.len() >= 4, "the add wrote: {events:?}");
+    drop(engine);
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    let (mut with, mut without) = (0u32, 0u32);
+    for (cut, event) in events.iter().enumerate() {
+        match event {
+            JournalEvent::Write { offset, data, .. } => replay.write(*offset, data),
+            JournalEvent::Flush { .. } => replay.flush(),
+        }
+        let mut plans = vec![CrashPlan::DropAll, CrashPlan::KeepAll, CrashPlan::TearAll];
+        plans.extend(
+            [CrashPlan::Random {
+                keep: 0.5,
+                tear: 0.3,
+            }; 4],
+        );
+        for plan in plans {
+            let image = build_crash_image(&replay.durable, &replay.pending, plan, &mut rng);
+            let crashed = SimDevice::from_image("cache", image);
+            let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
+            let engine = open_all(&crashed, &[first.clone(), second.clone()]).unwrap_or_else(|e| {
+                panic!("{ctx}: {e}");
+            });
+            match engine.volume_table().volumes().len() {
+                1 => without += 1,
+                2 => {
+                    with += 1;
+                    let got = read_all(&engine, 1).expect(&ctx);
+                    assert!(
+                        got.iter().all(|&b| b == 0),
+                        "{ctx}: the new volume reads its origin"
+                    );
+                }
+                n => panic!("{ctx}: {n} volumes"),
+            }
+            let mut got = vec![0u8; data.len()];
+            engine.read(8 * BS, &mut got).expect(&ctx);
+            assert!(got == data, "{ctx}: the first volume's flushed data");
+        }
+    }
+    report!(
+        "volume add: {} cut points, {} crash states with the new volume, {} without",
+        events.len(),
+        with,
+        without
+    );
+    assert!(with > 0 && without > 0, "both sides of the add were cut");
+}
+
+#[test]
+fn a_user_cannot_add_a_volume_twice_or_reach_one_that_is_not_there() {
+    let vols = Volumes::new(cache_bytes_small());
+    let e = vols.engine();
+    let twice = e.add_volume(
+        Arc::new(SimDevice::new("fresh", 16 * BS)),
+        &new_volume("vol1", CacheMode::WriteBack),
+    );
+    assert!(
+        matches!(twice, Err(EngineError::VolumeExists { .. })),
+        "{twice:?}"
+    );
+    let same_origin = e.add_volume(
+        Arc::new(vols.origins[2].clone()),
+        &new_volume("other", CacheMode::WriteBack),
+    );
+    assert!(
+        matches!(same_origin, Err(EngineError::OriginInUse { .. })),
+        "{same_origin:?}"
+    );
+    let tagged = e.add_volume(
+        Arc::new(SimDevice::new("tagged", 16 * BS)),
+        &NewVolume {
+            integrity: true,
+            ..new_volume("tagged", CacheMode::WriteBack)
+        },
+    );
+    assert!(
+        matches!(tagged, Err(EngineError::InvalidVolume { .. })),
+        "{tagged:?}"
+    );
+    let long_name = e.add_volume(
+        Arc::new(SimDevice::new("long", 16 * BS)),
+        &new_volume(&"n".repeat(200), CacheMode::WriteBack),
+    );
+    assert!(
+        matches!(long_name, Err(EngineError::InvalidVolume { .. })),
+        "{long_name:?}"
+    );
+    let mut buf = vec![0u8; BS as usize];
+    assert!(matches!(
+        e.read_in(7, 0, &mut buf),
+        Err(EngineError::NoSuchVolume { volume_id: 7 })
+    ));
+    // Each volume's own size bounds its requests.
+    let end = SIZES[2] * BS;
+    assert!(e.read_in(2, end - BS, &mut buf).is_ok());
+    assert!(matches!(
+        e.write_in(2, end, &buf, false),
+        Err(EngineError::OutOfRange { size_bytes, .. }) if size_bytes == end
+    ));
+    assert_eq!(
+        e.volume_table().volumes().len(),
+        3,
+        "nothing refused was added"
+    );
+    // Opening without the added volumes' origins names what is missing.
+    drop(vols.engine);
+    let missing = open_all(&vols.cache, &vols.origins[..1]);
+    assert!(
+        matches!(&missing, Err(EngineError::VolumeOriginMissing { name, .. }) if name == "vol1"),
+        "{:?}",
+        missing.err()
+    );
+}
