@@ -305,3 +305,6 @@ fn check_text(text: &str) -> Result<(), &'static str> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;
