@@ -257,7 +257,7 @@ pub enum ServerError {
     SocketActivation(String),
     #[error("cannot start server threads: {0}")]
     Spawn(#[source] io::Error),
-    #[error("final flush of an export failed: {0}")]
+    #[error("final flush of the export failed: {0}")]
     FinalFlush(#[source] ExportError),
     #[error("the listening socket failed: {0}")]
     Listener(#[source] io::Error),
@@ -734,9 +734,9 @@ fn drain(shared: &Arc<Shared>) -> Result<(), ServerError> {
     // Every export is flushed, even after one failed; the first failure
     // is the one reported.
     let mut failure = None;
-    for export in shared.exports.all() {
+    for (name, export) in shared.exports.all() {
         if let Err(e) = export.flush() {
-            tracing::error!(error = %e, "final flush of an export failed");
+            tracing::error!(export = name, error = %e, "final flush of the export failed");
             failure.get_or_insert(e);
         }
     }

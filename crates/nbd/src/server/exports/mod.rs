@@ -269,10 +269,14 @@ impl Exports {
         Some(Attachment::new(entry.clone(), token))
     }
 
-    /// Every export in the set (for the final flush).
-    pub(crate) fn all(&self) -> Vec<Arc<dyn Export>> {
+    /// Every export in the set, by name (for the final flush).
+    pub(crate) fn all(&self) -> Vec<(String, Arc<dyn Export>)> {
         let state = self.state();
-        state.by_name.values().map(|e| e.export.clone()).collect()
+        state
+            .by_name
+            .values()
+            .map(|e| (e.name.clone(), e.export.clone()))
+            .collect()
     }
 }
 
