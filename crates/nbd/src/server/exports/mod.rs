@@ -62,6 +62,16 @@ impl State {
     }
 }
 
+impl std::fmt::Debug for Exports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.state();
+        f.debug_struct("Exports")
+            .field("names", &state.by_name.keys().collect::<Vec<_>>())
+            .field("default_name", &state.default_name)
+            .finish()
+    }
+}
+
 impl Exports {
     /// The most exports one set holds (NBD_OPT_LIST lists them all).
     pub const MAX_EXPORTS: usize = 256;
@@ -202,9 +212,14 @@ impl Exports {
 
     /// The export called `name` (also while it is being removed).
     pub fn get(&self, name: &str) -> Option<ExportStatus> {
-        let mut state = self.state();
-        state.prune();
-        state.by_name.get(name).map(|entry| status(entry))
+        let entry = {
+            let mut state = self.state();
+            state.prune();
+            state.by_name.get(name).cloned()
+        };
+        // The export's size is asked outside the registry's lock, which
+        // every handshake takes.
+        entry.map(|entry| status(&entry))
     }
 
     /// The export itself, if `name` is offered (not being removed).
@@ -222,9 +237,12 @@ impl Exports {
     /// Every export, by name, with its connection count (those being
     /// removed too, marked so).
     pub fn list(&self) -> Vec<ExportStatus> {
-        let mut state = self.state();
-        state.prune();
-        state.by_name.values().map(|entry| status(entry)).collect()
+        let entries: Vec<Arc<ExportEntry>> = {
+            let mut state = self.state();
+            state.prune();
+            state.by_name.values().cloned().collect()
+        };
+        entries.iter().map(|entry| status(entry)).collect()
     }
 
     pub fn len(&self) -> usize {
