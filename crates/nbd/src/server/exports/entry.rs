@@ -105,11 +105,18 @@ impl ExportEntry {
         users.open.len()
     }
 
-    /// Wait until no connection uses the export, or `deadline`; the
-    /// connections still open.
-    pub(crate) fn wait_unused(&self, deadline: Instant) -> usize {
+    /// Wait until no connection uses the export, or `deadline` (`None`:
+    /// no deadline); the connections still open.
+    pub(crate) fn wait_unused(&self, deadline: Option<Instant>) -> usize {
         let mut users = self.users();
         while !users.open.is_empty() {
+            let Some(deadline) = deadline else {
+                users = self
+                    .left
+                    .wait(users)
+                    .unwrap_or_else(PoisonError::into_inner);
+                continue;
+            };
             let now = Instant::now();
             if now >= deadline {
                 break;

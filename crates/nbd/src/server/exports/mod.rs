@@ -183,7 +183,8 @@ impl Exports {
             connections = closed,
             "removing export: its connections were shut down"
         );
-        let left = entry.wait_unused(Instant::now() + wait);
+        // A wait too long to be a deadline is no deadline.
+        let left = entry.wait_unused(Instant::now().checked_add(wait));
         let mut state = self.state();
         state.prune();
         if left > 0 {

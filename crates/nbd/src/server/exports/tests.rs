@@ -283,3 +283,19 @@ fn a_session_for_a_replaced_export_is_not_attached_to_the_new_one() {
     );
     assert_ne!(exports.resolve(b"v").unwrap().id, old_id);
 }
+
+#[test]
+fn an_unbounded_wait_is_no_deadline() {
+    let exports = Exports::new();
+    exports
+        .add("v", mem(4096), ExportOptions::default())
+        .unwrap();
+    let (_client, held) = connect(&exports, "v");
+    let ending = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        drop(held);
+    });
+    let removed = exports.remove_within("v", true, Duration::MAX).unwrap();
+    assert_eq!(removed.connections_closed, 1);
+    ending.join().unwrap();
+}
