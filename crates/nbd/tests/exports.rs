@@ -604,11 +604,12 @@ except nbd.Error as e:
 }
 
 /// An export whose reads wait at a gate until the test opens it: a
-/// request stuck in flight.
+/// request stuck in flight. Its size can be slow to tell, too.
 struct Gated {
     inner: MemExport,
     gate: Mutex<(bool, usize)>,
     changed: Condvar,
+    size_delay: Duration,
 }
 
 impl Gated {
@@ -617,7 +618,19 @@ impl Gated {
             inner: MemExport::new(size_bytes),
             gate: Mutex::new((false, 0)),
             changed: Condvar::new(),
+            size_delay: Duration::ZERO,
         }
+    }
+
+    /// Open, but taking `delay` to tell its size (which a handshake asks
+    /// between looking the export up and entering transmission).
+    fn slow_to_size(size_bytes: u64, delay: Duration) -> Gated {
+        let gated = Gated {
+            size_delay: delay,
+            ..Gated::new(size_bytes)
+        };
+        gated.open();
+        gated
     }
 
     fn waiting(&self) -> usize {
@@ -632,6 +645,7 @@ impl Gated {
 
 impl Export for Gated {
     fn size_bytes(&self) -> u64 {
+        std::thread::sleep(self.size_delay);
         self.inner.size_bytes()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
@@ -762,5 +776,77 @@ fn shutdown_flushes_every_export() {
     three.server.shutdown();
     for export in [&three.default, &three.alpha, &three.beta] {
         assert_eq!(export.counters.flushes.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// Clients keep choosing an export that is removed (by force) and added
+/// again, with another size and other data, as fast as possible: every
+/// client that gets in is served the very export whose size it was told,
+/// or sees its connection end; nothing else.
+#[test]
+fn clients_racing_removal_and_addition_get_the_export_they_were_told_of() {
+    let exports = Exports::new();
+    let server = TestServer::start_exports(exports.clone(), ServerConfig::default());
+    let socket = server.socket.clone();
+    // Generation g: size (g % 4 + 1) MiB, every byte of block 0 is g. It
+    // takes a millisecond to tell its size, so removals land between a
+    // client's GO and its start of transmission.
+    let add = |g: u8| {
+        let size_bytes = (g as u64 % 4 + 1) * MIB;
+        let export = Arc::new(Gated::slow_to_size(size_bytes, Duration::from_millis(1)));
+        export.write(0, &[g; 512], false).unwrap();
+        exports
+            .add("churn", export, ExportOptions::default())
+            .unwrap();
+    };
+    add(0);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let served = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let clients: Vec<_> = (0..3)
+        .map(|_| {
+            let (socket, stop, served) = (socket.clone(), stop.clone(), served.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let Ok(mut c) = Client::connect(&socket) else {
+                        continue;
+                    };
+                    let Ok(replies) = c.option(OPT_GO, &info_data("churn", &[])) else {
+                        continue;
+                    };
+                    if replies.last().map(|r| r.reply_type) != Some(REP_ACK) {
+                        continue;
+                    }
+                    let size = replies
+                        .iter()
+                        .find(|r| {
+                            r.reply_type == REP_INFO && r.data[0..2] == INFO_EXPORT.to_be_bytes()
+                        })
+                        .map(|r| u64::from_be_bytes(r.data[2..10].try_into().unwrap()))
+                        .expect("INFO_EXPORT before the ACK");
+                    // The connection may end at any point; a reply that
+                    // comes must be the told export's data.
+                    if let Ok(Ok(data)) = c.read(0, 512) {
+                        let g = data[0];
+                        assert_eq!(data, vec![g; 512]);
+                        assert_eq!(size, (g as u64 % 4 + 1) * MIB, "served another export");
+                        served.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for g in 1..=60u8 {
+        std::thread::sleep(Duration::from_millis(5));
+        exports.remove("churn", true).unwrap();
+        add(g);
+    }
+    eprintln!(
+        "clients served while the export was replaced 60 times: {}",
+        served.load(Ordering::SeqCst)
+    );
+    eventually("some clients served", || served.load(Ordering::SeqCst) > 10);
+    stop.store(true, Ordering::SeqCst);
+    for c in clients {
+        c.join().expect("a client thread failed");
     }
 }
