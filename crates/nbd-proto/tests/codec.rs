@@ -3,13 +3,16 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use cairn_nbd_proto::codec::harness::{self, HarnessEnd};
 use cairn_nbd_proto::codec::reply::{
     encode_block_status, encode_read_prefix, read_prefix_bytes, Descriptor,
 };
 use cairn_nbd_proto::codec::{
-    decode_request, BlockSizes, Command, ExportInfo, Limits, Negotiation, NegotiationStep,
-    ProtocolError, ReplyMode, ReplyTo, RequestAction, RequestDecode, Session, TlsPolicy,
+    decode_request, BlockSizes, Command, ExportCatalog, ExportInfo, ExportList, Limits,
+    Negotiation, NegotiationStep, ProtocolError, ReplyMode, ReplyTo, RequestAction, RequestDecode,
+    Session, TlsPolicy, MAX_LISTED_EXPORTS,
 };
 use cairn_nbd_proto::proto::*;
 use common::*;
@@ -23,6 +26,7 @@ const SIZE: u64 = 1 << 20;
 
 fn export() -> ExportInfo {
     ExportInfo {
+        id: 0,
         name: "disk".to_string(),
         description: Some("test disk".to_string()),
         size_bytes: SIZE,
@@ -119,6 +123,8 @@ fn session(mode: ReplyMode) -> Session {
         block_sizes: BlockSizes::default(),
         read_only: false,
         tls: false,
+        export_id: 0,
+        export_name: String::new(),
     }
 }
 
@@ -358,7 +364,10 @@ fn unknown_options_get_unsup_and_parsing_continues() {
             (OPT_LIST, REP_ERR_INVALID),
         ]
     );
-    assert_eq!(&d.replies[4].data[4..], b"disk");
+    // The name, then the description as the free text after it.
+    assert_eq!(&d.replies[4].data[..4], &4u32.to_be_bytes());
+    assert_eq!(&d.replies[4].data[4..8], b"disk");
+    assert_eq!(&d.replies[4].data[8..], b"test disk");
     assert_eq!(d.consumed, input.len());
 }
 
@@ -1151,4 +1160,296 @@ fn block_status_layouts() {
     assert_eq!(&out[6..8], &REPLY_TYPE_BLOCK_STATUS_EXT.to_be_bytes());
     assert_eq!(&out[36..40], &2u32.to_be_bytes());
     assert_eq!(&out[40..48], &4096u64.to_be_bytes());
+}
+
+// ------------------------------------------------------ several exports ---
+
+const MIB: u64 = 1 << 20;
+
+fn named(id: u64, name: &str, description: Option<&str>, size_bytes: u64) -> ExportInfo {
+    ExportInfo {
+        id,
+        name: name.to_string(),
+        description: description.map(str::to_string),
+        size_bytes,
+        read_only: false,
+        block_sizes: BlockSizes::default(),
+        extended_headers: true,
+    }
+}
+
+/// Three exports of different sizes: the default one (named ""), a
+/// read-only one with a description, and one without a description.
+fn three_exports() -> ExportList {
+    let mut alpha = named(2, "alpha", Some("Alpha volume"), 2 * MIB);
+    alpha.read_only = true;
+    ExportList::new(vec![
+        named(1, "", Some("the default volume"), MIB),
+        alpha,
+        named(3, "beta", None, 3 * MIB),
+    ])
+}
+
+fn negotiating_over(catalog: Arc<dyn ExportCatalog>) -> Negotiation {
+    let mut n = Negotiation::with_catalog(catalog, limits(), TlsPolicy::Off, true);
+    let d = drive(
+        &mut n,
+        &client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES),
+    );
+    assert!(d.error.is_none());
+    n
+}
+
+/// (name, description) of each NBD_REP_SERVER, and whether an ACK ended them.
+fn listed(replies: &[OptReply]) -> (Vec<(String, String)>, bool) {
+    let mut servers = Vec::new();
+    for r in replies {
+        assert_eq!(r.option, OPT_LIST);
+        if r.reply_type != REP_SERVER {
+            return (servers, r.reply_type == REP_ACK);
+        }
+        let len = u32::from_be_bytes(r.data[0..4].try_into().unwrap()) as usize;
+        let name = String::from_utf8(r.data[4..4 + len].to_vec()).unwrap();
+        let text = String::from_utf8(r.data[4 + len..].to_vec()).unwrap();
+        servers.push((name, text));
+    }
+    (servers, false)
+}
+
+/// INFO_EXPORT's size and flags, INFO_NAME and INFO_DESCRIPTION from the
+/// REP_INFO replies of one INFO or GO.
+fn infos(replies: &[OptReply]) -> (u64, u16, Option<String>, Option<String>) {
+    let mut got = (0, 0, None, None);
+    for r in replies.iter().filter(|r| r.reply_type == REP_INFO) {
+        let text = || Some(String::from_utf8(r.data[2..].to_vec()).unwrap());
+        match u16::from_be_bytes([r.data[0], r.data[1]]) {
+            INFO_EXPORT => {
+                got.0 = u64::from_be_bytes(r.data[2..10].try_into().unwrap());
+                got.1 = u16::from_be_bytes([r.data[10], r.data[11]]);
+            }
+            INFO_NAME => got.2 = text(),
+            INFO_DESCRIPTION => got.3 = text(),
+            _ => {}
+        }
+    }
+    got
+}
+
+#[test]
+fn list_shows_every_export_with_its_description() {
+    let mut n = negotiating_over(Arc::new(three_exports()));
+    let d = drive(&mut n, &option(OPT_LIST, &[]));
+    let (servers, acked) = listed(&d.replies);
+    assert!(acked, "{:?}", d.replies);
+    assert_eq!(
+        servers,
+        [
+            ("".to_string(), "the default volume".to_string()),
+            ("alpha".to_string(), "Alpha volume".to_string()),
+            ("beta".to_string(), String::new()),
+        ]
+    );
+    // No description: the reply is the name alone (4 + 4 bytes).
+    assert_eq!(d.replies[2].data.len(), 8);
+}
+
+#[test]
+fn info_and_go_describe_the_export_named() {
+    let mut n = negotiating_over(Arc::new(three_exports()));
+    let want = [INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE];
+    let d = drive(&mut n, &option(OPT_INFO, &info_data("alpha", &want)));
+    let (size, flags, name, description) = infos(&d.replies);
+    assert_eq!(d.replies.last().unwrap().reply_type, REP_ACK);
+    assert_eq!(size, 2 * MIB);
+    assert_ne!(flags & FLAG_READ_ONLY, 0, "alpha is read-only");
+    assert_ne!(flags & FLAG_CAN_MULTI_CONN, 0);
+    assert_eq!(name.as_deref(), Some("alpha"));
+    assert_eq!(description.as_deref(), Some("Alpha volume"));
+
+    // No description to give: none sent, though asked for.
+    let d = drive(&mut n, &option(OPT_INFO, &info_data("beta", &want)));
+    let (size, flags, name, description) = infos(&d.replies);
+    assert_eq!((size, flags & FLAG_READ_ONLY), (3 * MIB, 0));
+    assert_eq!((name.as_deref(), description), (Some("beta"), None));
+
+    // The empty name is the export named "".
+    let d = drive(&mut n, &option(OPT_INFO, &info_data("", &want)));
+    let (size, _, name, description) = infos(&d.replies);
+    assert_eq!(size, MIB);
+    assert_eq!(name.as_deref(), Some(""));
+    assert_eq!(description.as_deref(), Some("the default volume"));
+
+    // Unknown: ERR_UNKNOWN, and the negotiation goes on to a GO.
+    let mut input = option(OPT_INFO, &info_data("gamma", &want));
+    input.extend(option(OPT_GO, &info_data("gamma", &[])));
+    input.extend(option(OPT_GO, &info_data("beta", &[INFO_BLOCK_SIZE])));
+    let d = drive(&mut n, &input);
+    assert_eq!(d.replies[0].reply_type, REP_ERR_UNKNOWN);
+    assert!(String::from_utf8_lossy(&d.replies[0].data).contains("gamma"));
+    assert_eq!(d.replies[1].reply_type, REP_ERR_UNKNOWN);
+    assert_eq!(infos(&d.replies[2..]).0, 3 * MIB);
+    match d.steps.last() {
+        Some(NegotiationStep::Transmission { session, .. }) => {
+            assert_eq!(
+                (session.export_id, session.export_name.as_str()),
+                (3, "beta")
+            );
+            assert_eq!(session.size_bytes, 3 * MIB);
+            assert!(!session.read_only);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn without_an_export_named_empty_the_empty_name_is_unknown() {
+    let catalog = Arc::new(ExportList::new(vec![
+        named(1, "a", None, MIB),
+        named(2, "b", None, 2 * MIB),
+    ]));
+    let mut n = negotiating_over(catalog.clone());
+    let mut input = option(OPT_GO, &info_data("", &[]));
+    input.extend(option(OPT_EXPORT_NAME, b""));
+    let d = drive(&mut n, &input);
+    assert_eq!(d.replies[0].reply_type, REP_ERR_UNKNOWN);
+    assert_eq!(
+        d.error,
+        Some(ProtocolError::UnknownExport {
+            name: String::new()
+        })
+    );
+
+    // A catalog may name a default: then the empty name is that export.
+    let defaulted = Arc::new(ExportList::new(catalog.exports().to_vec()).with_default("b"));
+    let mut n = negotiating_over(defaulted);
+    let d = drive(&mut n, &option(OPT_INFO, &info_data("", &[INFO_NAME])));
+    let (size, _, name, _) = infos(&d.replies);
+    assert_eq!((size, name.as_deref()), (2 * MIB, Some("b")));
+}
+
+#[test]
+fn export_name_selects_its_export_or_ends_the_session() {
+    let mut n = negotiating_over(Arc::new(three_exports()));
+    let d = drive(&mut n, &option(OPT_EXPORT_NAME, b"beta"));
+    assert_eq!(d.out.len(), 10, "size and flags, no zeroes");
+    assert_eq!(u64::from_be_bytes(d.out[0..8].try_into().unwrap()), 3 * MIB);
+    match d.steps.last() {
+        Some(NegotiationStep::Transmission { session, .. }) => assert_eq!(session.export_id, 3),
+        other => panic!("{other:?}"),
+    }
+
+    let mut n = negotiating_over(Arc::new(three_exports()));
+    let d = drive(&mut n, &option(OPT_EXPORT_NAME, b"gamma"));
+    assert!(
+        d.out.is_empty(),
+        "EXPORT_NAME cannot be refused with a reply"
+    );
+    assert_eq!(
+        d.error,
+        Some(ProtocolError::UnknownExport {
+            name: "gamma".to_string()
+        })
+    );
+    assert!(n.is_done());
+}
+
+#[test]
+fn base_allocation_holds_only_for_the_export_set_meta_context_named() {
+    for (set, go, expected) in [
+        ("alpha", "alpha", true),
+        ("alpha", "beta", false),
+        ("", "", true),
+        ("beta", "", false),
+    ] {
+        let mut n = negotiating_over(Arc::new(three_exports()));
+        let mut input = option(OPT_STRUCTURED_REPLY, &[]);
+        input.extend(option(
+            OPT_SET_META_CONTEXT,
+            &meta_data(set, &[BASE_ALLOCATION]),
+        ));
+        input.extend(option(OPT_GO, &info_data(go, &[])));
+        let d = drive(&mut n, &input);
+        assert_eq!(d.replies[1].reply_type, REP_META_CONTEXT);
+        match d.steps.last() {
+            Some(NegotiationStep::Transmission { session, .. }) => {
+                assert_eq!(session.base_allocation, expected, "SET {set:?}, GO {go:?}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // SET for an unknown export selects nothing.
+    let mut n = negotiating_over(Arc::new(three_exports()));
+    let mut input = option(OPT_STRUCTURED_REPLY, &[]);
+    input.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_data("gamma", &[BASE_ALLOCATION]),
+    ));
+    let d = drive(&mut n, &input);
+    assert_eq!(d.replies[1].reply_type, REP_ERR_UNKNOWN);
+}
+
+/// A catalog whose exports change while a client negotiates.
+struct Changing(std::sync::Mutex<Vec<ExportInfo>>);
+
+impl ExportCatalog for Changing {
+    fn lookup(&self, name: &[u8]) -> Option<ExportInfo> {
+        let exports = self.0.lock().unwrap();
+        exports.iter().find(|e| e.name.as_bytes() == name).cloned()
+    }
+
+    fn list(&self, visit: &mut dyn FnMut(&str, Option<&str>) -> bool) {
+        for e in self.0.lock().unwrap().iter() {
+            if !visit(&e.name, e.description.as_deref()) {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn each_option_sees_the_catalog_as_it_is_then() {
+    let catalog = Arc::new(Changing(std::sync::Mutex::new(vec![named(
+        1, "old", None, MIB,
+    )])));
+    let mut n = negotiating_over(catalog.clone());
+    let d = drive(&mut n, &option(OPT_LIST, &[]));
+    assert_eq!(listed(&d.replies).0, [("old".to_string(), String::new())]);
+    *catalog.0.lock().unwrap() = vec![named(2, "new", Some("added"), 2 * MIB)];
+    let mut input = option(OPT_LIST, &[]);
+    input.extend(option(OPT_GO, &info_data("old", &[])));
+    input.extend(option(OPT_GO, &info_data("new", &[])));
+    let d = drive(&mut n, &input);
+    assert_eq!(
+        listed(&d.replies[..2]).0,
+        [("new".to_string(), "added".to_string())]
+    );
+    assert_eq!(d.replies[2].reply_type, REP_ERR_UNKNOWN, "removed since");
+    match d.steps.last() {
+        Some(NegotiationStep::Transmission { session, .. }) => assert_eq!(session.export_id, 2),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn list_is_bounded_in_count_and_length() {
+    let mut exports: Vec<ExportInfo> = (0..MAX_LISTED_EXPORTS as u64 + 50)
+        .map(|i| named(i + 10, &format!("vol{i}"), None, MIB))
+        .collect();
+    // A name no client could send back is left out; a long description
+    // is cut at 4096 bytes (on a character boundary).
+    exports.insert(0, named(1, &"n".repeat(MAX_STRING_BYTES + 1), None, MIB));
+    exports.insert(1, named(2, "long", Some(&"é".repeat(3000)), MIB));
+    let mut n = negotiating_over(Arc::new(ExportList::new(exports)));
+    let (d, peak) = peak_allocation(|| drive(&mut n, &option(OPT_LIST, &[])));
+    let (servers, acked) = listed(&d.replies);
+    assert!(acked);
+    assert_eq!(servers.len(), MAX_LISTED_EXPORTS);
+    assert_eq!(servers[0].0, "long");
+    assert_eq!(servers[0].1.len(), MAX_STRING_BYTES);
+    assert_eq!(servers[1].0, "vol0");
+    assert_eq!(
+        servers.last().unwrap().0,
+        format!("vol{}", MAX_LISTED_EXPORTS - 2)
+    );
+    assert!(peak < 1 << 20, "LIST allocated {peak} bytes");
 }

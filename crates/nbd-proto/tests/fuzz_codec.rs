@@ -10,9 +10,12 @@ mod common;
 
 use std::cell::Cell;
 use std::io::Write;
+use std::sync::Arc;
 
 use cairn_nbd_proto::codec::harness::{self, HarnessReport};
-use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, Limits, TlsPolicy};
+use cairn_nbd_proto::codec::{
+    BlockSizes, ExportCatalog, ExportInfo, ExportList, Limits, TlsPolicy,
+};
 use cairn_nbd_proto::proto::*;
 use common::*;
 use proptest::prelude::*;
@@ -46,10 +49,13 @@ struct Stats {
     protocol_errors: u64,
     tls: u64,
     peak_alloc_bytes: usize,
+    /// Sessions per export id reached (several-export runs).
+    per_export: std::collections::BTreeMap<u64, u64>,
 }
 
 fn export(size_bytes: u64, extended_headers: bool) -> ExportInfo {
     ExportInfo {
+        id: 0,
         name: "disk".to_string(),
         description: None,
         size_bytes,
@@ -92,13 +98,44 @@ fn check_tls(
     through_tls: &[u8],
     chunks: &[usize],
 ) -> Result<(), TestCaseError> {
+    let catalog = Arc::new(ExportList::single(info.clone()));
+    let ext = info.extended_headers;
+    check_catalog(
+        stats,
+        catalog,
+        ext,
+        limits,
+        tls,
+        (clear, through_tls),
+        chunks,
+    )
+}
+
+/// [`check_tls`] over a catalog of exports; `input` is what the client
+/// sends before and through TLS.
+fn check_catalog(
+    stats: &mut Stats,
+    catalog: Arc<dyn ExportCatalog>,
+    extended_headers: bool,
+    limits: &Limits,
+    tls: TlsPolicy,
+    (clear, through_tls): (&[u8], &[u8]),
+    chunks: &[usize],
+) -> Result<(), TestCaseError> {
     let input_len = clear.len() + through_tls.len();
-    let ((whole, chunked), peak) = peak_allocation(|| {
-        (
-            harness::run_with_tls(info, limits, tls, clear, through_tls, &[]),
-            harness::run_with_tls(info, limits, tls, clear, through_tls, chunks),
+    let run = |chunks: &[usize]| {
+        let catalog = catalog.clone();
+        harness::run_catalog(
+            catalog,
+            extended_headers,
+            limits,
+            tls,
+            clear,
+            through_tls,
+            chunks,
         )
-    });
+    };
+    let ((whole, chunked), peak) = peak_allocation(|| (run(&[]), run(chunks)));
 
     // Input copies (the harness buffer) may reach the input size; anything
     // much larger was sized from a claimed length.
@@ -139,6 +176,9 @@ fn check_tls(
     stats.executed += whole.executed as u64;
     stats.rejected += whole.rejected as u64;
     stats.protocol_errors += matches!(whole.end, harness::HarnessEnd::Protocol(_)) as u64;
+    if let Some(id) = whole.export_id {
+        *stats.per_export.entry(id).or_default() += 1;
+    }
     Ok(())
 }
 
@@ -303,7 +343,8 @@ fn run_strategy<S: Strategy>(
     name: &str,
     strategy: S,
     body: impl Fn(&mut Stats, S::Value) -> Result<(), TestCaseError>,
-) where
+) -> Stats
+where
     S::Value: std::fmt::Debug,
 {
     let mut runner = TestRunner::new(Config {
@@ -322,6 +363,7 @@ fn run_strategy<S: Strategy>(
     if let Err(e) = result {
         panic!("{name}: {e}");
     }
+    stats.into_inner()
 }
 
 #[test]
@@ -457,4 +499,120 @@ fn fuzz_tls_negotiation() {
             )
         },
     );
+}
+
+/// The names a several-export session picks from: each export's, a
+/// missing one, a case variant, and one at the name limit.
+const EXPORT_NAMES: [&str; 5] = ["", "a", "big", "missing", "A"];
+
+/// Three exports (the default one named "", a small read-only one, one of
+/// 1 TiB), optionally with "big" as the default instead.
+fn several_exports(big_is_default: bool) -> ExportList {
+    let export = |id, name: &str, description: Option<&str>, size_bytes, read_only| ExportInfo {
+        id,
+        name: name.to_string(),
+        description: description.map(str::to_string),
+        size_bytes,
+        read_only,
+        block_sizes: BlockSizes::default(),
+        extended_headers: true,
+    };
+    let list = ExportList::new(vec![
+        export(1, "", Some("the default"), 1 << 20, false),
+        export(2, "a", Some("small, read-only"), 64 << 10, true),
+        export(3, "big", None, 1 << 40, false),
+    ]);
+    match big_is_default {
+        true => list.with_default("big"),
+        false => list,
+    }
+}
+
+/// A session over several exports: LIST, INFO, meta contexts and GO or
+/// EXPORT_NAME, each naming one of [`EXPORT_NAMES`], then requests.
+fn arb_several_export_session() -> impl Strategy<Value = Vec<u8>> {
+    let name = 0usize..EXPORT_NAMES.len();
+    any::<bool>()
+        .prop_flat_map(move |export_name| {
+            (
+                prop::collection::vec((0u8..5, name.clone()), 0..6),
+                Just(export_name),
+                name.clone(),
+                prop::collection::vec(arb_request(!export_name), 0..6),
+            )
+        })
+        .prop_map(|(options, export_name, chosen, requests)| {
+            let mut out = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+            let extended = !export_name;
+            if extended {
+                out.extend(option(OPT_EXTENDED_HEADERS, &[]));
+            }
+            for (kind, n) in options {
+                let n = EXPORT_NAMES[n];
+                out.extend(match kind {
+                    0 => option(OPT_LIST, &[]),
+                    1 => option(OPT_INFO, &info_data(n, &[INFO_NAME, INFO_DESCRIPTION])),
+                    2 => option(OPT_SET_META_CONTEXT, &meta_data(n, &[BASE_ALLOCATION])),
+                    3 => option(OPT_LIST_META_CONTEXT, &meta_data(n, &[])),
+                    _ => option(OPT_GO, &info_data(n, &[INFO_BLOCK_SIZE])),
+                });
+            }
+            let n = EXPORT_NAMES[chosen];
+            if export_name {
+                out.extend(option(OPT_EXPORT_NAME, n.as_bytes()));
+            } else {
+                out.extend(option(OPT_GO, &info_data(n, &[INFO_BLOCK_SIZE])));
+            }
+            for r in requests {
+                out.extend(r);
+            }
+            out
+        })
+}
+
+/// Several exports: every session enters transmission with an export of
+/// the catalog, as the catalog describes it (the harness checks), and
+/// LIST replies stay bounded; the rest as for one export.
+#[test]
+fn fuzz_several_exports() {
+    let strategy = (
+        arb_several_export_session(),
+        prop::collection::vec(arb_mutation(), 0..4),
+        chunking(),
+        any::<bool>(),
+        any::<bool>(),
+    );
+    let stats = run_strategy(
+        "several exports",
+        strategy,
+        |stats, (session, mutations, chunks, small, big_is_default)| {
+            let limits = if small {
+                small_limits()
+            } else {
+                Limits::default()
+            };
+            let catalog = Arc::new(several_exports(big_is_default));
+            let input = apply(session, &mutations);
+            check_catalog(
+                stats,
+                catalog,
+                true,
+                &limits,
+                TlsPolicy::Off,
+                (&input, &[]),
+                &chunks,
+            )
+        },
+    );
+    let per_export = &stats.per_export;
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "fuzz several exports: sessions per export id {per_export:?}"
+    );
+    for id in [1, 2, 3] {
+        assert!(
+            per_export.get(&id).copied().unwrap_or(0) > 0,
+            "no session reached export {id}: {per_export:?}"
+        );
+    }
 }

@@ -69,9 +69,13 @@ pub struct Extent {
 /// Contract (the server relies on it and advertises it to clients):
 /// - Every method may be called concurrently from several threads.
 /// - `offset + length <= size_bytes()` always holds; lengths are non-zero.
-/// - `flush` makes every write that *returned* before `flush` was called
-///   durable, whichever connection issued it. The server advertises
-///   `CAN_MULTI_CONN`, so flush and FUA must be global, not per connection.
+///   The size must not change while the export is served: each client is
+///   told it once, in its handshake.
+/// - `flush` makes every write to this export that *returned* before
+///   `flush` was called durable, whichever connection issued it. The
+///   server advertises `CAN_MULTI_CONN`, so flush and FUA must cover every
+///   connection to the export, not just the caller's (a server with
+///   several exports calls the flush of the connection's own export).
 /// - `write(.., fua = true)` returns only once that data is durable.
 /// - `write_zeroes`: the range must read back as zeroes. `may_trim` allows
 ///   deallocating it; with `fast_only` the call must fail quickly with

@@ -9,6 +9,8 @@
 //! - [`Export`]: the trait the engine implements. This crate never depends
 //!   on the engine; [`MemExport`] is an in-memory implementation for tests
 //!   and examples.
+//! - [`Exports`]: several named exports on one server ([`serve_exports`]),
+//!   added and removed while it runs.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -32,6 +34,7 @@ pub use export::{
     ReadBuffer, MEM_CHUNK_BYTES,
 };
 pub use server::{
-    serve, Listener, ServerConfig, ServerError, ServerHandle, ServerStats, ShutdownTrigger,
+    serve, serve_exports, ExportOptions, ExportStatus, Exports, ExportsError, Listener,
+    RemovedExport, ServerConfig, ServerError, ServerHandle, ServerStats, ShutdownTrigger,
     SocketAccess, StatsReader,
 };

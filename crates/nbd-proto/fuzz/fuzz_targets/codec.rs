@@ -3,11 +3,14 @@
 //! invariant checks), over fuzzer-chosen bytes, limits and chunking.
 //!
 //! Byte 0 picks knobs, byte 1 the chunk size; the rest is the stream.
+//! Knob 32 serves three exports (named "", "a" and "big") instead of one.
 
 #![no_main]
 
+use std::sync::Arc;
+
 use cairn_nbd_proto::codec::harness::{self, HarnessReport};
-use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, Limits};
+use cairn_nbd_proto::codec::{BlockSizes, ExportInfo, ExportList, Limits, TlsPolicy};
 use libfuzzer_sys::fuzz_target;
 
 /// A valid start of session (client flags, STRUCTURED_REPLY or
@@ -48,6 +51,7 @@ fuzz_target!(|data: &[u8]| {
         }
     };
     let info = ExportInfo {
+        id: 0,
         name: "disk".to_string(),
         description: None,
         size_bytes: if knobs & 8 == 0 { 1 << 20 } else { u64::MAX >> 1 },
@@ -61,8 +65,29 @@ fuzz_target!(|data: &[u8]| {
     }
     input.extend_from_slice(&data[2..]);
 
-    let whole = harness::run(&info, &limits, &input, &[]);
-    let chunked = harness::run(&info, &limits, &input, &[chunk.max(1), 1 + chunk / 7]);
+    let catalog = if knobs & 32 == 0 {
+        ExportList::single(info.clone())
+    } else {
+        let named = |id: u64, name: &str, size_bytes: u64| ExportInfo {
+            id,
+            name: name.to_string(),
+            description: Some(format!("export {id}")),
+            size_bytes,
+            ..info.clone()
+        };
+        ExportList::new(vec![
+            named(1, "", info.size_bytes),
+            named(2, "a", 4096),
+            named(3, "big", u64::MAX >> 1),
+        ])
+    };
+    let catalog = Arc::new(catalog);
+    let ext = info.extended_headers;
+    let run = |chunks: &[usize]| {
+        harness::run_catalog(catalog.clone(), ext, &limits, TlsPolicy::Off, &input, &[], chunks)
+    };
+    let whole = run(&[]);
+    let chunked = run(&[chunk.max(1), 1 + chunk / 7]);
     // Chunking may change how much had to be buffered, nothing else.
     let strip = |r: HarnessReport| HarnessReport { peak_buffer_bytes: 0, ..r };
     assert_eq!(strip(whole), strip(chunked));

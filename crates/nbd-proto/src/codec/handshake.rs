@@ -1,10 +1,12 @@
 //! Fixed-newstyle negotiation as a pure state machine.
 
+use std::sync::Arc;
+
 use super::option::{encode_option_reply as option_reply, Info};
 use super::wire::{self, put_u16, put_u32, put_u64, Reader};
 use super::{
-    printable, transmission_flags, ExportInfo, Limits, ProtocolError, ReplyMode, Session,
-    TlsPolicy, BASE_ALLOCATION_ID,
+    printable, transmission_flags, ExportCatalog, ExportInfo, ExportList, Limits, ProtocolError,
+    ReplyMode, Session, TlsPolicy, BASE_ALLOCATION_ID, MAX_LISTED_EXPORTS,
 };
 use crate::proto::*;
 
@@ -52,37 +54,76 @@ enum State {
 }
 
 /// The server side of the handshake for one connection.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Negotiation {
-    export: ExportInfo,
+    catalog: Arc<dyn ExportCatalog>,
+    extended_headers: bool,
     limits: Limits,
     state: State,
     no_zeroes: bool,
     mode: ReplyMode,
-    base_allocation: bool,
+    /// The export (by [`ExportInfo::id`]) whose `base:allocation` the last
+    /// SET_META_CONTEXT selected: it holds only if GO picks that export.
+    base_allocation_for: Option<u64>,
     options_seen: u32,
     tls: TlsPolicy,
     tls_active: bool,
 }
 
+impl std::fmt::Debug for Negotiation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Negotiation")
+            .field("extended_headers", &self.extended_headers)
+            .field("limits", &self.limits)
+            .field("state", &self.state)
+            .field("no_zeroes", &self.no_zeroes)
+            .field("mode", &self.mode)
+            .field("base_allocation_for", &self.base_allocation_for)
+            .field("options_seen", &self.options_seen)
+            .field("tls", &self.tls)
+            .field("tls_active", &self.tls_active)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Negotiation {
-    /// A negotiation that offers no TLS (STARTTLS gets ERR_POLICY).
+    /// A negotiation for one export that offers no TLS (STARTTLS gets
+    /// ERR_POLICY). The empty name selects the export too.
     pub fn new(export: ExportInfo, limits: Limits) -> Self {
         Self::with_tls(export, limits, TlsPolicy::Off)
     }
 
+    /// [`Negotiation::new`] with a TLS policy.
     pub fn with_tls(export: ExportInfo, limits: Limits, tls: TlsPolicy) -> Self {
+        let extended_headers = export.extended_headers;
+        let catalog = Arc::new(ExportList::single(export));
+        Self::with_catalog(catalog, limits, tls, extended_headers)
+    }
+
+    /// A negotiation over whatever exports `catalog` holds when each option
+    /// arrives; `extended_headers` offers NBD_OPT_EXTENDED_HEADERS.
+    pub fn with_catalog(
+        catalog: Arc<dyn ExportCatalog>,
+        limits: Limits,
+        tls: TlsPolicy,
+        extended_headers: bool,
+    ) -> Self {
         Negotiation {
-            export,
+            catalog,
+            extended_headers,
             limits,
             state: State::ClientFlags,
             no_zeroes: false,
             mode: ReplyMode::Simple,
-            base_allocation: false,
+            base_allocation_for: None,
             options_seen: 0,
             tls,
             tls_active: false,
         }
+    }
+
+    pub fn tls_policy(&self) -> TlsPolicy {
+        self.tls
     }
 
     /// The TLS handshake after [`NegotiationStep::StartTls`] succeeded.
@@ -95,7 +136,7 @@ impl Negotiation {
         assert_eq!(self.state, State::AwaitingTls, "no STARTTLS was accepted");
         assert!(!self.tls_active, "TLS established twice");
         self.mode = ReplyMode::Simple;
-        self.base_allocation = false;
+        self.base_allocation_for = None;
         self.tls_active = true;
         self.state = State::Options;
     }
@@ -243,11 +284,7 @@ impl Negotiation {
         match option {
             OPT_LIST => {
                 if data.is_empty() {
-                    let mut payload = Vec::with_capacity(4 + self.export.name.len());
-                    put_u32(&mut payload, self.export.name.len() as u32);
-                    payload.extend_from_slice(self.export.name.as_bytes());
-                    option_reply(out, option, REP_SERVER, &payload);
-                    option_reply(out, option, REP_ACK, &[]);
+                    self.list(out);
                 } else {
                     option_error(out, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data");
                 }
@@ -273,7 +310,7 @@ impl Negotiation {
                 }
             }
             OPT_EXTENDED_HEADERS => {
-                if !self.export.extended_headers {
+                if !self.extended_headers {
                     option_error(out, option, REP_ERR_UNSUP, "extended headers are disabled");
                 } else if !data.is_empty() {
                     option_error(
@@ -290,6 +327,30 @@ impl Negotiation {
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(option, data, out),
             _ => option_error(out, option, REP_ERR_UNSUP, "option not supported"),
         }
+    }
+
+    /// NBD_OPT_LIST: one NBD_REP_SERVER per export (the name, then its
+    /// description as the free text nbd-server and nbdkit put there), at
+    /// most [`MAX_LISTED_EXPORTS`], then ACK. A name a client could not
+    /// send back (over the protocol's 4096 bytes) is left out.
+    fn list(&self, out: &mut Vec<u8>) {
+        let mut payload = Vec::new();
+        let mut listed = 0usize;
+        self.catalog.list(&mut |name, description| {
+            if name.len() > MAX_STRING_BYTES {
+                return true;
+            }
+            payload.clear();
+            put_u32(&mut payload, name.len() as u32);
+            payload.extend_from_slice(name.as_bytes());
+            if let Some(text) = description {
+                payload.extend_from_slice(wire::truncate_utf8(text, MAX_STRING_BYTES).as_bytes());
+            }
+            option_reply(out, OPT_LIST, REP_SERVER, &payload);
+            listed += 1;
+            listed < MAX_LISTED_EXPORTS
+        });
+        option_reply(out, OPT_LIST, REP_ACK, &[]);
     }
 
     fn start_tls(
@@ -345,12 +406,12 @@ impl Negotiation {
         if self.mode == ReplyMode::Extended {
             return Err(ProtocolError::ExportNameAfterExtendedHeaders);
         }
-        if !self.export.accepts_name(name) {
+        let Some(export) = self.catalog.lookup(name) else {
             return Err(ProtocolError::UnknownExport {
                 name: printable(name),
             });
-        }
-        let session = self.session(false);
+        };
+        let session = self.session(&export, false);
         put_u64(out, session.size_bytes);
         put_u16(out, session.transmission_flags);
         if !self.no_zeroes {
@@ -377,13 +438,13 @@ impl Negotiation {
                 return Ok(consumed);
             }
         };
-        if !self.export.accepts_name(request.name) {
+        let Some(export) = self.catalog.lookup(request.name) else {
             let message = format!("unknown export {:?}", printable(request.name));
             option_error(out, option, REP_ERR_UNKNOWN, &message);
             return Ok(consumed);
-        }
+        };
 
-        let session = self.session(request.want_block_size);
+        let session = self.session(&export, request.want_block_size);
         let mut payload = Vec::with_capacity(16);
         let mut info_reply = |info: Info<'_>| {
             payload.clear();
@@ -396,11 +457,11 @@ impl Negotiation {
         });
         // Always describe the block sizes: a client that did not ask still
         // benefits from knowing them.
-        info_reply(Info::BlockSize(self.export.block_sizes));
+        info_reply(Info::BlockSize(export.block_sizes));
         if request.want_name {
-            info_reply(Info::Name(self.export.name.as_bytes()));
+            info_reply(Info::Name(export.name.as_bytes()));
         }
-        if let (true, Some(description)) = (request.want_description, &self.export.description) {
+        if let (true, Some(description)) = (request.want_description, &export.description) {
             let text = wire::truncate_utf8(description, MAX_STRING_BYTES);
             info_reply(Info::Description(text.as_bytes()));
         }
@@ -421,7 +482,7 @@ impl Negotiation {
         let set = option == OPT_SET_META_CONTEXT;
         if set {
             // SET replaces the earlier selection, even when it fails.
-            self.base_allocation = false;
+            self.base_allocation_for = None;
         }
         if self.mode == ReplyMode::Simple {
             option_error(
@@ -441,11 +502,11 @@ impl Negotiation {
             Ok(request) => request,
             Err(refusal) => return refusal.send(out, option),
         };
-        if !self.export.accepts_name(name) {
+        let Some(export) = self.catalog.lookup(name) else {
             let message = format!("unknown export {:?}", printable(name));
             option_error(out, option, REP_ERR_UNKNOWN, &message);
             return;
-        }
+        };
         // LIST with no queries lists everything; SET with none selects nothing.
         let selected = matched || (!set && n_queries == 0);
         if selected {
@@ -454,22 +515,27 @@ impl Negotiation {
             payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
             option_reply(out, option, REP_META_CONTEXT, &payload);
             if set {
-                self.base_allocation = true;
+                self.base_allocation_for = Some(export.id);
             }
         }
         option_reply(out, option, REP_ACK, &[]);
     }
 
-    fn session(&self, block_sizes_agreed: bool) -> Session {
+    /// What transmission of `export` looks like, given what was agreed.
+    fn session(&self, export: &ExportInfo, block_sizes_agreed: bool) -> Session {
         Session {
-            size_bytes: self.export.size_bytes,
-            transmission_flags: transmission_flags(&self.export, self.mode),
+            size_bytes: export.size_bytes,
+            transmission_flags: transmission_flags(export, self.mode),
             mode: self.mode,
-            base_allocation: self.base_allocation,
+            // The client must have asked for the context of the export it
+            // goes to (the spec: the same name, as GO's, in the last SET).
+            base_allocation: self.base_allocation_for == Some(export.id),
             block_sizes_agreed,
-            block_sizes: self.export.block_sizes,
-            read_only: self.export.read_only,
+            block_sizes: export.block_sizes,
+            read_only: export.read_only,
             tls: self.tls_active,
+            export_id: export.id,
+            export_name: export.name.clone(),
         }
     }
 }

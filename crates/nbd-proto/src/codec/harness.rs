@@ -3,12 +3,15 @@
 //! invariants as it goes. The proptest fuzz test and the cargo-fuzz target
 //! both run it; any violated invariant panics.
 
+use std::sync::Arc;
+
 use super::reply::{encode_error, encode_ok};
 use super::wire;
 use super::{
-    decode_request, ExportInfo, Limits, Negotiation, NegotiationStep, ProtocolError, RequestAction,
-    RequestDecode, Session, TlsPolicy,
+    decode_request, ExportCatalog, ExportInfo, ExportList, Limits, Negotiation, NegotiationStep,
+    ProtocolError, RequestAction, RequestDecode, Session, TlsPolicy, MAX_LISTED_EXPORTS,
 };
+use crate::proto::MAX_STRING_BYTES;
 
 /// How a harness run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +34,8 @@ pub struct HarnessReport {
     /// A STARTTLS was accepted (the harness then takes the rest of the
     /// input as what arrives through TLS).
     pub tls_established: bool,
+    /// The export transmission was entered with ([`ExportInfo::id`]).
+    pub export_id: Option<u64>,
     pub options: u32,
     pub executed: u32,
     pub rejected: u32,
@@ -41,7 +46,8 @@ pub struct HarnessReport {
 }
 
 /// Largest reply one negotiation step may produce (INFO/GO with every
-/// info item plus a description is well under this).
+/// info item plus a description is well under this), LIST aside: that
+/// one's bound is the catalog's listing ([`listing_bytes`]).
 const MAX_STEP_REPLY_BYTES: usize = 16 * 1024;
 
 /// Feed `input` to the codec `chunk_bytes` at a time (cycling through the
@@ -66,6 +72,31 @@ pub fn run_with_tls(
     through_tls: &[u8],
     chunk_bytes: &[usize],
 ) -> HarnessReport {
+    let catalog = Arc::new(ExportList::single(export.clone()));
+    let extended_headers = export.extended_headers;
+    run_catalog(
+        catalog,
+        extended_headers,
+        limits,
+        tls,
+        clear,
+        through_tls,
+        chunk_bytes,
+    )
+}
+
+/// [`run_with_tls`] over several exports: whatever `catalog` holds (it
+/// must not change during the run: the harness checks each session
+/// against it).
+pub fn run_catalog(
+    catalog: Arc<dyn ExportCatalog>,
+    extended_headers: bool,
+    limits: &Limits,
+    tls: TlsPolicy,
+    clear: &[u8],
+    through_tls: &[u8],
+    chunk_bytes: &[usize],
+) -> HarnessReport {
     let mut feeder = Feeder {
         input: clear,
         after_tls: through_tls,
@@ -78,16 +109,20 @@ pub fn run_with_tls(
         end: HarnessEnd::InputExhausted,
         reached_transmission: false,
         tls_established: false,
+        export_id: None,
         options: 0,
         executed: 0,
         rejected: 0,
         reply_bytes: 0,
         peak_buffer_bytes: 0,
     };
-    let Some(session) = negotiate(export, limits, tls, &mut feeder, &mut report) else {
+    let negotiation =
+        Negotiation::with_catalog(catalog.clone(), limits.clone(), tls, extended_headers);
+    let Some(session) = negotiate(negotiation, &*catalog, limits, &mut feeder, &mut report) else {
         return report;
     };
     report.reached_transmission = true;
+    report.export_id = Some(session.export_id);
     transmit(&session, limits, &mut feeder, &mut report);
     report
 }
@@ -95,14 +130,15 @@ pub fn run_with_tls(
 /// The negotiation half of [`run`]: the session it ends in, or `None`
 /// with `report.end` saying why it did not get there.
 fn negotiate(
-    export: &ExportInfo,
+    mut negotiation: Negotiation,
+    catalog: &dyn ExportCatalog,
     limits: &Limits,
-    tls: TlsPolicy,
     feeder: &mut Feeder<'_>,
     report: &mut HarnessReport,
 ) -> Option<Session> {
+    let tls = negotiation.tls_policy();
     let buffer_limit = wire::OPTION_HEADER_BYTES + limits.max_option_bytes as usize;
-    let mut negotiation = Negotiation::with_tls(export.clone(), limits.clone(), tls);
+    let max_step_reply_bytes = MAX_STEP_REPLY_BYTES + listing_bytes(catalog);
     report.reply_bytes += negotiation.greeting().len() as u64;
     let mut out = Vec::new();
 
@@ -120,7 +156,7 @@ fn negotiate(
             }
         };
         assert!(
-            out.len() <= MAX_STEP_REPLY_BYTES,
+            out.len() <= max_step_reply_bytes,
             "one option produced {} reply bytes",
             out.len()
         );
@@ -153,6 +189,7 @@ fn negotiate(
                     "transmission without TLS when TLS is required"
                 );
                 assert_eq!(session.tls, report.tls_established);
+                check_session(catalog, &session);
                 break session;
             }
             NegotiationStep::StartTls { bytes } => {
@@ -247,6 +284,32 @@ fn transmit(
             }
         }
     }
+}
+
+/// The session describes an export of the catalog, as the catalog does.
+fn check_session(catalog: &dyn ExportCatalog, session: &Session) {
+    let export = catalog
+        .lookup(session.export_name.as_bytes())
+        .unwrap_or_else(|| panic!("transmission of unknown export {:?}", session.export_name));
+    assert_eq!(session.export_id, export.id, "{session:?}");
+    assert_eq!(session.size_bytes, export.size_bytes, "{session:?}");
+    assert_eq!(session.read_only, export.read_only, "{session:?}");
+    assert_eq!(session.block_sizes, export.block_sizes, "{session:?}");
+}
+
+/// The most bytes an NBD_OPT_LIST of `catalog` may take: a header, the
+/// name length, the name and at most 4096 bytes of description per export
+/// listed, and the ACK.
+fn listing_bytes(catalog: &dyn ExportCatalog) -> usize {
+    let mut total = wire::OPTION_REPLY_HEADER_BYTES;
+    let mut listed = 0usize;
+    catalog.list(&mut |name, description| {
+        let text = description.map_or(0, |d| d.len().min(MAX_STRING_BYTES));
+        total += wire::OPTION_REPLY_HEADER_BYTES + 4 + name.len() + text;
+        listed += 1;
+        listed < MAX_LISTED_EXPORTS
+    });
+    total
 }
 
 fn check_executable(session: &Session, limits: &Limits, request: &super::Request) {

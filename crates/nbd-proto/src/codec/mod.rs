@@ -2,7 +2,9 @@
 //!
 //! Server side:
 //! - [`Negotiation`] runs the fixed-newstyle handshake one option at a time
-//!   and ends in a [`Session`] describing what was agreed.
+//!   and ends in a [`Session`] describing what was agreed. It asks an
+//!   [`ExportCatalog`] (one export, an [`ExportList`], or the server's
+//!   registry) which exports there are.
 //! - [`decode_request`] parses one transmission request header and validates
 //!   it against the session (bounds, flags, sizes).
 //! - The `encode_*` functions in [`reply`] build simple, structured and
@@ -22,6 +24,8 @@
 //! decoders check a magic as soon as its bytes are there, so a client can
 //! refuse garbage before it reads further.
 
+mod catalog;
+mod export_list;
 mod handshake;
 pub mod harness;
 pub mod option;
@@ -29,6 +33,8 @@ pub mod reply;
 mod request;
 pub mod wire;
 
+pub use catalog::{ExportCatalog, MAX_LISTED_EXPORTS};
+pub use export_list::ExportList;
 pub use handshake::{client_flags_for, Negotiation, NegotiationStep};
 pub use option::{Info, OptionReplyHeader};
 pub use request::{
@@ -87,25 +93,27 @@ impl Default for BlockSizes {
     }
 }
 
-/// What the server offers during negotiation.
+/// One export, as the negotiation describes it to a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportInfo {
-    /// The export's canonical name; the empty name (the default export) is
-    /// accepted as an alias.
+    /// The server's identity for this export, opaque to the codec: the
+    /// [`Session`] hands it back, so the server serves the very export the
+    /// client was told about (not another one added under the same name
+    /// since).
+    pub id: u64,
+    /// The export's canonical name (NBD_INFO_NAME, NBD_REP_SERVER).
     pub name: String,
     pub description: Option<String>,
     pub size_bytes: u64,
     pub read_only: bool,
     pub block_sizes: BlockSizes,
     /// Offer NBD_OPT_EXTENDED_HEADERS (64-bit lengths). When false the
-    /// option is answered with ERR_UNSUP and clients fall back.
+    /// option is answered with ERR_UNSUP and clients fall back. It is a
+    /// server setting, asked before any export is chosen: a one-export
+    /// negotiation ([`Negotiation::new`]) takes it from its export, one
+    /// over a catalog ([`Negotiation::with_catalog`]) from its own
+    /// argument, and then ignores this field.
     pub extended_headers: bool,
-}
-
-impl ExportInfo {
-    pub fn accepts_name(&self, name: &[u8]) -> bool {
-        name.is_empty() || name == self.name.as_bytes()
-    }
 }
 
 /// Which reply headers the transmission phase uses.
@@ -132,6 +140,9 @@ pub struct Session {
     pub read_only: bool,
     /// The session runs over TLS (STARTTLS was negotiated).
     pub tls: bool,
+    /// The chosen export: [`ExportInfo::id`] and its canonical name.
+    pub export_id: u64,
+    pub export_name: String,
 }
 
 /// What the server does with NBD_OPT_STARTTLS (nbdkit's `--tls`).

@@ -392,6 +392,8 @@ mod tests {
             block_sizes: BlockSizes::default(),
             read_only: false,
             tls: false,
+            export_id: 0,
+            export_name: String::new(),
         }
     }
 

@@ -11,12 +11,19 @@
 //! `max_in_flight_per_connection` requests in flight (the reader stops
 //! taking requests when full), and all connections together hold at most
 //! `max_buffered_bytes` of read/write payload buffers.
+//!
+//! Exports: [`serve`] offers one; [`serve_exports`] offers an [`Exports`]
+//! set, which may change while the server runs. A connection picks its
+//! export in the handshake and keeps it for its life.
 
 mod admission;
 mod budget;
+mod catalog;
 mod conn;
+mod exports;
 mod listener;
 
+pub use exports::{ExportOptions, ExportStatus, Exports, ExportsError, RemovedExport};
 pub use listener::{Listener, SocketAccess};
 
 use std::collections::HashMap;
@@ -28,20 +35,22 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::codec::{BlockSizes, ExportInfo, Limits, TlsPolicy};
+use crate::codec::{BlockSizes, Limits, TlsPolicy};
 use crate::export::{Export, ExportError};
 use admission::{Admission, AdmissionLimits, PeerKey};
 use budget::ByteBudget;
 use cairn_tls::TlsAcceptor;
+use catalog::ServerCatalog;
 use listener::Stream;
 
 /// Server limits and behaviour. `Default` suits a 2-core machine.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Canonical export name; the empty (default) name is always accepted.
+    /// [`serve`]'s one export: its canonical name (the empty name selects
+    /// it too) and description. [`serve_exports`] ignores both.
     pub export_name: String,
     pub export_description: Option<String>,
-    /// Advertise READ_ONLY and refuse writes with EPERM.
+    /// Advertise READ_ONLY and refuse writes with EPERM, on every export.
     pub read_only: bool,
     /// Established connections (past the handshake) at most; one that
     /// finishes its handshake beyond this is closed instead of served.
@@ -214,17 +223,16 @@ impl ServerConfig {
         }
     }
 
-    fn export_info(&self, size_bytes: u64) -> ExportInfo {
-        ExportInfo {
-            name: self.export_name.clone(),
-            description: self.export_description.clone(),
-            size_bytes,
-            read_only: self.read_only,
+    /// What the negotiation tells clients about `exports`.
+    fn catalog(&self, exports: Exports) -> ServerCatalog {
+        ServerCatalog {
+            exports,
             block_sizes: BlockSizes {
                 min_bytes: self.min_block_bytes,
                 preferred_bytes: self.preferred_block_bytes,
                 max_bytes: self.max_payload_bytes,
             },
+            read_only: self.read_only,
             extended_headers: self.extended_headers,
         }
     }
@@ -314,14 +322,20 @@ impl StatsReader {
     pub fn stats(&self) -> ServerStats {
         self.shared.stats()
     }
+
+    /// Each export with its established connections.
+    pub fn exports(&self) -> Vec<ExportStatus> {
+        self.shared.exports.list()
+    }
 }
 
 /// State shared by the acceptor, readers and workers.
 struct Shared {
-    export: Arc<dyn Export>,
+    exports: Exports,
+    /// `exports` as the negotiation sees them.
+    catalog: Arc<ServerCatalog>,
     config: ServerConfig,
     limits: Limits,
-    export_info: ExportInfo,
     stopping: AtomicBool,
     /// Live connections by id, with a handle used to cut their reads at
     /// shutdown.
@@ -386,10 +400,32 @@ impl Shared {
     }
 }
 
-/// Start serving `export` on `listener`. Returns once the server is
-/// accepting; stop it with [`ServerHandle::shutdown`].
+/// Start serving `export` on `listener`, as `config.export_name` (the
+/// empty name selects it too). Returns once the server is accepting; stop
+/// it with [`ServerHandle::shutdown`].
 pub fn serve(
     export: Arc<dyn Export>,
+    listener: Listener,
+    config: ServerConfig,
+) -> Result<ServerHandle, ServerError> {
+    config.validate()?;
+    let exports = Exports::new();
+    let options = ExportOptions {
+        description: config.export_description.clone(),
+        read_only: false,
+    };
+    exports
+        .add(&config.export_name, export, options)
+        .map_err(|e| ServerError::Config(e.to_string()))?;
+    exports.set_default(Some(&config.export_name));
+    serve_exports(exports, listener, config)
+}
+
+/// Start serving every export of `exports` on `listener`; exports added
+/// to the set later are served too, removed ones no longer. Returns once
+/// the server is accepting; stop it with [`ServerHandle::shutdown`].
+pub fn serve_exports(
+    exports: Exports,
     listener: Listener,
     config: ServerConfig,
 ) -> Result<ServerHandle, ServerError> {
@@ -403,10 +439,10 @@ pub fn serve(
             what: listener.description().to_string(),
             source,
         })?;
-    let export_info = config.export_info(export.size_bytes());
+    let catalog = Arc::new(config.catalog(exports.clone()));
     let shared = Arc::new(Shared {
         limits: config.limits(),
-        export_info,
+        catalog,
         stopping: AtomicBool::new(false),
         connections: Mutex::new(HashMap::new()),
         connections_changed: Condvar::new(),
@@ -419,11 +455,11 @@ pub fn serve(
             max_handshakes_per_peer: config.max_handshakes_per_peer,
             max_connections: config.max_connections,
         }),
-        export,
+        exports,
         config,
     });
     let description = listener.description().to_string();
-    tracing::info!(listen = %description, size_bytes = shared.export_info.size_bytes, "NBD server listening");
+    tracing::info!(listen = %description, exports = shared.exports.len(), "NBD server listening");
     let acceptor_shared = shared.clone();
     let acceptor = std::thread::Builder::new()
         .name("nbd-accept".to_string())
@@ -483,6 +519,12 @@ impl ServerHandle {
 
     pub fn active_connections(&self) -> usize {
         lock(&self.shared.connections).len()
+    }
+
+    /// The exports this server offers: add and remove them here while it
+    /// runs; each one's established connections are in its status.
+    pub fn exports(&self) -> &Exports {
+        &self.shared.exports
     }
 
     pub fn stats(&self) -> ServerStats {
@@ -665,7 +707,7 @@ fn allowed(allow: &[ipnet::IpNet], stream: &Stream) -> bool {
 }
 
 /// Shut every connection's reading side, wait for them to finish their
-/// in-flight requests and flush the export.
+/// in-flight requests and flush every export.
 fn drain(shared: &Arc<Shared>) -> Result<(), ServerError> {
     {
         let conns = lock(&shared.connections);
@@ -689,7 +731,18 @@ fn drain(shared: &Arc<Shared>) -> Result<(), ServerError> {
             .unwrap_or_else(|e| e.into_inner());
     }
     drop(conns);
-    shared.export.flush().map_err(ServerError::FinalFlush)?;
+    // Every export is flushed, even after one failed; the first failure
+    // is the one reported.
+    let mut failure = None;
+    for (name, export) in shared.exports.all() {
+        if let Err(e) = export.flush() {
+            tracing::error!(export = name, error = %e, "final flush of the export failed");
+            failure.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failure {
+        return Err(ServerError::FinalFlush(e));
+    }
     tracing::info!("server stopped");
     Ok(())
 }

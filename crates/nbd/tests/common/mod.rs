@@ -14,7 +14,9 @@ use std::time::Duration;
 use cairn_nbd::codec::reply::{decode_chunk_header, decode_simple_reply, ChunkHeader, SimpleReply};
 use cairn_nbd::codec::wire;
 use cairn_nbd::proto::*;
-use cairn_nbd::{serve, Export, Listener, MemExport, ServerConfig, ServerHandle};
+use cairn_nbd::{
+    serve, serve_exports, Export, Exports, Listener, MemExport, ServerConfig, ServerHandle,
+};
 
 // ---------------------------------------------------------------- bytes ---
 
@@ -100,8 +102,14 @@ impl<S: Read + Write> Client<S> {
         })
     }
 
-    /// Negotiate `mode` (and `base:allocation`), then GO.
+    /// Negotiate `mode` (and `base:allocation`), then GO to the default
+    /// export (the empty name).
     pub fn negotiate(&mut self, mode: Mode, meta: bool) -> io::Result<()> {
+        self.negotiate_export(mode, meta, "")
+    }
+
+    /// Negotiate `mode` (and `base:allocation`), then GO to `name`.
+    pub fn negotiate_export(&mut self, mode: Mode, meta: bool, name: &str) -> io::Result<()> {
         let c = self;
         match mode {
             Mode::Simple => {}
@@ -122,10 +130,10 @@ impl<S: Read + Write> Client<S> {
         }
         c.mode = mode;
         if meta {
-            let replies = c.option(OPT_SET_META_CONTEXT, &meta_data("", &[BASE_ALLOCATION]))?;
+            let replies = c.option(OPT_SET_META_CONTEXT, &meta_data(name, &[BASE_ALLOCATION]))?;
             assert_eq!(replies.last().unwrap().reply_type, REP_ACK);
         }
-        let replies = c.option(OPT_GO, &info_data("", &[INFO_BLOCK_SIZE]))?;
+        let replies = c.option(OPT_GO, &info_data(name, &[INFO_BLOCK_SIZE]))?;
         assert_eq!(
             replies.last().unwrap().reply_type,
             REP_ACK,
@@ -492,6 +500,20 @@ impl TestServer {
         }
     }
 
+    /// A server offering every export of `exports`.
+    pub fn start_exports(exports: Exports, config: ServerConfig) -> TestServer {
+        init_tracing();
+        let dir = TempDir::new("srv");
+        let socket = dir.path("nbd.sock");
+        let listener = Listener::bind_unix(&socket).expect("bind");
+        let handle = serve_exports(exports, listener, config).expect("serve");
+        TestServer {
+            dir,
+            socket,
+            handle: Some(handle),
+        }
+    }
+
     pub fn mem(size_bytes: u64) -> (TestServer, Arc<MemExport>) {
         let export = Arc::new(MemExport::new(size_bytes));
         (
@@ -502,6 +524,15 @@ impl TestServer {
 
     pub fn uri(&self) -> String {
         format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+
+    /// The URI of the export called `name` (plain names only: no escaping).
+    pub fn uri_for(&self, name: &str) -> String {
+        format!("nbd+unix:///{name}?socket={}", self.socket.display())
+    }
+
+    pub fn exports(&self) -> &Exports {
+        self.handle().exports()
     }
 
     pub fn handle(&self) -> &ServerHandle {

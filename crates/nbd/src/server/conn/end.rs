@@ -18,6 +18,8 @@ pub(super) enum End {
     HandshakeTimeout,
     /// The handshake ended with every established slot taken.
     TooManyConnections,
+    /// The export the client chose was removed before it could be served.
+    ExportGone,
     WriteFailed,
     /// The TLS handshake after STARTTLS failed.
     Tls(cairn_tls::TlsError),

@@ -25,6 +25,7 @@ use cairn_io::{LocalNotify, Reactor, ReactorOptions};
 use super::listener::Stream;
 use super::Shared;
 use crate::codec::{ProtocolError, Session};
+use crate::export::Export;
 use end::End;
 use input::InBuf;
 use output::Output;
@@ -34,6 +35,8 @@ pub(super) struct Conn {
     id: u64,
     shared: Arc<Shared>,
     session: Session,
+    /// The export the client chose, for the connection's life.
+    export: Arc<dyn Export>,
     /// Receives and sends go through the reactor's ring.
     stream: Stream,
     reactor: Reactor,
@@ -80,10 +83,28 @@ pub(crate) fn run(shared: &Arc<Shared>, id: u64, mut stream: Stream) {
     tracing::info!(conn = id, %peer, "client connected");
     let mut input = InBuf::new();
     let end = match negotiate::negotiate(shared, id, &mut stream, &mut input) {
-        Ok((session, tls)) => {
+        Ok(negotiated) => {
+            let negotiate::Negotiated {
+                session,
+                tls,
+                attachment,
+            } = negotiated;
             tracing::debug!(conn = id, ?session, "entered transmission");
             input.shrink();
-            serve_transmission(shared, id, stream.try_clone(), session, input, tls)
+            let export = attachment.export().clone();
+            let end =
+                serve_transmission(shared, id, stream.try_clone(), session, input, tls, export);
+            if attachment.removed() {
+                tracing::info!(
+                    conn = id,
+                    export = attachment.name(),
+                    "export removed; connection closed"
+                );
+            }
+            // Every request of the connection is done: it no longer
+            // counts as a user of the export.
+            drop(attachment);
+            end
         }
         Err(end) => end,
     };
@@ -99,6 +120,7 @@ fn serve_transmission(
     session: Session,
     input: InBuf,
     tls: Option<Box<tls::TlsLink>>,
+    export: Arc<dyn Export>,
 ) -> End {
     let setup = stream.and_then(|stream| {
         // Blocking: every receive and send from here on is a ring
@@ -120,6 +142,7 @@ fn serve_transmission(
         id,
         shared: shared.clone(),
         session,
+        export,
         stream,
         reactor: reactor.clone(),
         in_flight: Cell::new(0),
@@ -145,6 +168,11 @@ fn report_end(shared: &Shared, id: u64, peer: &str, end: &End) {
         End::HandshakeTimeout => {
             tracing::warn!(conn = id, %peer, "handshake timed out; disconnecting client");
         }
+        End::ExportGone => tracing::info!(
+            conn = id,
+            %peer,
+            "the export chosen was removed during the handshake; closing the connection"
+        ),
         End::TooManyConnections => {
             shared
                 .counters

@@ -9,6 +9,7 @@ use super::end::End;
 use super::input::{InBuf, TimedRead};
 use super::tls::TlsLink;
 use crate::codec::{Negotiation, NegotiationStep, Session};
+use crate::server::exports::Attachment;
 use crate::server::listener::Stream;
 use crate::server::Shared;
 
@@ -27,6 +28,27 @@ impl NegotiationIo<'_> {
         };
         written.map_err(|_| End::WriteFailed)
     }
+
+    /// Another handle on the client's socket, to shut it down from
+    /// elsewhere (a forced removal of its export).
+    fn control(&self) -> io::Result<Stream> {
+        match self {
+            NegotiationIo::Plain(stream) => stream.try_clone(),
+            NegotiationIo::Tls(tls) => match tls.get_ref().socket() {
+                Some(socket) => socket.try_clone(),
+                None => Err(io::Error::other("the TLS link has no socket")),
+            },
+        }
+    }
+}
+
+/// What a successful negotiation ends in.
+pub(super) struct Negotiated {
+    pub session: Session,
+    /// The TLS link, if STARTTLS was negotiated.
+    pub tls: Option<Box<TlsLink>>,
+    /// The connection's hold on its export.
+    pub attachment: Attachment,
 }
 
 impl Read for NegotiationIo<'_> {
@@ -50,17 +72,19 @@ impl TimedRead for NegotiationIo<'_> {
     }
 }
 
-/// Negotiate; the session agreed, and its TLS link if STARTTLS was.
+/// Negotiate: the session agreed, its TLS link if STARTTLS was, and the
+/// connection's hold on the export it chose.
 pub(super) fn negotiate(
     shared: &Shared,
     id: u64,
     stream: &mut Stream,
     input: &mut InBuf,
-) -> Result<(Session, Option<Box<TlsLink>>), End> {
-    let mut negotiation = Negotiation::with_tls(
-        shared.export_info.clone(),
+) -> Result<Negotiated, End> {
+    let mut negotiation = Negotiation::with_catalog(
+        shared.catalog.clone(),
         shared.limits.clone(),
         shared.config.tls,
+        shared.config.extended_headers,
     );
     let deadline = match shared.config.handshake_timeout_ms {
         0 => None,
@@ -74,10 +98,21 @@ pub(super) fn negotiate(
         let step = negotiation
             .step(input.filled(), &mut out)
             .map_err(End::Protocol)?;
-        // An established slot before the reply that enters transmission:
-        // without one the client gets no reply, just the closed socket.
-        if matches!(step, NegotiationStep::Transmission { .. }) && !shared.admission.establish(id) {
-            return Err(End::TooManyConnections);
+        // An established slot, and a hold on the export, before the reply
+        // that enters transmission: without them the client gets no
+        // reply, just the closed socket.
+        let mut attachment = None;
+        if let NegotiationStep::Transmission { session, .. } = &step {
+            if !shared.admission.establish(id) {
+                return Err(End::TooManyConnections);
+            }
+            let control = io.control().map_err(End::Io)?;
+            attachment = Some(
+                shared
+                    .exports
+                    .attach(session.export_id, control)
+                    .ok_or(End::ExportGone)?,
+            );
         }
         if !out.is_empty() {
             io.write_all(&out)?;
@@ -93,7 +128,15 @@ pub(super) fn negotiate(
                     NegotiationIo::Plain(_) => None,
                     NegotiationIo::Tls(tls) => Some(tls),
                 };
-                return Ok((session, tls));
+                let Some(attachment) = attachment else {
+                    // Taken above for every Transmission step.
+                    return Err(End::ExportGone);
+                };
+                return Ok(Negotiated {
+                    session,
+                    tls,
+                    attachment,
+                });
             }
             NegotiationStep::Aborted { .. } => return Err(End::Aborted),
             NegotiationStep::StartTls { bytes } => {

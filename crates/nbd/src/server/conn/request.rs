@@ -54,7 +54,7 @@ pub(super) async fn run(conn: Rc<Conn>, job: Job) {
 }
 
 async fn execute(conn: &Conn, job: &Job) -> Reply {
-    let export: &dyn Export = &*conn.shared.export;
+    let export: &dyn Export = &*conn.export;
     let request = &job.request;
     let to = request.reply_to;
     let mode = conn.session.mode;
@@ -132,14 +132,14 @@ fn block_status(
     req_one: bool,
 ) -> Result<Vec<u8>, ExportError> {
     let shared = &conn.shared;
-    let size = shared.export_info.size_bytes;
-    let min_block = shared.export_info.block_sizes.min_bytes.max(1) as u64;
+    let size = conn.session.size_bytes;
+    let min_block = conn.session.block_sizes.min_bytes.max(1) as u64;
     // Answering less than asked is allowed; capping the query bounds the
     // work one request can ask of the export (a full-size 64-bit request
     // is legal with extended headers).
     let cap = (u32::MAX as u64) & !(min_block - 1);
     let query = length_bytes.min(size - request.offset).min(cap);
-    let extents = shared.export.block_status(request.offset, query)?;
+    let extents = conn.export.block_status(request.offset, query)?;
     let reported = extents.iter().map(|extent| Descriptor {
         length_bytes: extent.length,
         flags: extent.kind.allocation_flags(),
