@@ -29,6 +29,7 @@ use crate::state_lock::StateLock;
 use crate::stats::{Counters, StatsSnapshot};
 use crate::superblocks;
 use crate::volume_admin::{self, NewVolume};
+use crate::volume_status::VolumeStatus;
 use crate::write;
 use crate::writeback::{Writeback, WritebackProgress};
 
@@ -184,6 +185,23 @@ impl Engine {
             .by_id(0)
             .expect("volume 0 is served for the engine's life")
             .clone()
+    }
+
+    /// Every volume with its blocks in the cache, in table order.
+    pub fn volumes_status(&self) -> Vec<VolumeStatus> {
+        let st = self.state.unchecked();
+        st.volumes
+            .volumes()
+            .iter()
+            .map(|entry| {
+                let blocks = st.index.volume_blocks(entry.id);
+                VolumeStatus {
+                    entry: entry.clone(),
+                    dirty_blocks: blocks.dirty,
+                    clean_blocks: blocks.clean,
+                }
+            })
+            .collect()
     }
 
     /// Add a volume on `origin` while the cache is open; its requests go

@@ -53,6 +53,7 @@ mod tags;
 mod upgrade;
 mod volume_admin;
 mod volume_origin;
+mod volume_status;
 mod write;
 mod writeback;
 
@@ -66,6 +67,7 @@ pub use policy::CacheMode;
 pub use read_data::ReadData;
 pub use stats::StatsSnapshot;
 pub use volume_admin::NewVolume;
+pub use volume_status::VolumeStatus;
 pub use writeback::WritebackProgress;
 
 pub use cairn_format::{

@@ -7,6 +7,7 @@
 //! forward map, 16 bytes per cached block in all. Blocks are named by
 //! keys (volume and address, `cairn_format::block_key`).
 
+mod block_counts;
 mod forward_map;
 mod plan;
 mod ranges;
@@ -22,6 +23,8 @@ use crate::error::{EngineError, EngineResult};
 use crate::stats::Counters;
 use crate::tags::TagTable;
 
+use block_counts::BlockCounts;
+pub use block_counts::VolumeBlocks;
 use forward_map::ForwardMap;
 pub(crate) use plan::Plan;
 use ranges::RangeMap;
@@ -43,8 +46,7 @@ pub(crate) struct Index {
     lost: BTreeSet<u64>,
     /// A lost mark not yet in a durable checkpoint.
     lost_unpersisted: bool,
-    dirty_blocks: u64,
-    clean_blocks: u64,
+    counts: BlockCounts,
     corrupt_blocks: u64,
     /// Which blocks changed since a read planned its misses.
     stamps: WriteStamps,
@@ -58,8 +60,7 @@ impl Index {
             ranges: RangeMap::default(),
             lost: BTreeSet::new(),
             lost_unpersisted: false,
-            dirty_blocks: 0,
-            clean_blocks: 0,
+            counts: BlockCounts::default(),
             corrupt_blocks: 0,
             stamps: WriteStamps::default(),
         }
@@ -119,11 +120,16 @@ impl Index {
     }
 
     pub(crate) fn dirty_blocks(&self) -> u64 {
-        self.dirty_blocks
+        self.counts.dirty()
+    }
+
+    /// Dirty and clean blocks of one volume.
+    pub(crate) fn volume_blocks(&self, volume: u16) -> VolumeBlocks {
+        self.counts.of_volume(volume)
     }
 
     pub(crate) fn clean_blocks(&self) -> u64 {
-        self.clean_blocks
+        self.counts.clean()
     }
 
     pub(crate) fn corrupt_blocks(&self) -> u64 {
@@ -131,7 +137,7 @@ impl Index {
     }
 
     pub(crate) fn live_blocks(&self) -> u64 {
-        self.dirty_blocks + self.clean_blocks
+        self.counts.dirty() + self.counts.clean()
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
@@ -226,11 +232,7 @@ impl Index {
         self.slots.set(slot, lba, crc, st);
         let replaced = self.map.insert(lba, slot, &self.slots);
         assert!(replaced.is_none(), "old mapping was retired first");
-        if clean {
-            self.clean_blocks += 1;
-        } else {
-            self.dirty_blocks += 1;
-        }
+        self.counts.add(lba, !clean);
     }
 
     /// The block in `slot` was overwritten in place (it sits in the open
@@ -246,8 +248,7 @@ impl Index {
         );
         self.slots.set(slot, lba, crc, state::LIVE | state::DIRTY);
         if was_clean {
-            self.clean_blocks -= 1;
-            self.dirty_blocks += 1;
+            self.counts.set_dirty(lba, true);
         }
     }
 
@@ -259,12 +260,8 @@ impl Index {
         if self.is_corrupt(slot) {
             self.corrupt_blocks -= 1;
         }
-        if self.is_dirty(slot) {
-            self.dirty_blocks -= 1;
-        } else {
-            self.clean_blocks -= 1;
-        }
         let lba = self.slots.lba(slot);
+        self.counts.remove(lba, self.is_dirty(slot));
         let removed = self.map.remove(&self.slots, lba, slot);
         assert!(removed, "a live slot is mapped");
         self.slots.set_state(slot, 0);
@@ -296,8 +293,7 @@ impl Index {
         if self.is_dirty(slot) {
             let st = self.slots.state(slot);
             self.slots.set_state(slot, st & !state::DIRTY);
-            self.dirty_blocks -= 1;
-            self.clean_blocks += 1;
+            self.counts.set_dirty(self.slots.lba(slot), false);
         }
     }
 
@@ -306,7 +302,7 @@ impl Index {
         for slot in 0..self.slots.len() as u32 {
             self.mark_written_back(slot);
         }
-        assert_eq!(self.dirty_blocks, 0);
+        assert_eq!(self.counts.dirty(), 0);
     }
 
     /// Drop every cached copy and lost mark of blocks `[first, end)`: the
@@ -516,7 +512,7 @@ impl Index {
         in_log: impl Fn(u32) -> bool,
         is_dirty: impl Fn(u32) -> bool,
     ) -> Result<(), String> {
-        let (mut dirty, mut clean, mut corrupt) = (0, 0, 0);
+        let (mut counts, mut corrupt) = (BlockCounts::default(), 0);
         for slot in 0..self.slots.len() as u32 {
             if !self.is_live(slot) {
                 continue;
@@ -528,16 +524,14 @@ impl Index {
             if st & state::CORRUPT != 0 {
                 corrupt += 1;
             }
-            if st & state::CLEAN_INSERT == 0 && is_dirty(slot) {
+            let dirty = st & state::CLEAN_INSERT == 0 && is_dirty(slot);
+            if dirty {
                 st |= state::DIRTY;
-                dirty += 1;
-            } else {
-                clean += 1;
             }
+            counts.add(self.slots.lba(slot), dirty);
             self.slots.set_state(slot, st);
         }
-        self.dirty_blocks = dirty;
-        self.clean_blocks = clean;
+        self.counts = counts;
         self.corrupt_blocks = corrupt;
         Ok(())
     }
