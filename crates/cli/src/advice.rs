@@ -22,6 +22,16 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::OriginSizeChanged { origin, .. } => Some(format!(
             "use the original device, or reformat the cache for this origin (data only on the cache is lost): cairn format --force --cache CACHE --origin {origin}"
         )),
+        EngineError::VolumeExists { name } => Some(format!(
+            "pick another name; `cairn volume list --cache CACHE` shows the volumes (the name {name:?} is taken)"
+        )),
+        EngineError::OriginInUse { name, .. } => Some(format!(
+            "each origin belongs to one volume; volume {name:?} serves it already"
+        )),
+        EngineError::VolumeOriginMissing { name, origin }
+        | EngineError::VolumeOriginOpen { name, origin, .. } => Some(format!(
+            "volume {name:?} needs its origin {origin}: make it reachable again, then start cairn"
+        )),
         EngineError::CacheDegraded { device, .. } => Some(format!(
             "fix or replace the cache device, stop cairn and run `cairn format --force` on it: cairn format --force --cache {device} --origin ORIGIN"
         )),
@@ -48,6 +58,12 @@ pub fn for_command(e: &CommandError) -> Option<String> {
                 .into(),
         ),
         CommandError::RangePastEnd { .. } => None,
+        CommandError::VolumeOrigin(_) => {
+            Some("give the new volume's origin as a path or an nbd:// / rbd: URI that this host can open".into())
+        }
+        CommandError::Export(_) => {
+            Some("the volume is in the cache and is exported at the next start of `cairn serve`".into())
+        }
         CommandError::BadSettings(_) => {
             Some("see `cairn set --help` for the settings and their ranges".into())
         }

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use cairn_engine::Engine;
-use cairn_nbd::{serve, Listener, ServerConfig, StatsReader};
+use cairn_nbd::{serve_exports, Exports, Listener, ServerConfig, StatsReader};
 
-use crate::export::{EngineExport, Latencies};
+use crate::export::Latencies;
+use crate::volume_exports::VolumeExports;
 
 /// Called once the volume is being served, with the listener's description.
 pub type ReadyHook = Box<dyn FnOnce(&str) + Send>;
@@ -57,12 +58,24 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
         ..ServerConfig::default()
     };
     opts.connection.apply(&mut config)?;
-    let export = Arc::new(EngineExport {
-        engine: engine.clone(),
-        latencies: latencies.clone(),
-    });
-    let server = serve(export, listener, config).context("starting the NBD server")?;
-    tracing::info!("serving {} on {description}", opts.cache.display());
+    // Every volume is an export by its name; the first volume's is `""`
+    // unless named otherwise, which clients that name no export get.
+    let exports = Exports::new();
+    let volumes = VolumeExports {
+        exports: &exports,
+        engine: &engine,
+        latencies: &latencies,
+    };
+    for volume in engine.volume_table().volumes() {
+        volumes.add(volume)?;
+    }
+    let server =
+        serve_exports(exports.clone(), listener, config).context("starting the NBD server")?;
+    tracing::info!(
+        volumes = engine.volume_table().volumes().len(),
+        "serving {} on {description}",
+        opts.cache.display()
+    );
 
     let workers = Workers::spawn(
         &engine,
@@ -71,6 +84,7 @@ pub fn serve_volume(engine: Arc<Engine>, opts: ServeOptions) -> Result<()> {
         admin,
         server.stats_reader(),
         latencies.clone(),
+        exports,
     )?;
     if let Some(l) = metrics_listener {
         let m_engine = engine.clone();
@@ -205,6 +219,7 @@ impl Workers {
         admin: UnixListener,
         server: StatsReader,
         latencies: Arc<Latencies>,
+        exports: Exports,
     ) -> Result<Workers> {
         // Write-back: one epoch group at a time; idle waits short.
         let wb_engine = engine.clone();
@@ -244,9 +259,7 @@ impl Workers {
                     &admin_engine,
                     &admin_cache,
                     &admin_stop,
-                    &server,
-                    &latencies,
-                    &admin_settings,
+                    (&server, &latencies, &admin_settings, &exports),
                 )
             })?;
         Ok(Workers {

@@ -103,9 +103,30 @@ impl Latencies {
     }
 }
 
+/// One volume of the engine as an NBD export.
 pub struct EngineExport {
     pub engine: Arc<Engine>,
+    /// The volume's id.
+    pub volume: u16,
+    /// Fixed while the volume is served.
+    pub size_bytes: u64,
     pub latencies: Arc<Latencies>,
+}
+
+impl EngineExport {
+    pub fn new(
+        engine: Arc<Engine>,
+        volume: u16,
+        latencies: Arc<Latencies>,
+    ) -> Result<Self, EngineError> {
+        let size_bytes = engine.volume_size_bytes(volume)?;
+        Ok(EngineExport {
+            engine,
+            volume,
+            size_bytes,
+            latencies,
+        })
+    }
 }
 
 fn map_err(e: EngineError) -> ExportError {
@@ -114,12 +135,15 @@ fn map_err(e: EngineError) -> ExportError {
 
 impl Export for EngineExport {
     fn size_bytes(&self) -> u64 {
-        self.engine.size_bytes()
+        self.size_bytes
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
         let t = Instant::now();
-        let r = self.engine.read(offset, buf).map_err(map_err);
+        let r = self
+            .engine
+            .read_in(self.volume, offset, buf)
+            .map_err(map_err);
         self.latencies.read.record(t);
         r
     }
@@ -127,7 +151,10 @@ impl Export for EngineExport {
     fn read_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ReadBuffer> {
         Box::pin(async move {
             let t = Instant::now();
-            let r = self.engine.read_async(offset, length as usize, false).await;
+            let r = self
+                .engine
+                .read_async_in(self.volume, offset, length as usize, false)
+                .await;
             self.latencies.read.record(t);
             r.map(|data| Box::new(data) as ReadBuffer).map_err(map_err)
         })
@@ -138,7 +165,7 @@ impl Export for EngineExport {
             let t = Instant::now();
             let r = self
                 .engine
-                .write_async(offset, data, fua)
+                .write_async_in(self.volume, offset, data, fua)
                 .await
                 .map_err(map_err);
             self.latencies.write.record(t);
@@ -157,7 +184,10 @@ impl Export for EngineExport {
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
         let t = Instant::now();
-        let r = self.engine.write(offset, data, fua).map_err(map_err);
+        let r = self
+            .engine
+            .write_in(self.volume, offset, data, fua)
+            .map_err(map_err);
         self.latencies.write.record(t);
         r
     }
@@ -171,7 +201,10 @@ impl Export for EngineExport {
 
     fn trim(&self, offset: u64, length: u64) -> Result<(), ExportError> {
         let t = Instant::now();
-        let r = self.engine.discard(offset, length).map_err(map_err);
+        let r = self
+            .engine
+            .discard_in(self.volume, offset, length)
+            .map_err(map_err);
         self.latencies.trim.record(t);
         r
     }
@@ -185,7 +218,10 @@ impl Export for EngineExport {
     ) -> Result<(), ExportError> {
         // Zeroing whole blocks is a logged range: always fast, no data I/O.
         let t = Instant::now();
-        let r = self.engine.write_zeroes(offset, length).map_err(map_err);
+        let r = self
+            .engine
+            .write_zeroes_in(self.volume, offset, length)
+            .map_err(map_err);
         self.latencies.zero.record(t);
         r
     }
@@ -193,13 +229,16 @@ impl Export for EngineExport {
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError> {
         // Prefetch: reading the range promotes its blocks as clean copies.
         let t = Instant::now();
-        let r = prefetch(&self.engine, offset, length).map_err(map_err);
+        let r = prefetch(&self.engine, self.volume, offset, length).map_err(map_err);
         self.latencies.cache.record(t);
         r
     }
 
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError> {
-        let runs = self.engine.block_status(offset, length).map_err(map_err)?;
+        let runs = self
+            .engine
+            .block_status_in(self.volume, offset, length)
+            .map_err(map_err)?;
         Ok(runs
             .into_iter()
             .map(|run| Extent {
@@ -216,14 +255,16 @@ impl Export for EngineExport {
 
 /// Read a range (clipped to the volume) so its blocks are promoted as
 /// clean copies: the NBD CACHE command and `cairn warm`.
-pub fn prefetch(engine: &Engine, offset: u64, length: u64) -> Result<(), EngineError> {
+pub fn prefetch(engine: &Engine, volume: u16, offset: u64, length: u64) -> Result<(), EngineError> {
     const CHUNK_BYTES: u64 = 1 << 20;
-    let end = offset.saturating_add(length).min(engine.size_bytes());
+    let end = offset
+        .saturating_add(length)
+        .min(engine.volume_size_bytes(volume)?);
     let mut buf = vec![0u8; CHUNK_BYTES.min(end.saturating_sub(offset)) as usize];
     let mut at = offset;
     while at < end {
         let n = CHUNK_BYTES.min(end - at) as usize;
-        engine.read_uncut(at, &mut buf[..n])?;
+        engine.read_uncut_in(volume, at, &mut buf[..n])?;
         at += n as u64;
     }
     Ok(())

@@ -22,10 +22,12 @@ mod advice;
 mod args;
 mod cmd;
 mod daemon;
+mod devices;
 mod export;
 mod metrics;
 mod settings;
 mod status;
+mod volume_exports;
 mod writeback;
 
 use std::path::PathBuf;
@@ -161,6 +163,10 @@ enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+    /// Add and list the volumes of a cache: several origins behind one fast
+    /// device, each its own NBD export.
+    #[command(subcommand)]
+    Volume(cmd::volume::VolumeCommand),
     /// Write the manual pages (cairn.1, cairn-serve.1, ...) into DIR.
     Manpages {
         /// Where to write them, e.g. /usr/local/share/man/man1.
@@ -184,6 +190,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Mode { cache, mode } => cmd::mode::run(&cache, mode)?,
         Command::Warm { cache, range } => cmd::warm::run(&cache, &range)?,
         Command::Set(args) => cmd::set::run(&args)?,
+        Command::Volume(command) => cmd::volume::run(command)?,
         Command::Demo { dir } => cmd::demo::run(&dir)?,
         Command::Top {
             cache,

@@ -1,8 +1,50 @@
 //! Status output: stable JSON (snake_case keys) and a human table.
 
-use cairn_engine::{StatsSnapshot, Superblock, VolumeEntry};
+use cairn_engine::{CacheMode, StatsSnapshot, Superblock, VolumeEntry, VolumeState, VolumeStatus};
+use cairn_nbd::ExportStatus;
 use cairn_nbd::ServerStats;
 use serde_json::{json, Map, Value};
+
+/// Every volume as `volume list --json` and `status --json` (`volumes`)
+/// show it; with `served`, the connections to each volume's export.
+pub fn volumes_json(
+    volumes: &[VolumeStatus],
+    block_size_bytes: u32,
+    served: Option<&[ExportStatus]>,
+) -> Value {
+    let list: Vec<Value> = volumes
+        .iter()
+        .map(|v| {
+            let e = &v.entry;
+            let mut m = Map::new();
+            m.insert("id".into(), json!(e.id));
+            m.insert("name".into(), json!(e.name));
+            m.insert("origin".into(), json!(e.origin_identity));
+            m.insert("size_bytes".into(), json!(e.origin_size_bytes));
+            let mode = CacheMode::from_code(e.mode).map_or("unknown", |m| m.name());
+            m.insert("mode".into(), json!(mode));
+            m.insert("integrity".into(), json!(e.integrity));
+            let state = match e.state {
+                VolumeState::Active => "active",
+                VolumeState::Removing => "removing",
+            };
+            m.insert("state".into(), json!(state));
+            m.insert("dirty_blocks".into(), json!(v.dirty_blocks));
+            m.insert("clean_blocks".into(), json!(v.clean_blocks));
+            let cached_bytes = (v.dirty_blocks + v.clean_blocks) * block_size_bytes as u64;
+            m.insert("cached_bytes".into(), json!(cached_bytes));
+            if let Some(exports) = served {
+                let connections = exports
+                    .iter()
+                    .find(|x| x.name == e.name)
+                    .map_or(0, |x| x.connections);
+                m.insert("connections".into(), json!(connections));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    Value::Array(list)
+}
 
 pub fn status_json(
     s: &StatsSnapshot,

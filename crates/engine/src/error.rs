@@ -56,6 +56,12 @@ pub enum EngineError {
     },
     #[error("volume {name:?} (origin {origin}) was not given its origin device")]
     VolumeOriginMissing { name: String, origin: String },
+    #[error("volume {name:?}: its origin {origin} cannot be opened: {detail}")]
+    VolumeOriginOpen {
+        name: String,
+        origin: String,
+        detail: String,
+    },
     #[error("a volume named {name:?} exists already")]
     VolumeExists { name: String },
     #[error("origin {origin} is volume {name:?}'s already: two volumes writing back to one origin would overwrite each other")]

@@ -6,10 +6,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cairn_engine::{Engine, EngineError, ScrubOptions, StoredSettings};
+use cairn_engine::{Engine, EngineError, NewVolume, ScrubOptions, StoredSettings};
 
 use super::{AdminReply, AdminRequest, SettingsChange};
 use crate::settings::{EffectiveSettings, SharedSettings};
+use crate::volume_exports::VolumeExports;
 
 /// The least time between two progress replies: a line per block would
 /// cost more than the work it reports.
@@ -28,6 +29,8 @@ pub struct Target<'a> {
     pub latency: Option<serde_json::Value>,
     /// The daemon's settings in force, when a daemon serves it.
     pub settings: Option<SharedSettings>,
+    /// Where a volume added while serving is exported.
+    pub exports: Option<VolumeExports<'a>>,
 }
 
 /// Why a request failed.
@@ -39,6 +42,10 @@ pub enum CommandError {
     NoIntegrity { cache: String },
     #[error("{0}")]
     BadSettings(String),
+    #[error("{0}")]
+    VolumeOrigin(String),
+    #[error("the volume was added to the cache, but not exported: {0}")]
+    Export(String),
     #[error("range starts at {offset_bytes}, past the end of the {size_bytes}-byte volume")]
     RangePastEnd { offset_bytes: u64, size_bytes: u64 },
 }
@@ -51,8 +58,8 @@ pub fn execute(
 ) -> Result<(), CommandError> {
     let engine = target.engine;
     match request {
-        AdminRequest::Status => emit(AdminReply::Status {
-            status: crate::status::status_json(
+        AdminRequest::Status => {
+            let mut status = crate::status::status_json(
                 &engine.stats(),
                 &engine.superblock(),
                 &engine.volume(),
@@ -60,8 +67,14 @@ pub fn execute(
                 target.server.as_ref(),
                 target.latency.clone(),
                 settings_now(target).to_json(),
-            ),
-        }),
+            );
+            if let (serde_json::Value::Object(m), AdminReply::Volumes { volumes }) =
+                (&mut status, volumes_reply(target))
+            {
+                m.insert("volumes".into(), volumes);
+            }
+            emit(AdminReply::Status { status });
+        }
         AdminRequest::Flush => {
             let mut progress = Throttle::default();
             let p = engine.drain_with_progress(|p| progress.drain(p, emit))?;
@@ -102,8 +115,71 @@ pub fn execute(
             emit(AdminReply::Warmed { cached_blocks });
         }
         AdminRequest::Set { change } => set(target, change, emit)?,
+        AdminRequest::VolumeAdd {
+            name,
+            origin,
+            mode,
+            integrity,
+        } => {
+            let new = NewVolume {
+                name: name.clone(),
+                mode: *mode,
+                integrity: *integrity,
+            };
+            add_volume(target, origin, &new)?;
+            emit(volumes_reply(target));
+        }
+        AdminRequest::VolumeList => emit(volumes_reply(target)),
     }
     Ok(())
+}
+
+/// `cairn volume add`: open the origin here (the daemon, when served),
+/// add the volume, and export it at once when served.
+fn add_volume(target: &Target, origin: &str, new: &NewVolume) -> Result<(), CommandError> {
+    // What the engine would refuse anyway, asked before the origin is
+    // opened: another volume's origin is open (and locked) here already,
+    // and the lock's message would hide the real reason.
+    let table = target.engine.volume_table();
+    if let Some(v) = table.by_name(&new.name) {
+        return Err(EngineError::VolumeExists {
+            name: v.name.clone(),
+        }
+        .into());
+    }
+    let given =
+        std::fs::canonicalize(origin).map_or(origin.to_string(), |p| p.display().to_string());
+    if let Some(v) = table
+        .volumes()
+        .iter()
+        .find(|v| cairn_device::spec_of_identity(&v.origin_identity) == given)
+    {
+        return Err(EngineError::OriginInUse {
+            origin: v.origin_identity.clone(),
+            name: v.name.clone(),
+        }
+        .into());
+    }
+    let device = crate::devices::open_origin(origin)
+        .map_err(|e| CommandError::VolumeOrigin(format!("{e:#}")))?;
+    let entry = target.engine.add_volume(device, new)?;
+    if let Some(exports) = &target.exports {
+        exports
+            .add(&entry)
+            .map_err(|e| CommandError::Export(format!("{e:#}")))?;
+    }
+    Ok(())
+}
+
+fn volumes_reply(target: &Target) -> AdminReply {
+    let served = target.exports.as_ref().map(|e| e.exports.list());
+    AdminReply::Volumes {
+        volumes: crate::status::volumes_json(
+            &target.engine.volumes_status(),
+            target.engine.block_size_bytes(),
+            served.as_deref(),
+        ),
+    }
 }
 
 /// The settings in force: the daemon's, or (offline) the stored ones over
@@ -214,7 +290,7 @@ fn check_origin(
 /// Read a range so its blocks are promoted into the cache (`cairn warm`).
 /// Returns the blocks of the range now cached.
 pub fn warm(engine: &Engine, offset_bytes: u64, length_bytes: u64) -> Result<u64, EngineError> {
-    crate::export::prefetch(engine, offset_bytes, length_bytes)?;
+    crate::export::prefetch(engine, 0, offset_bytes, length_bytes)?;
     let end = offset_bytes
         .saturating_add(length_bytes)
         .min(engine.size_bytes());

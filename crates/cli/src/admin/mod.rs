@@ -38,7 +38,7 @@ pub const REQUEST_LINE_BYTES_MAX: usize = 4096;
 pub const REPLY_LINE_BYTES_MAX: usize = 1 << 20;
 
 /// The command names a daemon knows, in the order `--help` would list them.
-pub const COMMANDS: [&str; 7] = [
+pub const COMMANDS: [&str; 9] = [
     "status",
     "flush",
     "check",
@@ -46,6 +46,8 @@ pub const COMMANDS: [&str; 7] = [
     "mode",
     "warm",
     "set",
+    "volume_add",
+    "volume_list",
 ];
 
 /// What a client asks of the daemon. Each is also run offline, by the CLI
@@ -78,6 +80,17 @@ pub enum AdminRequest {
     /// Store policy settings in the cache, and apply them while serving
     /// (`cairn set`).
     Set { change: SettingsChange },
+    /// Add a volume on another origin, exported under `name` at once when
+    /// served (`cairn volume add`). The daemon opens `origin` itself.
+    VolumeAdd {
+        name: String,
+        origin: String,
+        #[serde(with = "mode_name")]
+        mode: CacheMode,
+        integrity: bool,
+    },
+    /// The volumes (`cairn volume list`).
+    VolumeList,
 }
 
 impl AdminRequest {
@@ -90,6 +103,8 @@ impl AdminRequest {
             AdminRequest::Mode { .. } => "mode",
             AdminRequest::Warm { .. } => "warm",
             AdminRequest::Set { .. } => "set",
+            AdminRequest::VolumeAdd { .. } => "volume_add",
+            AdminRequest::VolumeList => "volume_list",
         }
     }
 }
@@ -134,6 +149,9 @@ pub enum AdminReply {
     },
     /// `warm`: blocks of the range that are now cached.
     Warmed { cached_blocks: u64 },
+    /// `volume_add`, `volume_list`: every volume (see
+    /// `status::volumes_json`).
+    Volumes { volumes: serde_json::Value },
     /// The request succeeded.
     Ok,
     /// The request failed: what happened, and how to fix it where the fix
@@ -323,6 +341,13 @@ mod tests {
                     ..Default::default()
                 },
             },
+            AdminRequest::VolumeAdd {
+                name: "db".into(),
+                origin: "nbd+unix:///x?socket=/run/a b.sock".into(),
+                mode: CacheMode::WriteThrough,
+                integrity: false,
+            },
+            AdminRequest::VolumeList,
         ]
     }
 
@@ -372,6 +397,9 @@ mod tests {
                 blocks_skipped: 0,
             },
             AdminReply::Warmed { cached_blocks: 9 },
+            AdminReply::Volumes {
+                volumes: serde_json::json!([{"name": "", "id": 0}]),
+            },
             AdminReply::Ok,
             AdminReply::error("no\nway"),
             AdminReply::Error {

@@ -9,10 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cairn_engine::Engine;
-use cairn_nbd::StatsReader;
+use cairn_nbd::{Exports, StatsReader};
 
 use crate::export::Latencies;
 use crate::settings::SharedSettings;
+use crate::volume_exports::VolumeExports;
 
 use super::exec::{execute, Target};
 use super::{
@@ -46,9 +47,7 @@ pub fn admin_loop(
     engine: &Arc<Engine>,
     cache: &Path,
     stop: &AtomicBool,
-    server: &StatsReader,
-    latencies: &Arc<Latencies>,
-    settings: &SharedSettings,
+    (server, latencies, settings, exports): Served<'_>,
 ) {
     let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
@@ -70,26 +69,34 @@ pub fn admin_loop(
         let server = server.clone();
         let latencies = latencies.clone();
         let settings = settings.clone();
+        let exports = exports.clone();
         let _ = std::thread::Builder::new()
             .name("admin-conn".into())
             .spawn(move || {
                 let _slot = slot;
-                if let Err(e) =
-                    handle_connection(stream, &engine, cache, &server, &latencies, &settings)
-                {
+                let served = (&server, &latencies, &settings, &exports);
+                if let Err(e) = handle_connection(stream, &engine, cache, served) {
                     tracing::debug!("admin connection: {e}");
                 }
             });
     }
 }
 
+/// What a daemon serving the engine adds to a request's target: the NBD
+/// server's counters, the latency histograms, the settings in force and
+/// the exports.
+pub type Served<'a> = (
+    &'a StatsReader,
+    &'a Arc<Latencies>,
+    &'a SharedSettings,
+    &'a Exports,
+);
+
 fn handle_connection(
     stream: UnixStream,
-    engine: &Engine,
+    engine: &Arc<Engine>,
     cache: PathBuf,
-    server: &StatsReader,
-    latencies: &Latencies,
-    settings: &SharedSettings,
+    (server, latencies, settings, exports): Served<'_>,
 ) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_millis(REQUEST_READ_TIMEOUT_MS)))?;
     let mut w = stream.try_clone()?;
@@ -120,6 +127,11 @@ fn handle_connection(
         server: Some(server.stats()),
         latency: Some(latencies.to_json()),
         settings: Some(settings.clone()),
+        exports: Some(VolumeExports {
+            exports,
+            engine,
+            latencies,
+        }),
     };
     // A client that went away mid-request does not stop the work (a drain
     // runs to its end); the first failed write is reported at the end.

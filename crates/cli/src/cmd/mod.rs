@@ -15,47 +15,20 @@ pub mod serve;
 pub mod set;
 pub mod status;
 pub mod top;
+pub mod volume;
 pub mod warm;
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Result;
-use cairn_device::{open_local, open_path_or_uri_with, Device, DeviceError, OpenMode};
+use cairn_device::{Device, OpenMode};
 use cairn_engine::{Engine, EngineConfig, OpenOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::admin::exec::{execute, Target};
 use crate::admin::{client, AdminReply, AdminRequest};
-
-/// "cache PATH: why", naming the device once (device errors usually start
-/// with the device's name already).
-fn device_error(role: &str, spec: &str, e: DeviceError) -> anyhow::Error {
-    let msg = e.to_string();
-    if msg.starts_with(spec) {
-        anyhow::anyhow!("{role} {msg}")
-    } else {
-        anyhow::anyhow!("{role} {spec}: {msg}")
-    }
-}
-
-pub fn open_cache(path: &Path, mode: OpenMode) -> Result<Arc<dyn Device>> {
-    let dev = open_local(path, mode)
-        .map_err(|e| device_error("cache", &path.display().to_string(), e))?;
-    Ok(Arc::from(dev))
-}
-
-pub fn open_origin(spec: &str) -> Result<Arc<dyn Device>> {
-    open_origin_with(spec, None)
-}
-
-/// The origin, with at most `queue_depth` requests in flight on a remote
-/// export (`serve --origin-queue-depth`).
-pub fn open_origin_with(spec: &str, queue_depth: Option<usize>) -> Result<Arc<dyn Device>> {
-    let dev = open_path_or_uri_with(spec, OpenMode::Exclusive, queue_depth)
-        .map_err(|e| device_error("origin", spec, e))?;
-    Ok(Arc::from(dev))
-}
+pub use crate::devices::{open_cache, open_origin, open_origin_with};
 
 /// The policy settings stored in the cache's volume table (`cairn set`),
 /// read before the engine opens (it opens with one of them).
@@ -102,11 +75,27 @@ pub fn open_engine_with(
         page_cache_reads = config.page_cache_reads,
         "devices opened"
     );
+    let queue_depth = config.origin_queue_depth;
     let opts = OpenOptions {
         force_origin: force,
         config,
     };
-    Ok(Arc::new(Engine::open(cache, origin, &opts)?))
+    // The first volume's origin is the one named (or recorded); every
+    // other volume's is opened from the identity its table entry records.
+    let mut resolve = |volume: &cairn_engine::VolumeEntry| {
+        if volume.id == 0 {
+            return Ok(origin.clone());
+        }
+        let spec = cairn_device::spec_of_identity(&volume.origin_identity);
+        open_origin_with(spec, Some(queue_depth)).map_err(|e| {
+            cairn_engine::EngineError::VolumeOriginOpen {
+                name: volume.name.clone(),
+                origin: volume.origin_identity.clone(),
+                detail: format!("{e:#}"),
+            }
+        })
+    };
+    Ok(Arc::new(Engine::open_volumes(cache, &mut resolve, &opts)?))
 }
 
 /// Run `request` on `cache`: through the daemon serving it if one answers,
@@ -128,6 +117,7 @@ pub fn run_request(
         server: None,
         latency: None,
         settings: None,
+        exports: None,
     };
     let result = execute(&target, request, &mut on_reply);
     // Closed after a failure too, as the daemon would keep serving; the

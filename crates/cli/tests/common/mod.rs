@@ -648,6 +648,10 @@ pub fn fio_verified_args(uri: &str, seed: u64, verify_only: bool) -> Vec<String>
         "--offset=0",
         "--size=8M",
         "--fsync=1",
+        // fio's fsync=1 flushes before the next write, so the last write
+        // would go unflushed (found when a kill -9 right after fio lost
+        // exactly fio's last block): a final flush ends the job.
+        "--end_fsync=1",
         "--verify=crc32c",
         &format!("--randseed={seed}"),
         "--output-format=json",
