@@ -22,6 +22,12 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::OriginSizeChanged { origin, .. } => Some(format!(
             "use the original device, or reformat the cache for this origin (data only on the cache is lost): cairn format --force --cache CACHE --origin {origin}"
         )),
+        EngineError::VolumeNotFound { .. } => {
+            Some("`cairn volume list --cache CACHE` shows the volumes".into())
+        }
+        EngineError::VolumeNotDrained { .. } => Some(
+            "make its origin reachable (see `cairn status`), then run `cairn volume remove` again".into(),
+        ),
         EngineError::VolumeExists { name } => Some(format!(
             "pick another name; `cairn volume list --cache CACHE` shows the volumes (the name {name:?} is taken)"
         )),
@@ -58,6 +64,9 @@ pub fn for_command(e: &CommandError) -> Option<String> {
                 .into(),
         ),
         CommandError::RangePastEnd { .. } => None,
+        CommandError::VolumeInUse { name, .. } => Some(format!(
+            "disconnect them first, or pass --force to cut them off: cairn volume remove --cache CACHE --name {name} --force"
+        )),
         CommandError::VolumeOrigin(_) => {
             Some("give the new volume's origin as a path or an nbd:// / rbd: URI that this host can open".into())
         }

@@ -11,6 +11,8 @@
 //!    read; a negative control (another seed) reports errors.
 //! 4. `cairn flush` drains every volume; each origin file then holds
 //!    exactly what its volume reads (and no other volume's data).
+//! 5. `cairn volume remove`: refused while a client is connected, done
+//!    with `--force`; the origin keeps everything; the first volume stays.
 
 mod common;
 
@@ -250,5 +252,51 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
         let on_origin = std::fs::read(origin).expect("read origin");
         assert_same_bytes(&format!("origin of volume {name:?}"), &on_origin, &volume);
     }
+    // Removal: refused while a client is connected to the export, done
+    // with --force (the client is cut off); the origin keeps everything.
+    let fast_data = nbd_read(&export_uri(&sock, "fast"), 0, 12 * MIB as usize);
+    let mut holder = ctx.spawn(
+        "holder",
+        std::process::Command::new(python()).args([
+            "-c",
+            "import nbd, sys, time\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\nprint('connected', flush=True)\nfor _ in range(600):\n    try:\n        h.pread(4096, 0)\n    except Exception as e:\n        print('cut off:', e, flush=True)\n        break\n    time.sleep(0.1)",
+            &export_uri(&sock, "fast"),
+        ]),
+    );
+    assert!(
+        eventually(std::time::Duration::from_secs(30), || holder
+            .log_text()
+            .contains("connected")),
+        "the holding client never connected: {}",
+        holder.log_text()
+    );
+    let refused = ctx.cairn(&["volume", "remove", "--cache", &cache_arg, "--name", "fast"]);
+    assert_clean_failure(&refused, &["clients connected", "--force"]);
+    ctx.cairn_ok(&[
+        "volume", "remove", "--cache", &cache_arg, "--name", "fast", "--force",
+    ]);
+    assert!(
+        eventually(std::time::Duration::from_secs(30), || holder
+            .log_text()
+            .contains("cut off")),
+        "the client of the removed export was not cut off: {}",
+        holder.log_text()
+    );
+    holder.kill9();
+    assert_same_bytes(
+        "origin of the removed volume",
+        &std::fs::read(&fast.file).expect("read"),
+        &fast_data,
+    );
+    let list = ctx.cairn_ok(&["volume", "list", "--cache", &cache_arg, "--json"]);
+    assert!(!stdout(&list).contains("\"fast\""), "{}", describe(&list));
+    let gone = run(tool("nbdinfo").arg(export_uri(&sock, "fast")), TOOL_TIMEOUT);
+    assert!(
+        !gone.status.success(),
+        "the removed export still answers: {}",
+        describe(&gone)
+    );
+    let first = ctx.cairn(&["volume", "remove", "--cache", &cache_arg, "--name", ""]);
+    assert_clean_failure(&first, &["first volume"]);
     assert!(server.terminate().success());
 }

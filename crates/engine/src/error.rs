@@ -62,6 +62,12 @@ pub enum EngineError {
         origin: String,
         detail: String,
     },
+    #[error("no volume is named {name:?}")]
+    VolumeNotFound { name: String },
+    #[error("volume {name:?} is the cache's first volume (the one format made, which clients that name no export get, and which integrity tags cover); it stays as long as the cache")]
+    FirstVolumeKept { name: String },
+    #[error("volume {name:?} still has {dirty_blocks} dirty blocks after write-back (its origin failed?); it was not removed")]
+    VolumeNotDrained { name: String, dirty_blocks: u64 },
     #[error("a volume named {name:?} exists already")]
     VolumeExists { name: String },
     #[error("origin {origin} is volume {name:?}'s already: two volumes writing back to one origin would overwrite each other")]

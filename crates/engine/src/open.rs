@@ -53,11 +53,11 @@ pub(crate) fn open(
         // Only the first volume's origin is the one a user may name anew.
         let force = opts.force_origin && volume.id == first.id;
         check_origin(origin.as_ref(), &superblock, volume, force)?;
-        origins.push(VolumeOrigin {
-            id: volume.id,
-            blocks: volume.origin_size_bytes / superblock.block_size_bytes as u64,
-            device: origin,
-        });
+        origins.push(VolumeOrigin::new(
+            volume.id,
+            origin,
+            volume.origin_size_bytes / superblock.block_size_bytes as u64,
+        ));
         modes.push((volume.id, mode_of(cache.as_ref(), volume)?));
     }
     let health = if superblock.degraded() {

@@ -60,6 +60,18 @@ impl Origins {
         *cell = Some(Arc::new(volume));
     }
 
+    /// Stop serving volume `id` (its table entry is gone).
+    pub(crate) fn remove(&self, id: u16) -> Option<Arc<VolumeOrigin>> {
+        let mut by_id = self.by_id.write().unwrap_or_else(|p| p.into_inner());
+        by_id.get_mut(id as usize).and_then(Option::take)
+    }
+
+    /// Is `key` a block of a volume that takes new data (served and not
+    /// being removed)?
+    pub(crate) fn takes_new_data(&self, key: u64) -> bool {
+        self.get(key_volume(key)).is_some_and(|v| !v.is_closed())
+    }
+
     /// Every volume served, by id.
     pub(crate) fn all(&self) -> Vec<Arc<VolumeOrigin>> {
         self.by_id

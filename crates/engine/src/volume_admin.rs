@@ -105,11 +105,11 @@ pub(crate) fn add(
         return Err(e);
     }
     p.policy.set_mode_of(id, new.mode);
-    env.origins.insert(VolumeOrigin {
+    env.origins.insert(VolumeOrigin::new(
         id,
-        blocks: entry.origin_size_bytes / env.block_size_bytes as u64,
-        device: origin,
-    });
+        origin,
+        entry.origin_size_bytes / env.block_size_bytes as u64,
+    ));
     tracing::info!(
         volume = entry.name,
         id,
@@ -117,4 +117,90 @@ pub(crate) fn add(
         "volume added"
     );
     Ok(entry)
+}
+
+/// First step of removing volume `name`: take no new request for it and
+/// let nothing new of it into the log (requests already past the entry
+/// points fail when they append). Returns its entry and origin; the
+/// caller drains write-back, then calls [`forget`], or [`reopen`] if the
+/// drain failed.
+pub(crate) fn close(p: Parts<'_>, name: &str) -> EngineResult<(VolumeEntry, Arc<VolumeOrigin>)> {
+    let env = p.env;
+    // A degraded cache writes no new table.
+    let st = p.state.normal(env)?;
+    let entry = st
+        .volumes
+        .by_name(name)
+        .cloned()
+        .ok_or_else(|| EngineError::VolumeNotFound { name: name.into() })?;
+    if entry.id == 0 {
+        return Err(EngineError::FirstVolumeKept { name: name.into() });
+    }
+    let origin = env.origins.get(entry.id).ok_or(EngineError::NoSuchVolume {
+        volume_id: entry.id,
+    })?;
+    origin.set_closed(true);
+    drop(st);
+    Ok((entry, origin))
+}
+
+/// Undo [`close`] after a failed drain: the volume is served again.
+pub(crate) fn reopen(origin: &VolumeOrigin) {
+    origin.set_closed(false);
+}
+
+/// Last step of removing a volume, once write-back drained it: drop its
+/// cached copies, write a checkpoint (replay starts after it, so no record
+/// of the volume is read again, and its id may be given to another), then
+/// the table without it. A crash before the table is durable leaves the
+/// volume in the table with nothing cached (its origin holds all of it);
+/// `volume remove` is simply run again.
+pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
+    let env = p.env;
+    let mut st = p.state.normal(env)?;
+    let st = &mut *st;
+    let blocks = st.index.volume_blocks(entry.id);
+    if blocks.dirty > 0 {
+        // Write-back did not reach everything (its origin failed meanwhile).
+        return Err(EngineError::VolumeNotDrained {
+            name: entry.name.clone(),
+            dirty_blocks: blocks.dirty,
+        });
+    }
+    let first = cairn_format::block_key(entry.id, 0);
+    st.index
+        .forget_range(first, first + cairn_format::ORIGIN_BLOCKS_MAX + 1);
+    crate::checkpoint::write(env, st)?;
+    let volumes: Vec<VolumeEntry> = st
+        .volumes
+        .volumes()
+        .iter()
+        .filter(|v| v.id != entry.id)
+        .cloned()
+        .collect();
+    let next = VolumeTable::new(st.volumes.sequence, st.volumes.uuid, volumes).map_err(|e| {
+        EngineError::InvalidVolume {
+            device: env.cache.name().to_string(),
+            detail: e.to_string(),
+        }
+    })?;
+    let SuperblockVolumes::V2 { positions, .. } = &mut st.superblock.volumes else {
+        unreachable!("a cache taking writes is format 2");
+    };
+    let kept = positions
+        .iter()
+        .position(|p| p.id == entry.id)
+        .map(|i| positions.remove(i));
+    if let Err(e) = st.write_volume_table(env, next) {
+        if let (Some(position), SuperblockVolumes::V2 { positions, .. }) =
+            (kept, &mut st.superblock.volumes)
+        {
+            positions.push(position);
+        }
+        return Err(e);
+    }
+    env.origins.remove(entry.id);
+    p.policy.set_mode_of(entry.id, CacheMode::WriteBack);
+    tracing::info!(volume = entry.name, id = entry.id, "volume removed");
+    Ok(())
 }

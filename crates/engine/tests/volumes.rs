@@ -559,3 +559,140 @@ fn crash_states_of_three_volumes_hold_only_acknowledged_data() {
         "crash harness over three volumes: {cuts} cut points, {states} crash states recovered and verified, 0 violations"
     );
 }
+
+/// Write distinct data over the first `blocks` blocks of `volume` and
+/// mirror it in `model`.
+fn fill(engine: &Engine, volume: u16, model: &mut Model, blocks: u64, seed: u64) {
+    let data = pattern(seed, (blocks * BS) as usize);
+    engine.write_in(volume, 0, &data, false).expect("write");
+    model.write(0, &data);
+}
+
+#[test]
+fn a_removed_volume_is_on_its_origin_and_its_id_comes_back_empty() {
+    let vols = Volumes::new(cache_bytes_small());
+    let e = vols.engine();
+    let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
+    for (v, model) in models.iter_mut().enumerate() {
+        fill(e, v as u16, model, 40, 70 + v as u64);
+    }
+    e.flush().expect("flush");
+    assert!(matches!(
+        e.remove_volume(""),
+        Err(EngineError::FirstVolumeKept { .. })
+    ));
+    assert!(matches!(
+        e.remove_volume("nosuch"),
+        Err(EngineError::VolumeNotFound { .. })
+    ));
+    let removed = e.remove_volume("vol1").expect("remove");
+    assert_eq!(removed.id, 1);
+    assert!(
+        vols.origins[1].live_image() == models[1].image,
+        "the removed volume's origin holds everything written to it"
+    );
+    let mut buf = vec![0u8; BS as usize];
+    assert!(matches!(
+        e.read_in(1, 0, &mut buf),
+        Err(EngineError::NoSuchVolume { volume_id: 1 })
+    ));
+    assert_eq!(e.volumes_status().len(), 2);
+    assert_eq!(e.stats().dirty_blocks, 0, "drained");
+    for v in [0u16, 2] {
+        let got = read_all(e, v).expect("read");
+        assert!(got == models[v as usize].image, "volume {v} kept its data");
+    }
+    // The id is given again: the new volume reads its own (empty) origin,
+    // never a block the removed volume had cached, now or after a crash.
+    let fresh = SimDevice::new("fresh", SIZES[1] * BS);
+    let entry = e
+        .add_volume(
+            Arc::new(fresh.clone()),
+            &new_volume("again", CacheMode::WriteBack),
+        )
+        .expect("add");
+    assert_eq!(entry.id, 1, "the lowest free id");
+    assert!(read_all(e, 1).expect("read").iter().all(|&b| b == 0));
+    let crashed = SimDevice::from_image("cache", vols.cache.durable_image());
+    let origins = [
+        vols.origins[0].clone(),
+        fresh.clone(),
+        vols.origins[2].clone(),
+    ];
+    let engine = open_all(&crashed, &origins).expect("reopen after a crash");
+    assert!(read_all(&engine, 1).expect("read").iter().all(|&b| b == 0));
+    let got = read_all(&engine, 2).expect("read");
+    assert!(got == models[2].image, "volume 2 after the crash");
+}
+
+#[test]
+fn removing_a_volume_cut_at_any_write_keeps_or_removes_it_whole() {
+    let vols = Volumes::new(cache_bytes_small());
+    let e = vols.engine();
+    let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
+    for (v, model) in models.iter_mut().enumerate() {
+        fill(e, v as u16, model, 30, 90 + v as u64);
+    }
+    e.flush().expect("flush");
+    let mut cache_shadow = Shadow::of(&vols.cache);
+    let mut origin_shadow = Shadow::of(&vols.origins[2]);
+    let journal = Journal::default();
+    vols.cache.attach_journal(&journal, 0);
+    vols.origins[2].attach_journal(&journal, 1);
+    e.remove_volume("vol2").expect("remove");
+    let events = journal.since(0);
+    let mut rng = ChaCha8Rng::seed_from_u64(32);
+    let (mut kept, mut gone) = (0u32, 0u32);
+    for (cut, event) in events.iter().enumerate() {
+        match event {
+            JournalEvent::Write {
+                device: 0,
+                offset,
+                data,
+            } => cache_shadow.write(*offset, data),
+            JournalEvent::Flush { device: 0 } => cache_shadow.flush(),
+            JournalEvent::Write { offset, data, .. } => origin_shadow.write(*offset, data),
+            JournalEvent::Flush { .. } => origin_shadow.flush(),
+        }
+        let mut plans = vec![CrashPlan::DropAll, CrashPlan::KeepAll, CrashPlan::TearAll];
+        plans.extend(
+            [CrashPlan::Random {
+                keep: 0.5,
+                tear: 0.3,
+            }; 2],
+        );
+        for plan in plans {
+            let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
+            let image =
+                build_crash_image(&cache_shadow.durable, &cache_shadow.pending, plan, &mut rng);
+            let crashed = SimDevice::from_image("cache", image);
+            let origin2 = SimDevice::from_image("origin2", origin_shadow.durable.clone());
+            let origins = [
+                vols.origins[0].clone(),
+                vols.origins[1].clone(),
+                origin2.clone(),
+            ];
+            let engine = open_all(&crashed, &origins).unwrap_or_else(|err| panic!("{ctx}: {err}"));
+            if engine.volume_table().by_name("vol2").is_some() {
+                kept += 1;
+                let got = read_all(&engine, 2).expect(&ctx);
+                assert!(got == models[2].image, "{ctx}: the kept volume's data");
+            } else {
+                gone += 1;
+                assert!(
+                    origin2.live_image() == models[2].image,
+                    "{ctx}: removed, and its origin lacks data"
+                );
+            }
+            for v in [0u16, 1] {
+                let got = read_all(&engine, v).expect(&ctx);
+                assert!(got == models[v as usize].image, "{ctx}: volume {v}");
+            }
+        }
+    }
+    report!(
+        "volume remove: {} cut points, {kept} crash states with the volume, {gone} without",
+        events.len()
+    );
+    assert!(kept > 0 && gone > 0, "both sides of the removal were cut");
+}

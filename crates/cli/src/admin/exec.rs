@@ -44,6 +44,8 @@ pub enum CommandError {
     BadSettings(String),
     #[error("{0}")]
     VolumeOrigin(String),
+    #[error("volume {name:?} has {connections} clients connected to its export")]
+    VolumeInUse { name: String, connections: usize },
     #[error("the volume was added to the cache, but not exported: {0}")]
     Export(String),
     #[error("range starts at {offset_bytes}, past the end of the {size_bytes}-byte volume")]
@@ -130,6 +132,10 @@ pub fn execute(
             emit(volumes_reply(target));
         }
         AdminRequest::VolumeList => emit(volumes_reply(target)),
+        AdminRequest::VolumeRemove { name, force } => {
+            remove_volume(target, name, *force)?;
+            emit(volumes_reply(target));
+        }
     }
     Ok(())
 }
@@ -167,6 +173,40 @@ fn add_volume(target: &Target, origin: &str, new: &NewVolume) -> Result<(), Comm
         exports
             .add(&entry)
             .map_err(|e| CommandError::Export(format!("{e:#}")))?;
+    }
+    Ok(())
+}
+
+/// `cairn volume remove`: while served, stop exporting the volume first
+/// (refused while clients use it, unless `force`), so no request reaches
+/// it during the drain; then drain and drop it. If that fails, the volume
+/// is exported again.
+fn remove_volume(target: &Target, name: &str, force: bool) -> Result<(), CommandError> {
+    let entry = target
+        .engine
+        .volume_table()
+        .by_name(name)
+        .cloned()
+        .ok_or_else(|| EngineError::VolumeNotFound { name: name.into() })?;
+    if entry.id == 0 {
+        return Err(EngineError::FirstVolumeKept { name: name.into() }.into());
+    }
+    let Some(exports) = &target.exports else {
+        target.engine.remove_volume(name)?;
+        return Ok(());
+    };
+    exports.exports.remove(name, force).map_err(|e| match e {
+        cairn_nbd::ExportsError::Busy { connections, .. } => CommandError::VolumeInUse {
+            name: name.into(),
+            connections,
+        },
+        other => CommandError::Export(other.to_string()),
+    })?;
+    if let Err(e) = target.engine.remove_volume(name) {
+        if let Err(again) = exports.add(&entry) {
+            tracing::error!("volume {name:?} could not be removed, nor exported again: {again:#}");
+        }
+        return Err(e.into());
     }
     Ok(())
 }

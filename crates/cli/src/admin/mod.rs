@@ -38,7 +38,7 @@ pub const REQUEST_LINE_BYTES_MAX: usize = 4096;
 pub const REPLY_LINE_BYTES_MAX: usize = 1 << 20;
 
 /// The command names a daemon knows, in the order `--help` would list them.
-pub const COMMANDS: [&str; 9] = [
+pub const COMMANDS: [&str; 10] = [
     "status",
     "flush",
     "check",
@@ -48,6 +48,7 @@ pub const COMMANDS: [&str; 9] = [
     "set",
     "volume_add",
     "volume_list",
+    "volume_remove",
 ];
 
 /// What a client asks of the daemon. Each is also run offline, by the CLI
@@ -91,6 +92,10 @@ pub enum AdminRequest {
     },
     /// The volumes (`cairn volume list`).
     VolumeList,
+    /// Drain a volume, then drop it from the cache; refused while clients
+    /// are connected to its export unless `force`, which disconnects them
+    /// (`cairn volume remove`).
+    VolumeRemove { name: String, force: bool },
 }
 
 impl AdminRequest {
@@ -105,6 +110,7 @@ impl AdminRequest {
             AdminRequest::Set { .. } => "set",
             AdminRequest::VolumeAdd { .. } => "volume_add",
             AdminRequest::VolumeList => "volume_list",
+            AdminRequest::VolumeRemove { .. } => "volume_remove",
         }
     }
 }
@@ -348,6 +354,10 @@ mod tests {
                 integrity: false,
             },
             AdminRequest::VolumeList,
+            AdminRequest::VolumeRemove {
+                name: "db".into(),
+                force: true,
+            },
         ]
     }
 

@@ -39,6 +39,23 @@ pub enum VolumeCommand {
         #[arg(long)]
         integrity: bool,
     },
+    /// Remove a volume: write back all its dirty data to its origin, then
+    /// drop it from the cache (the first volume stays).
+    ///
+    /// Online its export stops first: refused while clients are connected
+    /// to it, unless --force, which disconnects them. Its origin then holds
+    /// everything written to the volume.
+    Remove {
+        /// The cache device or file (as given to `cairn format`).
+        #[arg(long)]
+        cache: PathBuf,
+        /// The volume to remove.
+        #[arg(long)]
+        name: String,
+        /// Disconnect the clients of its export instead of refusing.
+        #[arg(long)]
+        force: bool,
+    },
     /// List the volumes: name, origin, size, mode, cached blocks, state.
     List {
         /// The cache device or file (as given to `cairn format`).
@@ -78,6 +95,16 @@ pub fn run(command: VolumeCommand) -> Result<()> {
                 added["size_bytes"],
                 added["mode"].as_str().unwrap_or("?")
             )?;
+        }
+        VolumeCommand::Remove { cache, name, force } => {
+            ask(
+                &cache,
+                &AdminRequest::VolumeRemove {
+                    name: name.clone(),
+                    force,
+                },
+            )?;
+            say!("removed volume {name:?}: its origin holds everything written to it")?;
         }
         VolumeCommand::List { cache, json } => {
             let volumes = ask(&cache, &AdminRequest::VolumeList)?;

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use cairn_format::{block_checksum, RangeKind, RecordHeader, RECORD_FLAG_EPOCH_END};
 
 use crate::env::Env;
-use crate::error::EngineResult;
+use crate::error::{EngineError, EngineResult};
 use crate::index::Index;
 use crate::retry::retrying_cache_write;
 use crate::sealed::{SealedQueue, SealedRecord};
@@ -266,7 +266,13 @@ impl Log {
         clean: bool,
     ) -> EngineResult<()> {
         assert_eq!(block.len(), env.block_size_bytes);
-        assert!(env.key_valid(lba), "key {lba} of a served volume");
+        // A request that passed the entry points just before its volume
+        // began to be removed finds out here, under the engine lock.
+        if !env.origins.takes_new_data(lba) {
+            return Err(EngineError::NoSuchVolume {
+                volume_id: cairn_format::key_volume(lba),
+            });
+        }
         let crc = block_checksum(lba, block);
         let existing = index.lookup(lba);
         if !clean && existing.is_some() {
@@ -301,6 +307,11 @@ impl Log {
         count: u64,
     ) -> EngineResult<()> {
         assert!(count > 0 && count <= u32::MAX as u64);
+        if !env.origins.takes_new_data(lba) {
+            return Err(EngineError::NoSuchVolume {
+                volume_id: cairn_format::key_volume(lba),
+            });
+        }
         let end = lba + count;
         // A dropped block in the open record keeps its data entry there:
         // the range entry after it wins at replay and write-back.
