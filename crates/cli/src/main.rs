@@ -74,6 +74,10 @@ enum Command {
         /// Print stable JSON with snake_case keys.
         #[arg(long)]
         json: bool,
+        /// Show this volume's figures first (its name; `""` for the first),
+        /// then the cache totals.
+        #[arg(long)]
+        volume: Option<String>,
     },
     /// Write back every dirty block to the origin (online or offline).
     Flush {
@@ -178,7 +182,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Format(args) => cmd::format::run(&args)?,
         Command::Serve(args) => cmd::serve::run(*args)?,
-        Command::Status { cache, json } => cmd::status::run(&cache, json)?,
+        Command::Status {
+            cache,
+            json,
+            volume,
+        } => cmd::status::run(&cache, json, volume.as_deref())?,
         Command::Flush { cache } => return cmd::flush::run(&cache),
         Command::Check {
             cache,

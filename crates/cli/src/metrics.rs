@@ -10,6 +10,74 @@ use cairn_engine::Engine;
 
 use crate::export::{Latencies, LATENCY_BUCKETS_US};
 
+/// A Prometheus label value: backslash, double quote and newline escaped.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The per-volume gauges, each with a `volume` label (the export name)
+/// and the volume's `id`; the cache-wide figures stay unlabelled.
+fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd::ExportStatus]>) {
+    use std::fmt::Write as _;
+    let volumes = engine.volumes_status();
+    let block_bytes = engine.block_size_bytes() as u64;
+    let _ = writeln!(out, "# TYPE cairn_volume_info gauge");
+    for v in &volumes {
+        let e = &v.entry;
+        let mode = cairn_engine::CacheMode::from_code(e.mode).map_or("unknown", |m| m.name());
+        let _ = writeln!(
+            out,
+            "cairn_volume_info{{volume=\"{}\",id=\"{}\",origin=\"{}\",mode=\"{mode}\"}} 1",
+            label(&e.name),
+            e.id,
+            label(&e.origin_identity)
+        );
+    }
+    let connections = |name: &str| {
+        exports.map(|x| {
+            x.iter()
+                .find(|e| e.name == name)
+                .map_or(0, |e| e.connections as u64)
+        })
+    };
+    type Gauge = fn(&cairn_engine::VolumeStatus, u64) -> u64;
+    let gauges: [(&str, Gauge); 4] = [
+        ("dirty_blocks", |v, _| v.dirty_blocks),
+        ("clean_blocks", |v, _| v.clean_blocks),
+        ("cached_bytes", |v, bs| {
+            (v.dirty_blocks + v.clean_blocks) * bs
+        }),
+        ("size_bytes", |v, _| v.entry.origin_size_bytes),
+    ];
+    for (name, value) in gauges {
+        let _ = writeln!(out, "# TYPE cairn_volume_{name} gauge");
+        for v in &volumes {
+            let _ = writeln!(
+                out,
+                "cairn_volume_{name}{{volume=\"{}\",id=\"{}\"}} {}",
+                label(&v.entry.name),
+                v.entry.id,
+                value(v, block_bytes)
+            );
+        }
+    }
+    if exports.is_some() {
+        let _ = writeln!(out, "# TYPE cairn_volume_connections gauge");
+        for v in &volumes {
+            let _ = writeln!(
+                out,
+                "cairn_volume_connections{{volume=\"{}\",id=\"{}\"}} {}",
+                label(&v.entry.name),
+                v.entry.id,
+                connections(&v.entry.name).unwrap_or(0)
+            );
+        }
+    }
+}
+
 /// Answer every connection with the current metrics, whatever it asked.
 pub fn metrics_loop(
     listener: TcpListener,
@@ -31,7 +99,8 @@ pub fn metrics_loop(
                 _ => break,
             }
         }
-        let body = render_metrics(engine, latencies, Some(&server.stats()));
+        let exports = server.exports();
+        let body = render_metrics(engine, latencies, Some(&server.stats()), Some(&exports));
         let response = format!(
             "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
@@ -44,10 +113,12 @@ pub fn render_metrics(
     engine: &Engine,
     latencies: &Latencies,
     server: Option<&cairn_nbd::ServerStats>,
+    exports: Option<&[cairn_nbd::ExportStatus]>,
 ) -> String {
     use std::fmt::Write as _;
     let s = engine.stats();
     let mut out = String::new();
+    render_volumes(&mut out, engine, exports);
     for (name, value) in s.counter_pairs() {
         let _ = writeln!(
             out,
@@ -125,4 +196,13 @@ pub fn render_metrics(
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(super::label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+        assert_eq!(super::label("db"), "db");
+    }
 }

@@ -51,6 +51,19 @@ impl NbdFile {
     }
 }
 
+/// GET /metrics from `addr`.
+fn http_metrics(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send");
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read metrics");
+    body
+}
+
 fn export_uri(socket: &Path, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", socket.display())
 }
@@ -203,9 +216,52 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
     assert_eq!(dirty, u64_of(&st, "dirty_blocks"), "{st}");
     server.kill9();
 
-    // Restart: every volume verifies; another seed does not.
-    let mut server = ctx.serve(&cache, &sock, &[]);
+    // Restart: every volume verifies.
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut server = ctx.serve(&cache, &sock, &["--metrics", &metrics_addr]);
     fio_all(&ctx, &jobs, true);
+    // Per-volume metrics carry the volume's name as a label.
+    let text = http_metrics(&metrics_addr);
+    for line in [
+        format!(
+            "cairn_volume_size_bytes{{volume=\"fast\",id=\"1\"}} {}",
+            12 * MIB
+        ),
+        format!(
+            "cairn_volume_size_bytes{{volume=\"\",id=\"0\"}} {}",
+            16 * MIB
+        ),
+        "cairn_volume_connections{volume=\"late\",id=\"3\"} 0".to_string(),
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing in:\n{text}"
+        );
+    }
+    assert!(
+        text.contains("cairn_volume_info{volume=\"slow\",id=\"2\",origin=\"nbd+unix:"),
+        "{text}"
+    );
+    let dirty: u64 = text
+        .lines()
+        .filter(|l| l.starts_with("cairn_volume_dirty_blocks{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    let total = text
+        .lines()
+        .find_map(|l| l.strip_prefix("cairn_dirty_blocks "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .expect("cairn_dirty_blocks");
+    assert_eq!(dirty, total, "per-volume dirty blocks add up:\n{text}");
+    let one = ctx.cairn_ok(&[
+        "status", "--cache", &cache_arg, "--volume", "slow", "--json",
+    ]);
+    let one = json_in(&stdout(&one));
+    assert_eq!(one["name"], "slow", "{one}");
+    assert_eq!(one["size_bytes"], 10 * MIB, "{one}");
+    assert_eq!(one["cache"]["served"], true, "{one}");
+    let unknown = ctx.cairn(&["status", "--cache", &cache_arg, "--volume", "nosuch"]);
+    assert_clean_failure(&unknown, &["no volume is named"]);
     // Negative control: the verifier fails where fio never wrote (the
     // last 4 MiB of volume "fast"), so the passes above checked data.
     let mut never = fio_verified_args(&export_uri(&sock, "fast"), 22, true);

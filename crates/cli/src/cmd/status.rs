@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 
 use crate::admin::{AdminReply, AdminRequest};
 
-pub fn run(cache: &Path, json: bool) -> Result<()> {
+pub fn run(cache: &Path, json: bool, volume: Option<&str>) -> Result<()> {
     let mut status = None;
     super::run_request(cache, &AdminRequest::Status, |reply| {
         if let AdminReply::Status { status: v } = reply {
@@ -14,10 +14,49 @@ pub fn run(cache: &Path, json: bool) -> Result<()> {
         }
     })?;
     let v = status.context("the daemon answered without a status")?;
+    if let Some(name) = volume {
+        return print_volume(&v, name, json);
+    }
     if json {
         say!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         crate::status::print_human(&v)?;
     }
     Ok(())
+}
+
+/// `status --volume NAME`: that volume's figures, then the cache totals
+/// (JSON: the volume's object with the whole status under `cache`).
+fn print_volume(status: &serde_json::Value, name: &str, json: bool) -> Result<()> {
+    let volume = status["volumes"]
+        .as_array()
+        .and_then(|list| list.iter().find(|v| v["name"] == name))
+        .with_context(|| {
+            format!(
+                "no volume is named {name:?}; `cairn volume list --cache CACHE` shows the volumes"
+            )
+        })?;
+    if json {
+        let mut out = volume.clone();
+        out["cache"] = status.clone();
+        say!("{}", serde_json::to_string_pretty(&out)?)?;
+        return Ok(());
+    }
+    for key in [
+        "name",
+        "id",
+        "origin",
+        "size_bytes",
+        "mode",
+        "state",
+        "dirty_blocks",
+        "clean_blocks",
+        "cached_bytes",
+        "connections",
+    ] {
+        if let Some(value) = volume.get(key) {
+            say!("volume {key}: {value}")?;
+        }
+    }
+    Ok(crate::status::print_human(status)?)
 }
