@@ -25,6 +25,9 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::VolumeNotFound { .. } => {
             Some("`cairn volume list --cache CACHE` shows the volumes".into())
         }
+        EngineError::VolumeHasLostBlocks { .. } => Some(
+            "`cairn check --cache CACHE` lists them; rewrite them (or accept the loss by writing zeroes over them), then remove the volume".into(),
+        ),
         EngineError::VolumeNotDrained { .. } => Some(
             "make its origin reachable (see `cairn status`), then run `cairn volume remove` again".into(),
         ),

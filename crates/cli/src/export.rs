@@ -176,7 +176,11 @@ impl Export for EngineExport {
     fn flush_async(&self) -> ExportFuture<'_, ()> {
         Box::pin(async move {
             let t = Instant::now();
-            let r = self.engine.flush_async().await.map_err(map_err);
+            let r = self
+                .engine
+                .flush_async_in(self.volume)
+                .await
+                .map_err(map_err);
             self.latencies.flush.record(t);
             r
         })
@@ -194,7 +198,7 @@ impl Export for EngineExport {
 
     fn flush(&self) -> Result<(), ExportError> {
         let t = Instant::now();
-        let r = self.engine.flush().map_err(map_err);
+        let r = self.engine.flush_in(self.volume).map_err(map_err);
         self.latencies.flush.record(t);
         r
     }

@@ -113,7 +113,7 @@ impl Engine {
         })
     }
 
-    fn parts(&self) -> Parts<'_> {
+    pub(crate) fn parts(&self) -> Parts<'_> {
         Parts {
             env: &self.env,
             state: &self.state,
@@ -595,12 +595,29 @@ impl Engine {
 
     /// [`Engine::flush`] as a task: waiting for the barrier holds no thread.
     pub async fn flush_async(&self) -> EngineResult<()> {
+        self.flush_volumes(None).await
+    }
+
+    /// A client's flush on `volume`'s export: the cache barrier is shared
+    /// by every volume, but degraded (writes go to the origins) only that
+    /// volume's origin is flushed, so a failing origin of another volume
+    /// does not fail it.
+    pub async fn flush_async_in(&self, volume: u16) -> EngineResult<()> {
+        self.flush_volumes(Some(volume)).await
+    }
+
+    /// [`Engine::flush_async_in`], blocking.
+    pub fn flush_in(&self, volume: u16) -> EngineResult<()> {
+        cairn_io::block_on(self.flush_async_in(volume))
+    }
+
+    async fn flush_volumes(&self, volume: Option<u16>) -> EngineResult<()> {
         Counters::add(&self.env.counters.flushes, 1);
         if !self.is_degraded() {
             self.flush_cached().await?;
         }
         if self.is_degraded() {
-            return degrade::degraded_flush(self.parts());
+            return degrade::degraded_flush(self.parts(), volume);
         }
         Ok(())
     }
@@ -729,7 +746,7 @@ impl Engine {
     ) -> EngineResult<WritebackProgress> {
         self.with_degrade(|degraded| {
             if degraded {
-                degrade::degraded_flush(self.parts())?;
+                degrade::degraded_flush(self.parts(), None)?;
                 let p = WritebackProgress {
                     dirty_blocks: self.state.running(&self.env)?.index.dirty_blocks(),
                     ..Default::default()
@@ -784,7 +801,7 @@ impl Engine {
         self.begin_shutdown();
         self.with_degrade(|degraded| {
             if degraded {
-                return degrade::degraded_flush(self.parts());
+                return degrade::degraded_flush(self.parts(), None);
             }
             checkpoint::write(&self.env, &mut *self.state.normal(&self.env)?)
         })

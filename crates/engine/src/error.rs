@@ -68,6 +68,8 @@ pub enum EngineError {
     FirstVolumeKept { name: String },
     #[error("volume {name:?} still has {dirty_blocks} dirty blocks after write-back (its origin failed?); it was not removed")]
     VolumeNotDrained { name: String, dirty_blocks: u64 },
+    #[error("volume {name:?} has {blocks} blocks whose dirty data failed its checksum in the cache (they read as EIO until rewritten); removing it would leave the origin's older data in their place, so it was not removed")]
+    VolumeHasLostBlocks { name: String, blocks: u64 },
     #[error("a volume named {name:?} exists already")]
     VolumeExists { name: String },
     #[error("origin {origin} is volume {name:?}'s already: two volumes writing back to one origin would overwrite each other")]
@@ -88,7 +90,12 @@ pub enum EngineError {
     Cache(DeviceError),
     #[error("origin: {0}")]
     Origin(DeviceError),
-    #[error("block {lba} is dirty in the cache and failed its checksum; its data is lost")]
+    /// `lba` is the block's key (`cairn_format::block_key`).
+    #[error(
+        "block {} of volume {} is dirty in the cache and failed its checksum; its data is lost",
+        cairn_format::key_lba(*lba),
+        cairn_format::key_volume(*lba)
+    )]
     DirtyBlockCorrupt { lba: u64 },
     #[error("origin block {lba} (byte offset {offset_bytes}) does not match its integrity tag: the origin returned corrupt or misplaced data")]
     OriginCorrupt { lba: u64, offset_bytes: u64 },

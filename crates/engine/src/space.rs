@@ -93,7 +93,11 @@ fn reinsert(
         let from = st.log.append_position();
         // One block, a possible new header and lap skip, plus the room the
         // caller asked for.
-        if from + 3 + needed > st.log.limit() || st.index.is_cached(lba) {
+        // A block of a volume being removed is not moved forward.
+        if from + 3 + needed > st.log.limit()
+            || st.index.is_cached(lba)
+            || !env.origins.takes_new_data(lba)
+        {
             continue;
         }
         st.log.append_data(env, &mut st.index, lba, &block, true)?;

@@ -780,6 +780,27 @@ fn a_cache_that_goes_degraded_drains_every_volume_to_its_own_origin() {
             .expect("degraded write");
         model.write(3 * BS + 512, &data);
     }
+    // Degraded, a flush of one volume's export flushes its own origin: a
+    // failing origin of another volume does not fail it (found by review).
+    vols.origins[2].fail_range(cairn_device::RangeFault {
+        kinds: cairn_device::OpKinds {
+            reads: false,
+            writes: false,
+            flushes: true,
+        },
+        start: 0,
+        end: vols.origins[2].size_bytes(),
+        mode: cairn_device::FaultMode::Sticky,
+    });
+    e.flush_in(0)
+        .expect("volume 0's flush while origin 2 fails");
+    assert!(
+        e.flush_in(2).is_err(),
+        "volume 2's own flush reports its origin"
+    );
+    vols.origins[2].clear_faults();
+    e.flush_in(2)
+        .expect("volume 2's flush once its origin is back");
     for (v, model) in models.iter().enumerate() {
         assert!(
             vols.origins[v].live_image() == model.image,

@@ -44,10 +44,15 @@ pub(crate) fn block_status(
     // The end of the volume `offset` lies in, in the key space.
     let (volume, _) = env.origins.of_key(offset / block_bytes)?;
     let volume_bytes = (block_key(volume.id, 0) + volume.blocks) * block_bytes;
-    assert!(
-        length > 0 && offset < volume_bytes,
-        "block status inside the volume"
-    );
+    // The entry point checked the range against the volume then; a volume
+    // removed and added again smaller since is an error, not a panic.
+    if length == 0 || offset >= volume_bytes {
+        return Err(crate::error::EngineError::OutOfRange {
+            offset,
+            length_bytes: length,
+            size_bytes: volume.blocks * block_bytes,
+        });
+    }
     let first = offset / block_bytes;
     let end = (offset + length)
         .min(volume_bytes)

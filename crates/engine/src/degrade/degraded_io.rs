@@ -102,10 +102,19 @@ pub(crate) fn degraded_zero_range(
 /// Degraded: every acknowledged write is durable on the origin already;
 /// flush the origins anyway, so a FLUSH means what it says whatever
 /// happened.
-pub(crate) fn degraded_flush(p: Parts<'_>) -> EngineResult<()> {
+/// `volume`: that volume's origin only; `None`: every volume's.
+pub(crate) fn degraded_flush(p: Parts<'_>, volume: Option<u16>) -> EngineResult<()> {
     // A stopped engine answers with its error, as every request does.
     p.env.health.check_running()?;
-    for volume in p.env.origins.all() {
+    let origins = match volume {
+        Some(id) => vec![p
+            .env
+            .origins
+            .get(id)
+            .ok_or(EngineError::NoSuchVolume { volume_id: id })?],
+        None => p.env.origins.all(),
+    };
+    for volume in origins {
         volume
             .device()
             .flush()

@@ -367,6 +367,20 @@ impl Index {
         self.lost.len() as u64
     }
 
+    /// Blocks of keys `[first, end)` that read as EIO: cached copies that
+    /// failed their checksum while dirty, and lost marks.
+    pub(crate) fn unreadable_in(&self, first: u64, end: u64) -> u64 {
+        let corrupt = (0..self.slots.len() as u32)
+            .filter(|&slot| {
+                self.is_live(slot) && self.is_corrupt(slot) && {
+                    let key = self.slots.lba(slot);
+                    key >= first && key < end
+                }
+            })
+            .count() as u64;
+        corrupt + self.lost.range(first..end).count() as u64
+    }
+
     // ------------------------------------------------------------- ranges
 
     /// A zero or discard range logged by the record at `record_offset`.

@@ -539,6 +539,7 @@ impl Log {
                 if index.is_referenced(slot)
                     && !index.is_corrupt(slot)
                     && rescued.len() < SECOND_CHANCE_MAX_BLOCKS
+                    && env.origins.takes_new_data(lba)
                 {
                     let mut block = vec![0u8; env.block_size_bytes];
                     // Check data after reading it: only a verified copy moves.
