@@ -69,3 +69,52 @@ fn writeback_reads_only_the_final_version_of_each_block() {
         assert_eq!(block, pattern(lba, BS as usize), "block {lba}");
     }
 }
+
+/// Write-back merges a group's blocks into one origin write per run of
+/// consecutive addresses, each at most 1 MiB (`RUN_BYTES_MAX`): 300
+/// consecutive blocks written in address order (so across several
+/// records) and 10 more after a gap go to the origin as exactly three
+/// writes of 256, 44 and 10 blocks, then one flush. Not a data check: a
+/// write per block, or runs past the bound, hold the same bytes.
+#[test]
+fn writeback_merges_consecutive_blocks_into_origin_writes_of_at_most_1_mib() {
+    let rig = Rig::new(8 << 20, 1024);
+    let e = rig.engine();
+    let lbas: Vec<u64> = (100..400u64).chain(500..510).collect();
+    for &lba in &lbas {
+        e.write(lba * BS, &pattern(lba, BS as usize), false)
+            .expect("write");
+    }
+    e.flush().expect("flush");
+    let journal = cairn_device::Journal::default();
+    rig.origin.attach_journal(&journal, 1);
+    let step = e.writeback_step().expect("write-back");
+    assert_eq!(step.groups, 1, "the flushed epoch is one group");
+    let events = journal.since(0);
+    let writes: Vec<(u64, u64)> = events
+        .iter()
+        .filter_map(|ev| match ev {
+            cairn_device::JournalEvent::Write { offset, data, .. } => {
+                Some((offset / BS, data.len() as u64 / BS))
+            }
+            cairn_device::JournalEvent::Flush { .. } => None,
+        })
+        .collect();
+    report!("write-back of 310 blocks: origin writes (lba, blocks) {writes:?}");
+    assert_eq!(
+        writes,
+        vec![(100, 256), (356, 44), (500, 10)],
+        "origin writes as (lba, blocks): one per run of consecutive blocks, at most 1 MiB each"
+    );
+    assert!(
+        matches!(events.last(), Some(cairn_device::JournalEvent::Flush { .. })),
+        "the group's origin writes end with an origin flush"
+    );
+    let mut block = vec![0u8; BS as usize];
+    for &lba in &lbas {
+        rig.origin
+            .read_at(lba * BS, &mut block)
+            .expect("origin read");
+        assert_eq!(block, pattern(lba, BS as usize), "block {lba}");
+    }
+}
