@@ -211,9 +211,11 @@ fn a_damaged_block_rewritten_during_its_writeback_is_not_counted_corrupt() {
             std::time::Duration::from_secs(100),
             "write-back's origin flush",
         );
-        e.write(lba * BS, &new, false)
-            .expect("write during write-back");
+        // Released before the result is checked: a failed write must not
+        // leave write-back waiting at the gate.
+        let wrote = e.write(lba * BS, &new, false);
         origin.gate.release();
+        wrote.expect("write during write-back");
         writeback.join().expect("write-back thread")
     })
     .expect("write-back");
