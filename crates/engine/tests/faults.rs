@@ -587,6 +587,86 @@ fn writes_below_their_bounds_cost_no_flush_and_no_checkpoint() {
     assert_eq!(s.checkpoints, before.checkpoints, "{s:?}");
 }
 
+/// Past `unsynced_blocks_max` (512 here) blocks sealed without a barrier,
+/// the next write makes one (an internal flush): recovery's scan for lost
+/// records only looks that far ahead, and a write that fails must not
+/// take more with it. (cargo-mutants: `Log::unsynced_blocks` returning 0
+/// made writes never flush, which no test counted.)
+#[test]
+fn writes_past_unsynced_blocks_max_cost_an_internal_flush() {
+    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let e = rig.engine();
+    rig.cache.reset_counters();
+    let before = e.stats();
+    for i in 0..700u64 {
+        let lba = (i * 7) % VOLUME_BLOCKS;
+        e.write(lba * BS, &pattern(600 + i, BS as usize), false)
+            .unwrap();
+    }
+    let s = e.stats();
+    assert!(
+        s.internal_flushes > before.internal_flushes,
+        "700 blocks written with no flush made no internal flush: {s:?}"
+    );
+    assert!(
+        rig.cache.counters().flushes >= 1,
+        "the internal flush is a barrier on the cache"
+    );
+}
+
+/// A block written again while it sits in the open record is replaced
+/// there, not appended: five writes of one block and a flush put one
+/// record of a header and one block on the cache. (cargo-mutants:
+/// `Log::open_slot_index` returning `None` appended every version, which
+/// no test counted.)
+#[test]
+fn a_block_rewritten_in_the_open_record_is_replaced_in_place() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    rig.cache.reset_counters();
+    for i in 0..5u64 {
+        e.write(7 * BS, &pattern(700 + i, BS as usize), false)
+            .unwrap();
+    }
+    e.flush().unwrap();
+    let c = rig.cache.counters();
+    assert_eq!(c.writes, 1, "one record");
+    assert_eq!(
+        c.bytes_written,
+        2 * BS,
+        "the record holds a header and one block, not every version"
+    );
+    let mut buf = vec![0u8; BS as usize];
+    e.read(7 * BS, &mut buf).unwrap();
+    assert!(buf == pattern(704, BS as usize), "the last version is read");
+}
+
+/// A drain with nothing new to write back writes no superblock: the
+/// write-back position it would persist is persisted already.
+/// (cargo-mutants: `Log::writeback_persisted` returning 0 made every drain
+/// write one, which no test counted.)
+#[test]
+fn a_drain_with_nothing_new_writes_no_superblock() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    for i in 0..20u64 {
+        e.write(i * BS, &pattern(800 + i, BS as usize), false)
+            .unwrap();
+    }
+    e.drain().unwrap();
+    let after_first = e.stats();
+    assert!(
+        after_first.writeback_blocks >= 20,
+        "the first drain wrote back: {after_first:?}"
+    );
+    e.drain().unwrap();
+    let s = e.stats();
+    assert_eq!(
+        s.superblock_writes, after_first.superblock_writes,
+        "a drain with nothing new wrote a superblock"
+    );
+}
+
 #[test]
 fn aligned_writes_read_nothing() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
