@@ -616,14 +616,16 @@ fn writes_past_unsynced_blocks_max_cost_an_internal_flush() {
 
 /// A block written again while it sits in the open record is replaced
 /// there, not appended: five writes of one block and a flush put one
-/// record of a header and one block on the cache. (cargo-mutants:
-/// `Log::open_slot_index` returning `None` appended every version, which
-/// no test counted.)
+/// record of a header and one block on the cache, counted as 4 write hits
+/// and 2 blocks in `cache_bytes_written`. (cargo-mutants:
+/// `Log::open_slot_index` returning `None` appended every version, and
+/// bent `write_hits` and `cache_bytes_written` counts went unseen.)
 #[test]
 fn a_block_rewritten_in_the_open_record_is_replaced_in_place() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
     let e = rig.engine();
     rig.cache.reset_counters();
+    let before = e.stats();
     for i in 0..5u64 {
         e.write(7 * BS, &pattern(700 + i, BS as usize), false)
             .unwrap();
@@ -635,6 +637,17 @@ fn a_block_rewritten_in_the_open_record_is_replaced_in_place() {
         c.bytes_written,
         2 * BS,
         "the record holds a header and one block, not every version"
+    );
+    let s = e.stats();
+    assert_eq!(
+        s.write_hits - before.write_hits,
+        4,
+        "the first write of the block is no hit, the next four are"
+    );
+    assert_eq!(
+        s.cache_bytes_written - before.cache_bytes_written,
+        c.bytes_written,
+        "cache_bytes_written counts what went to the cache device"
     );
     let mut buf = vec![0u8; BS as usize];
     e.read(7 * BS, &mut buf).unwrap();
