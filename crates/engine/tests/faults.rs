@@ -524,6 +524,65 @@ fn corruption_found_by_writeback_reads_as_eio_not_as_older_data() {
     );
 }
 
+/// A recently hit clean block whose copy on the cache was damaged is not
+/// given a second chance when the tail reaches it: eviction moves only a
+/// copy that was read without error and matches its checksum. Moving the
+/// damaged bytes would re-checksum them at the head, and from then on the
+/// block would read as wrong data, not as the origin's. (cargo-mutants:
+/// the check's `&&` turned into `||`, which no test caught.)
+#[test]
+fn a_hot_block_damaged_on_the_cache_gets_no_second_chance() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    let lba = 200u64;
+    let good = pattern(900, BS as usize);
+    rig.origin.write_at(lba * BS, &good).unwrap();
+    // A miss puts a clean copy in the open record; a checkpoint seals it
+    // (header, then the block); a hit marks it recently used.
+    let head_before = e.stats().head_offset;
+    let mut buf = vec![0u8; BS as usize];
+    e.read(lba * BS, &mut buf).unwrap();
+    assert!(buf == good);
+    e.checkpoint().unwrap();
+    let hits = e.stats().read_hits;
+    e.read(lba * BS, &mut buf).unwrap();
+    assert_eq!(e.stats().read_hits, hits + 1, "the second read is a hit");
+    let logical = head_before + 1;
+    let at = layout.log_offset_bytes() + (logical % layout.log_blocks) * BS;
+    let mut on_cache = vec![0u8; BS as usize];
+    rig.cache.read_at(at, &mut on_cache).unwrap();
+    assert!(
+        on_cache == good,
+        "the clean copy is at log offset {logical}"
+    );
+    rig.cache.flip(at + 123, 0x40);
+    // Other blocks written and written back until the tail passes it.
+    let mut i = 0u64;
+    while e.stats().tail_offset <= logical {
+        let other = i % 128;
+        e.write(other * BS, &pattern(1000 + i, BS as usize), false)
+            .unwrap();
+        if i % 16 == 15 {
+            e.drain().unwrap();
+        }
+        i += 1;
+        assert!(
+            i < 20 * layout.log_blocks,
+            "the tail never passed log offset {logical}"
+        );
+    }
+    assert!(
+        !e.is_cached(lba),
+        "block {lba}'s damaged copy was moved to the head at eviction"
+    );
+    e.read(lba * BS, &mut buf).unwrap();
+    assert!(
+        buf == good,
+        "block {lba} does not read as the origin's data after its eviction"
+    );
+}
+
 #[test]
 fn flush_costs_one_barrier_and_none_when_clean() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
