@@ -583,6 +583,78 @@ fn a_hot_block_damaged_on_the_cache_gets_no_second_chance() {
     );
 }
 
+/// After a crash with the log full (the checkpoint's tail a lap behind the
+/// head, so recovery puts the tail exactly one lap behind it) and records
+/// after the last epoch end, the first flush seals an empty epoch-end
+/// record with nothing open: recovery left no room for it, so it evicts
+/// exactly the one clean slot it needs, and every block holds its drained
+/// value or the one written after it. (cargo-mutants: 8 mutants of that
+/// eviction in `Log::empty_record`, which fail the flush or evict every
+/// clean block, survived every test.)
+#[test]
+fn the_first_flush_after_recovering_a_full_log_evicts_one_slot_for_its_epoch_end() {
+    let mut rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let slots = Layout::compute(cache_bytes_small(), BS as u32)
+        .unwrap()
+        .log_blocks;
+    let mut drained = Model::new(VOLUME_BLOCKS);
+    let mut newer = Model::new(VOLUME_BLOCKS);
+    {
+        let e = rig.engine();
+        // Three laps of written-back data: the log is full of clean blocks.
+        for i in 0..3 * slots {
+            let data = pattern(5000 + i, BS as usize);
+            e.write((i % VOLUME_BLOCKS) * BS, &data, false).unwrap();
+            drained.write((i % VOLUME_BLOCKS) * BS, &data);
+            if i % 32 == 31 {
+                e.drain().unwrap();
+            }
+        }
+        e.drain().unwrap();
+        newer.image.clone_from(&drained.image);
+        // Then 140 blocks, each once, with no flush: records sealed with
+        // no epoch end after them (and an open record the crash loses).
+        for lba in 100..240u64 {
+            let data = pattern(9000 + lba, BS as usize);
+            e.write(lba * BS, &data, false).unwrap();
+            newer.write(lba * BS, &data);
+        }
+    }
+    // A crash that keeps every write: the engine is dropped, not closed.
+    drop(rig.engine.take());
+    let e = open(&rig.cache, &rig.origin).expect("reopen");
+    let before = e.stats();
+    assert_eq!(
+        before.head_offset - before.tail_offset,
+        slots,
+        "recovery leaves the log full: {before:?}"
+    );
+    assert!(
+        before.head_offset > before.writeback_limit_offset,
+        "records after the last epoch end: {before:?}"
+    );
+    e.flush().expect("the first flush after recovery");
+    let after = e.stats();
+    assert_eq!(
+        after.tail_offset,
+        before.head_offset + 1 - slots,
+        "the flush evicted exactly the slot its epoch end needs"
+    );
+    for step in ["after the first flush", "after a drain"] {
+        if step == "after a drain" {
+            e.drain().expect("drain");
+        }
+        let vol = read_volume(&e).expect("read the volume");
+        for lba in 0..VOLUME_BLOCKS {
+            let got = &vol[(lba * BS) as usize..((lba + 1) * BS) as usize];
+            assert!(
+                got == drained.block(lba) || got == newer.block(lba),
+                "{step}: block {lba} holds neither its drained value nor the later one"
+            );
+        }
+    }
+}
+
 #[test]
 fn flush_costs_one_barrier_and_none_when_clean() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
