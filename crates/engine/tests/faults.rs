@@ -1709,6 +1709,17 @@ fn a_range_in_memory_at_the_switch_to_degraded_does_not_shadow_later_writes() {
     // 70 and the FUA write of block 0 that met the failure: counted once
     // each, in both steps of the drain.
     assert_eq!(e.stats().degrade_drained_blocks, 4 + 2, "{:?}", e.stats());
+    // Everything is on the origin: the log's write-back position and limit
+    // are at its head, and nothing is dirty. (A cargo-mutants survivor,
+    // `Log::drained` emptied, left them behind the unflushed records,
+    // which only the status showed.)
+    let s = e.stats();
+    assert_eq!(
+        (s.writeback_offset, s.writeback_limit_offset),
+        (s.head_offset, s.head_offset),
+        "the write-back position and limit after the drain: {s:?}"
+    );
+    assert_eq!(s.dirty_blocks, 0, "{s:?}");
     let new = pattern(4141, (4 * BS) as usize);
     e.write(lba * BS, &new, false).unwrap();
     model.write(lba * BS, &new);
