@@ -524,6 +524,137 @@ fn corruption_found_by_writeback_reads_as_eio_not_as_older_data() {
     );
 }
 
+/// A recently hit clean block whose copy on the cache was damaged is not
+/// given a second chance when the tail reaches it: eviction moves only a
+/// copy that was read without error and matches its checksum. Moving the
+/// damaged bytes would re-checksum them at the head, and from then on the
+/// block would read as wrong data, not as the origin's. (cargo-mutants:
+/// the check's `&&` turned into `||`, which no test caught.)
+#[test]
+fn a_hot_block_damaged_on_the_cache_gets_no_second_chance() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    let lba = 200u64;
+    let good = pattern(900, BS as usize);
+    rig.origin.write_at(lba * BS, &good).unwrap();
+    // A miss puts a clean copy in the open record; a checkpoint seals it
+    // (header, then the block); a hit marks it recently used.
+    let head_before = e.stats().head_offset;
+    let mut buf = vec![0u8; BS as usize];
+    e.read(lba * BS, &mut buf).unwrap();
+    assert!(buf == good);
+    e.checkpoint().unwrap();
+    let hits = e.stats().read_hits;
+    e.read(lba * BS, &mut buf).unwrap();
+    assert_eq!(e.stats().read_hits, hits + 1, "the second read is a hit");
+    let logical = head_before + 1;
+    let at = layout.log_offset_bytes() + (logical % layout.log_blocks) * BS;
+    let mut on_cache = vec![0u8; BS as usize];
+    rig.cache.read_at(at, &mut on_cache).unwrap();
+    assert!(
+        on_cache == good,
+        "the clean copy is at log offset {logical}"
+    );
+    rig.cache.flip(at + 123, 0x40);
+    // Other blocks written and written back until the tail passes it.
+    let mut i = 0u64;
+    while e.stats().tail_offset <= logical {
+        let other = i % 128;
+        e.write(other * BS, &pattern(1000 + i, BS as usize), false)
+            .unwrap();
+        if i % 16 == 15 {
+            e.drain().unwrap();
+        }
+        i += 1;
+        assert!(
+            i < 20 * layout.log_blocks,
+            "the tail never passed log offset {logical}"
+        );
+    }
+    assert!(
+        !e.is_cached(lba),
+        "block {lba}'s damaged copy was moved to the head at eviction"
+    );
+    e.read(lba * BS, &mut buf).unwrap();
+    assert!(
+        buf == good,
+        "block {lba} does not read as the origin's data after its eviction"
+    );
+}
+
+/// After a crash with the log full (the checkpoint's tail a lap behind the
+/// head, so recovery puts the tail exactly one lap behind it) and records
+/// after the last epoch end, the first flush seals an empty epoch-end
+/// record with nothing open: recovery left no room for it, so it evicts
+/// exactly the one clean slot it needs, and every block holds its drained
+/// value or the one written after it. (cargo-mutants: 8 mutants of that
+/// eviction in `Log::empty_record`, which fail the flush or evict every
+/// clean block, survived every test.)
+#[test]
+fn the_first_flush_after_recovering_a_full_log_evicts_one_slot_for_its_epoch_end() {
+    let mut rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let slots = Layout::compute(cache_bytes_small(), BS as u32)
+        .unwrap()
+        .log_blocks;
+    let mut drained = Model::new(VOLUME_BLOCKS);
+    let mut newer = Model::new(VOLUME_BLOCKS);
+    {
+        let e = rig.engine();
+        // Three laps of written-back data: the log is full of clean blocks.
+        for i in 0..3 * slots {
+            let data = pattern(5000 + i, BS as usize);
+            e.write((i % VOLUME_BLOCKS) * BS, &data, false).unwrap();
+            drained.write((i % VOLUME_BLOCKS) * BS, &data);
+            if i % 32 == 31 {
+                e.drain().unwrap();
+            }
+        }
+        e.drain().unwrap();
+        newer.image.clone_from(&drained.image);
+        // Then 140 blocks, each once, with no flush: records sealed with
+        // no epoch end after them (and an open record the crash loses).
+        for lba in 100..240u64 {
+            let data = pattern(9000 + lba, BS as usize);
+            e.write(lba * BS, &data, false).unwrap();
+            newer.write(lba * BS, &data);
+        }
+    }
+    // A crash that keeps every write: the engine is dropped, not closed.
+    drop(rig.engine.take());
+    let e = open(&rig.cache, &rig.origin).expect("reopen");
+    let before = e.stats();
+    assert_eq!(
+        before.head_offset - before.tail_offset,
+        slots,
+        "recovery leaves the log full: {before:?}"
+    );
+    assert!(
+        before.head_offset > before.writeback_limit_offset,
+        "records after the last epoch end: {before:?}"
+    );
+    e.flush().expect("the first flush after recovery");
+    let after = e.stats();
+    assert_eq!(
+        after.tail_offset,
+        before.head_offset + 1 - slots,
+        "the flush evicted exactly the slot its epoch end needs"
+    );
+    for step in ["after the first flush", "after a drain"] {
+        if step == "after a drain" {
+            e.drain().expect("drain");
+        }
+        let vol = read_volume(&e).expect("read the volume");
+        for lba in 0..VOLUME_BLOCKS {
+            let got = &vol[(lba * BS) as usize..((lba + 1) * BS) as usize];
+            assert!(
+                got == drained.block(lba) || got == newer.block(lba),
+                "{step}: block {lba} holds neither its drained value nor the later one"
+            );
+        }
+    }
+}
+
 #[test]
 fn flush_costs_one_barrier_and_none_when_clean() {
     let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
@@ -585,6 +716,99 @@ fn writes_below_their_bounds_cost_no_flush_and_no_checkpoint() {
     assert_eq!(rig.cache.counters().flushes, 0, "no barrier");
     assert_eq!(s.internal_flushes, before.internal_flushes, "{s:?}");
     assert_eq!(s.checkpoints, before.checkpoints, "{s:?}");
+}
+
+/// Past `unsynced_blocks_max` (512 here) blocks sealed without a barrier,
+/// the next write makes one (an internal flush): recovery's scan for lost
+/// records only looks that far ahead, and a write that fails must not
+/// take more with it. (cargo-mutants: `Log::unsynced_blocks` returning 0
+/// made writes never flush, which no test counted.)
+#[test]
+fn writes_past_unsynced_blocks_max_cost_an_internal_flush() {
+    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let e = rig.engine();
+    rig.cache.reset_counters();
+    let before = e.stats();
+    for i in 0..700u64 {
+        let lba = (i * 7) % VOLUME_BLOCKS;
+        e.write(lba * BS, &pattern(600 + i, BS as usize), false)
+            .unwrap();
+    }
+    let s = e.stats();
+    assert!(
+        s.internal_flushes > before.internal_flushes,
+        "700 blocks written with no flush made no internal flush: {s:?}"
+    );
+    assert!(
+        rig.cache.counters().flushes >= 1,
+        "the internal flush is a barrier on the cache"
+    );
+}
+
+/// A block written again while it sits in the open record is replaced
+/// there, not appended: five writes of one block and a flush put one
+/// record of a header and one block on the cache, counted as 4 write hits
+/// and 2 blocks in `cache_bytes_written`. (cargo-mutants:
+/// `Log::open_slot_index` returning `None` appended every version, and
+/// bent `write_hits` and `cache_bytes_written` counts went unseen.)
+#[test]
+fn a_block_rewritten_in_the_open_record_is_replaced_in_place() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    rig.cache.reset_counters();
+    let before = e.stats();
+    for i in 0..5u64 {
+        e.write(7 * BS, &pattern(700 + i, BS as usize), false)
+            .unwrap();
+    }
+    e.flush().unwrap();
+    let c = rig.cache.counters();
+    assert_eq!(c.writes, 1, "one record");
+    assert_eq!(
+        c.bytes_written,
+        2 * BS,
+        "the record holds a header and one block, not every version"
+    );
+    let s = e.stats();
+    assert_eq!(
+        s.write_hits - before.write_hits,
+        4,
+        "the first write of the block is no hit, the next four are"
+    );
+    assert_eq!(
+        s.cache_bytes_written - before.cache_bytes_written,
+        c.bytes_written,
+        "cache_bytes_written counts what went to the cache device"
+    );
+    let mut buf = vec![0u8; BS as usize];
+    e.read(7 * BS, &mut buf).unwrap();
+    assert!(buf == pattern(704, BS as usize), "the last version is read");
+}
+
+/// A drain with nothing new to write back writes no superblock: the
+/// write-back position it would persist is persisted already.
+/// (cargo-mutants: `Log::writeback_persisted` returning 0 made every drain
+/// write one, which no test counted.)
+#[test]
+fn a_drain_with_nothing_new_writes_no_superblock() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    for i in 0..20u64 {
+        e.write(i * BS, &pattern(800 + i, BS as usize), false)
+            .unwrap();
+    }
+    e.drain().unwrap();
+    let after_first = e.stats();
+    assert!(
+        after_first.writeback_blocks >= 20,
+        "the first drain wrote back: {after_first:?}"
+    );
+    e.drain().unwrap();
+    let s = e.stats();
+    assert_eq!(
+        s.superblock_writes, after_first.superblock_writes,
+        "a drain with nothing new wrote a superblock"
+    );
 }
 
 #[test]
@@ -1485,6 +1709,17 @@ fn a_range_in_memory_at_the_switch_to_degraded_does_not_shadow_later_writes() {
     // 70 and the FUA write of block 0 that met the failure: counted once
     // each, in both steps of the drain.
     assert_eq!(e.stats().degrade_drained_blocks, 4 + 2, "{:?}", e.stats());
+    // Everything is on the origin: the log's write-back position and limit
+    // are at its head, and nothing is dirty. (A cargo-mutants survivor,
+    // `Log::drained` emptied, left them behind the unflushed records,
+    // which only the status showed.)
+    let s = e.stats();
+    assert_eq!(
+        (s.writeback_offset, s.writeback_limit_offset),
+        (s.head_offset, s.head_offset),
+        "the write-back position and limit after the drain: {s:?}"
+    );
+    assert_eq!(s.dirty_blocks, 0, "{s:?}");
     let new = pattern(4141, (4 * BS) as usize);
     e.write(lba * BS, &new, false).unwrap();
     model.write(lba * BS, &new);

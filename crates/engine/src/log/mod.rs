@@ -614,3 +614,31 @@ impl Log {
         self.unsynced.clear();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::record_start;
+
+    /// The on-disk rule that writing and replay share: a record starts
+    /// where the previous one ended, unless its header and one more slot
+    /// do not fit before the end of the lap; then it starts the next lap.
+    /// A log written by one rule and replayed by another loses the record
+    /// two slots before a lap end and all after it (a cargo-mutants
+    /// survivor: `>` to `>=`, which both sides shared, so no engine test
+    /// saw it).
+    #[test]
+    fn a_record_starts_the_next_lap_only_when_two_slots_do_not_fit() {
+        let n = 100;
+        assert_eq!(record_start(0, n), 0);
+        assert_eq!(record_start(97, n), 97);
+        assert_eq!(
+            record_start(98, n),
+            98,
+            "a header and one data slot fit before the lap end"
+        );
+        assert_eq!(record_start(99, n), 100, "one slot left: the next lap");
+        assert_eq!(record_start(100, n), 100);
+        assert_eq!(record_start(298, n), 298);
+        assert_eq!(record_start(299, n), 300);
+    }
+}
