@@ -321,11 +321,15 @@ pub(crate) fn apply(env: &Env, records: &[GroupRecord]) -> EngineResult<Applied>
         EngineError::Origin(e)
     };
     let runs = runs(env, records, &fin);
+    // Every volume the group has data for is written and flushed, also
+    // one whose only block failed its checksum (then nothing is written,
+    // and the flush is what a single origin always got).
     let volumes: std::collections::BTreeSet<u16> = fin
         .ranges
         .iter()
         .map(|r| key_volume(r.1))
         .chain(fin.blocks.keys().map(|&key| key_volume(key)))
+        .chain(fin.bad.iter().map(|&(key, _)| key_volume(key)))
         .collect();
     for id in volumes {
         let Some(volume) = env.origins.get(id) else {
