@@ -234,6 +234,35 @@ fn an_upgrade_cut_at_any_write_leaves_a_v1_or_a_v2_cache_with_all_its_data() {
     drop(engine);
     let events = journal.since(0);
     assert!(events.len() >= 6, "the upgrade wrote: {events:?}");
+    // The first superblock write goes to the copy of the older v1
+    // superblock, with the next sequence: the newest v1 copy stays intact
+    // until a v2 copy is durable (a torn write then leaves it in charge).
+    let v1_sequence = Superblock::decode(&before[..cairn_format::SUPERBLOCK_BYTES])
+        .into_iter()
+        .chain(Superblock::decode(
+            &before[SUPERBLOCK_OFFSETS[1] as usize..],
+        ))
+        .map(|sb| sb.sequence)
+        .max()
+        .expect("a v1 superblock");
+    let first_superblock = events
+        .iter()
+        .find_map(|e| match e {
+            JournalEvent::Write { offset, data, .. } if SUPERBLOCK_OFFSETS.contains(offset) => {
+                Some((
+                    *offset,
+                    Superblock::decode(data).expect("a whole superblock"),
+                ))
+            }
+            _ => None,
+        })
+        .expect("the upgrade wrote a superblock");
+    assert_eq!(first_superblock.1.sequence, v1_sequence + 1);
+    assert_eq!(
+        first_superblock.0,
+        SUPERBLOCK_OFFSETS[Superblock::copy_index(v1_sequence + 1)],
+        "the newest v1 copy is not the one overwritten first"
+    );
     let mut model = Model::new(VOLUME_BLOCKS);
     history(None, &mut model);
     let origin_image = origin.durable_image();

@@ -105,3 +105,89 @@ fn a_volume_with_a_lost_block_is_not_removed() {
     engine.remove_volume("vol1").expect("remove");
     assert!(o1.live_image()[5 * BS as usize..6 * BS as usize] == data[..]);
 }
+
+/// A write that passed the entry points just before its volume was
+/// closed finds out under the engine lock, when it appends: nothing of a
+/// volume being removed enters the log (kills `takes_new_data` -> true).
+#[test]
+fn an_append_of_a_closed_volume_is_refused_under_the_lock() {
+    let (_cache, _o1, engine) = two_volumes(1024);
+    let _closed = super::close(engine.parts(), "vol1").expect("close");
+    let key_offset = cairn_format::block_key(1, 3) * BS;
+    let data = vec![7u8; BS as usize];
+    let appended = crate::write::write(engine.parts(), key_offset, &data);
+    assert!(
+        matches!(appended, Err(EngineError::NoSuchVolume { volume_id: 1 })),
+        "{:?}",
+        appended.map(|sealed| sealed.len())
+    );
+    assert!(!engine.is_cached_in(1, 3));
+}
+
+/// A volume add whose table write fails leaves no position of it in the
+/// superblock: later superblocks and the next open agree with the table
+/// (kills the failure path's `retain` turned around).
+#[test]
+fn a_failed_add_leaves_the_superblock_as_it_was() {
+    let (cache, _o1, engine) = two_volumes(1024);
+    let sb = Engine::read_superblock(&cache).expect("superblock");
+    let (table_sequence, _) = sb.volume_table().expect("format 2");
+    let next_copy = cairn_format::VolumeTable::copy_for(table_sequence + 1);
+    let at = cairn_format::VOLUME_TABLE_OFFSETS[next_copy];
+    cache.fail_range(cairn_device::RangeFault {
+        kinds: cairn_device::OpKinds::WRITES,
+        start: at,
+        end: at + cairn_format::VOLUME_TABLE_COPY_BYTES as u64,
+        mode: cairn_device::FaultMode::Sticky,
+    });
+    let o2 = SimDevice::new("o2", 64 * BS);
+    let new = NewVolume {
+        name: "vol2".into(),
+        mode: CacheMode::WriteBack,
+        integrity: false,
+    };
+    assert!(engine.add_volume(Arc::new(o2), &new).is_err());
+    cache.clear_faults();
+    // A checkpoint writes the superblock again; the cache reopens.
+    engine.checkpoint().expect("checkpoint");
+    let sb = Engine::read_superblock(&cache).expect("superblock");
+    let (_, positions) = sb.volume_table().expect("format 2");
+    assert_eq!(
+        positions.iter().map(|p| p.id).collect::<Vec<_>>(),
+        vec![0, 1],
+        "only the volumes of the table have positions"
+    );
+}
+
+/// Removing a volume drops its cached copies and nobody else's (kills the
+/// key range's end computed wrong, which dropped other volumes' clean
+/// copies).
+#[test]
+fn removing_a_volume_keeps_the_other_volumes_cached() {
+    let (_cache, _o1, engine) = two_volumes(1024);
+    let new = NewVolume {
+        name: "vol2".into(),
+        mode: CacheMode::WriteBack,
+        integrity: false,
+    };
+    engine
+        .add_volume(Arc::new(SimDevice::new("o2", 64 * BS)), &new)
+        .expect("add");
+    let data = vec![3u8; 16 * BS as usize];
+    for volume in 0..3 {
+        engine.write_in(volume, 0, &data, false).expect("write");
+    }
+    engine.drain().expect("drain");
+    let cached = |e: &Engine| -> Vec<(u16, u64)> {
+        e.volumes_status()
+            .iter()
+            .filter(|v| v.entry.id != 1)
+            .map(|v| (v.entry.id, v.clean_blocks))
+            .collect()
+    };
+    let before = cached(&engine);
+    assert_eq!(before, vec![(0, 16), (2, 16)]);
+    engine.remove_volume("vol1").expect("remove");
+    assert_eq!(cached(&engine), before, "the other volumes' cached copies");
+    assert!(engine.is_cached_in(0, 5) && engine.is_cached_in(2, 5));
+}
