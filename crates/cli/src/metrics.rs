@@ -27,7 +27,7 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
     let _ = writeln!(out, "# TYPE cairn_volume_info gauge");
     for v in &volumes {
         let e = &v.entry;
-        let mode = cairn_engine::CacheMode::from_code(e.mode).map_or("unknown", |m| m.name());
+        let mode = cairn_engine::CacheMode::name_of_code(e.mode);
         let _ = writeln!(
             out,
             "cairn_volume_info{{volume=\"{}\",id=\"{}\",origin=\"{}\",mode=\"{mode}\"}} 1",
@@ -36,22 +36,30 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
             label(&e.origin_identity)
         );
     }
-    let connections = |name: &str| {
-        exports.map(|x| {
+    // The connections to each volume's export, when a daemon serves it.
+    let connections = |v: &cairn_engine::VolumeStatus| {
+        exports.and_then(|x| {
             x.iter()
-                .find(|e| e.name == name)
-                .map_or(0, |e| e.connections as u64)
+                .find(|e| e.name == v.entry.name)
+                .map(|e| e.connections as u64)
         })
     };
-    type Gauge = fn(&cairn_engine::VolumeStatus, u64) -> u64;
-    let gauges: [(&str, Gauge); 4] = [
-        ("dirty_blocks", |v, _| v.dirty_blocks),
-        ("clean_blocks", |v, _| v.clean_blocks),
-        ("cached_bytes", |v, bs| {
-            (v.dirty_blocks + v.clean_blocks) * bs
-        }),
-        ("size_bytes", |v, _| v.entry.origin_size_bytes),
+    type Gauge<'a> = Box<dyn Fn(&cairn_engine::VolumeStatus) -> u64 + 'a>;
+    let mut gauges: Vec<(&str, Gauge)> = vec![
+        ("dirty_blocks", Box::new(|v| v.dirty_blocks)),
+        ("clean_blocks", Box::new(|v| v.clean_blocks)),
+        (
+            "cached_bytes",
+            Box::new(|v| (v.dirty_blocks + v.clean_blocks) * block_bytes),
+        ),
+        ("size_bytes", Box::new(|v| v.entry.origin_size_bytes)),
     ];
+    if exports.is_some() {
+        gauges.push((
+            "connections",
+            Box::new(move |v| connections(v).unwrap_or(0)),
+        ));
+    }
     for (name, value) in gauges {
         let _ = writeln!(out, "# TYPE cairn_volume_{name} gauge");
         for v in &volumes {
@@ -60,19 +68,7 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
                 "cairn_volume_{name}{{volume=\"{}\",id=\"{}\"}} {}",
                 label(&v.entry.name),
                 v.entry.id,
-                value(v, block_bytes)
-            );
-        }
-    }
-    if exports.is_some() {
-        let _ = writeln!(out, "# TYPE cairn_volume_connections gauge");
-        for v in &volumes {
-            let _ = writeln!(
-                out,
-                "cairn_volume_connections{{volume=\"{}\",id=\"{}\"}} {}",
-                label(&v.entry.name),
-                v.entry.id,
-                connections(&v.entry.name).unwrap_or(0)
+                value(v)
             );
         }
     }

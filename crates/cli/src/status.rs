@@ -21,7 +21,7 @@ pub fn volumes_json(
             m.insert("name".into(), json!(e.name));
             m.insert("origin".into(), json!(e.origin_identity));
             m.insert("size_bytes".into(), json!(e.origin_size_bytes));
-            let mode = CacheMode::from_code(e.mode).map_or("unknown", |m| m.name());
+            let mode = CacheMode::name_of_code(e.mode);
             m.insert("mode".into(), json!(mode));
             m.insert("integrity".into(), json!(e.integrity));
             let state = match e.state {

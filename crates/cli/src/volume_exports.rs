@@ -40,7 +40,7 @@ impl VolumeExports<'_> {
 /// The export's description (`nbdinfo --list`): the cache volume, its
 /// origin and its mode.
 pub fn description(volume: &VolumeEntry) -> String {
-    let mode = CacheMode::from_code(volume.mode).map_or("unknown", |m| m.name());
+    let mode = CacheMode::name_of_code(volume.mode);
     format!(
         "cairn volume {} over {} ({mode})",
         volume.id, volume.origin_identity

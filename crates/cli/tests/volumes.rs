@@ -64,6 +64,15 @@ fn http_metrics(addr: &str) -> String {
     body
 }
 
+/// `cairn volume add` of `name` on `origin`, which must succeed.
+fn volume_add(ctx: &Ctx, cache: &str, name: &str, origin: &str, extra: &[&str]) {
+    let mut args = vec![
+        "volume", "add", "--cache", cache, "--name", name, "--origin", origin,
+    ];
+    args.extend_from_slice(extra);
+    ctx.cairn_ok(&args);
+}
+
 fn export_uri(socket: &Path, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", socket.display())
 }
@@ -122,26 +131,8 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
     );
     ctx.format(&cache, &local.to_string_lossy(), &[]);
     let cache_arg = cache.to_string_lossy().to_string();
-    ctx.cairn_ok(&[
-        "volume",
-        "add",
-        "--cache",
-        &cache_arg,
-        "--name",
-        "fast",
-        "--origin",
-        &fast.uri(),
-    ]);
-    ctx.cairn_ok(&[
-        "volume",
-        "add",
-        "--cache",
-        &cache_arg,
-        "--name",
-        "slow",
-        "--origin",
-        &slow.uri(),
-    ]);
+    volume_add(&ctx, &cache_arg, "fast", &fast.uri(), &[]);
+    volume_add(&ctx, &cache_arg, "slow", &slow.uri(), &[]);
     let list = ctx.cairn_ok(&["volume", "list", "--cache", &cache_arg, "--json"]);
     let volumes: serde_json::Value = serde_json::from_str(&stdout(&list))
         .unwrap_or_else(|e| panic!("volume list --json ({e}): {}", describe(&list)));
@@ -159,18 +150,13 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
     let mut server = ctx.serve(&cache, &sock, &[]);
     // A fourth volume added while serving is exported at once.
     let late = ctx.file("late.img", 4 * MIB);
-    ctx.cairn_ok(&[
-        "volume",
-        "add",
-        "--cache",
+    volume_add(
+        &ctx,
         &cache_arg,
-        "--name",
         "late",
-        "--origin",
         &late.to_string_lossy(),
-        "--mode",
-        "writethrough",
-    ]);
+        &["--mode", "writethrough"],
+    );
     let listed = run_ok(
         tool("nbdinfo").args(["--list", "--json", &server.uri()]),
         TOOL_TIMEOUT,

@@ -214,20 +214,27 @@ impl Engine {
         volume_admin::add(self.parts(), origin, new)
     }
 
+    /// Volume `name`'s entry, if [`Engine::remove_volume`] may remove it
+    /// (it exists and is not the first volume); asked before a daemon
+    /// stops its export.
+    pub fn removable_volume(&self, name: &str) -> EngineResult<VolumeEntry> {
+        volume_admin::removable(&self.state.unchecked().volumes, name)
+    }
+
     /// Remove volume `name`: take no new request for it, write back all
     /// its dirty data (with everything else's), drop its cached copies and
     /// its table entry. Its origin then holds everything acknowledged to
     /// it. The first volume stays. On a failure (its origin cannot be
     /// written) the volume is served again and nothing is lost.
     pub fn remove_volume(&self, name: &str) -> EngineResult<VolumeEntry> {
-        let (entry, origin) = volume_admin::close(self.parts(), name)?;
+        let entry = volume_admin::close(self.parts(), name)?;
         let removed = self
             .drain()
             .and_then(|_| volume_admin::forget(self.parts(), &entry));
         match removed {
             Ok(()) => Ok(entry),
             Err(e) => {
-                volume_admin::reopen(&origin);
+                volume_admin::reopen(self.parts(), &entry);
                 Err(e)
             }
         }
@@ -267,10 +274,13 @@ impl Engine {
     /// engine below the entry points works in (block `key` at byte
     /// `key * block_size_bytes`; see `cairn_format::block_key`).
     fn key_offset(&self, volume: u16, offset: u64, length_bytes: u64) -> EngineResult<u64> {
-        if self.env.origins.get(volume).is_some_and(|v| v.is_closed()) {
-            return Err(EngineError::NoSuchVolume { volume_id: volume });
-        }
-        let size_bytes = self.volume_size_bytes(volume)?;
+        // A volume being removed takes no new request.
+        let size_bytes = self
+            .env
+            .origins
+            .taking_blocks(volume)
+            .ok_or(EngineError::NoSuchVolume { volume_id: volume })?
+            * self.env.block_size_bytes as u64;
         match offset.checked_add(length_bytes) {
             Some(end) if end <= size_bytes => {
                 let base_bytes = block_key(volume, 0) * self.env.block_size_bytes as u64;

@@ -3,7 +3,6 @@
 //! (`cairn_format::block_key`); its place on the origin is the key's
 //! address.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cairn_device::Device;
@@ -14,30 +13,14 @@ pub(crate) struct VolumeOrigin {
     pub(crate) device: Arc<dyn Device>,
     /// The volume's size in blocks (its origin's, as recorded).
     pub(crate) blocks: u64,
-    /// Being removed: no new request is taken and nothing new of it enters
-    /// the log, while write-back still reaches its origin.
-    closed: AtomicBool,
 }
 
 impl VolumeOrigin {
     pub(crate) fn new(id: u16, device: Arc<dyn Device>, blocks: u64) -> VolumeOrigin {
-        VolumeOrigin {
-            id,
-            device,
-            blocks,
-            closed: AtomicBool::new(false),
-        }
+        VolumeOrigin { id, device, blocks }
     }
 
     pub(crate) fn device(&self) -> &dyn Device {
         self.device.as_ref()
-    }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn set_closed(&self, closed: bool) {
-        self.closed.store(closed, Ordering::SeqCst);
     }
 }

@@ -5,56 +5,18 @@
 //! reads below would wait for the release and the watchdog would fire.
 
 mod common;
-use common::gate::Gate;
+use common::flush_gated::FlushGated;
 use common::*;
 
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cairn_device::{Device, DeviceResult, SimDevice};
+use cairn_device::SimDevice;
 use cairn_engine::{Engine, FormatOptions};
 
 /// Far longer than any of these requests takes, far shorter than forever.
 const WATCHDOG: Duration = Duration::from_secs(20);
-
-/// A cache whose next barrier (flush) waits at a gate.
-struct GatedCache {
-    inner: SimDevice,
-    gate: Gate,
-}
-
-impl Device for GatedCache {
-    fn name(&self) -> &str {
-        "gated-cache"
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
-        self.inner.read_at(offset, buf)
-    }
-
-    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
-        self.inner.write_at(offset, buf)
-    }
-
-    fn flush(&self) -> DeviceResult<()> {
-        self.gate.pass(0, u64::MAX);
-        self.inner.flush()
-    }
-
-    fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
-        self.inner.write_vectored_at(offset, bufs)?;
-        self.flush()
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
-        self.inner.discard(offset, len)
-    }
-}
 
 /// Run `f` on its own thread; fail if it does not finish within the
 /// watchdog (it would be waiting for the held barrier).
@@ -70,10 +32,11 @@ fn within_watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send +
 #[test]
 fn reads_and_writes_go_on_while_a_flush_waits_for_its_barrier() {
     let volume_blocks = 256;
-    let cache = Arc::new(GatedCache {
-        inner: SimDevice::new("cache", cache_bytes_small()),
-        gate: Gate::default(),
-    });
+    // A cache whose next barrier (flush) waits at a gate.
+    let cache = Arc::new(FlushGated::new(SimDevice::new(
+        "cache",
+        cache_bytes_small(),
+    )));
     let origin = SimDevice::new("origin", volume_blocks * BS);
     Engine::format(
         cache.clone(),

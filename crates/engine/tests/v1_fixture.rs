@@ -18,7 +18,7 @@
 mod common;
 use common::*;
 
-use cairn_device::{build_crash_image, CrashPlan, Device, Journal, JournalEvent, SimDevice};
+use cairn_device::{Device, Journal, JournalEvent, SimDevice};
 use cairn_engine::{Engine, StoredSettings, VolumeState};
 use cairn_format::{Layout, Superblock, FORMAT_VERSION, FORMAT_VERSION_V1, SUPERBLOCK_OFFSETS};
 use common::crash_check::Shadow;
@@ -273,22 +273,8 @@ fn an_upgrade_cut_at_any_write_leaves_a_v1_or_a_v2_cache_with_all_its_data() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
     let (mut states, mut v1_states, mut v2_states) = (0u64, 0u64, 0u64);
     for (cut, event) in events.iter().enumerate() {
-        match event {
-            JournalEvent::Write { offset, data, .. } => shadow.write(*offset, data),
-            JournalEvent::Flush { .. } => shadow.flush(),
-        }
-        // Besides dropping and keeping all, random subsets, and every
-        // unflushed write torn (two superblock copies in flight at once
-        // would then both be lost).
-        let mut plans = vec![CrashPlan::DropAll, CrashPlan::KeepAll, CrashPlan::TearAll];
-        plans.extend(
-            [CrashPlan::Random {
-                keep: 0.5,
-                tear: 0.3,
-            }; 6],
-        );
-        for plan in plans {
-            let image = build_crash_image(&shadow.durable, &shadow.pending, plan, &mut rng);
+        shadow.apply(event);
+        for (plan, image) in shadow.crash_images(6, &mut rng) {
             let crashed = SimDevice::from_image("cache", image);
             let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
             let version = Engine::read_superblock(&crashed)

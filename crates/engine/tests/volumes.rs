@@ -17,9 +17,9 @@ use common::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cairn_device::{build_crash_image, CrashPlan, Device, Journal, JournalEvent, SimDevice};
+use cairn_device::{Device, Journal, SimDevice};
 use cairn_engine::{CacheMode, Engine, EngineError, FormatOptions, NewVolume, VolumeEntry};
-use common::crash_check::Shadow;
+use common::crash_check::{event_device, Shadow};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -167,7 +167,7 @@ fn three_volumes_keep_their_own_data_through_writeback_reopen_and_crash() {
         // The log is smaller than the three volumes together: eviction and
         // write-back for space mix the volumes' blocks.
         let mut vols = Volumes::new(cache_bytes_small());
-        let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
+        let mut models = models();
         let mut workloads: Vec<Workload> = SIZES
             .iter()
             .enumerate()
@@ -288,19 +288,8 @@ fn adding_a_volume_cut_at_any_write_keeps_every_volume() {
     let mut rng = ChaCha8Rng::seed_from_u64(16);
     let (mut with, mut without) = (0u32, 0u32);
     for (cut, event) in events.iter().enumerate() {
-        match event {
-            JournalEvent::Write { offset, data, .. } => replay.write(*offset, data),
-            JournalEvent::Flush { .. } => replay.flush(),
-        }
-        let mut plans = vec![CrashPlan::DropAll, CrashPlan::KeepAll, CrashPlan::TearAll];
-        plans.extend(
-            [CrashPlan::Random {
-                keep: 0.5,
-                tear: 0.3,
-            }; 4],
-        );
-        for plan in plans {
-            let image = build_crash_image(&replay.durable, &replay.pending, plan, &mut rng);
+        replay.apply(event);
+        for (plan, image) in replay.crash_images(4, &mut rng) {
             let crashed = SimDevice::from_image("cache", image);
             let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
             let engine = open_all(&crashed, &[first.clone(), second.clone()]).unwrap_or_else(|e| {
@@ -462,9 +451,12 @@ fn crash_states_of_three_volumes_hold_only_acknowledged_data() {
         for (i, o) in vols.origins.iter().enumerate() {
             o.attach_journal(&journal, i as u8 + 1);
         }
-        let mut cache_shadow = Shadow::of(&vols.cache);
-        let mut origin_shadows: Vec<Shadow> = vols.origins.iter().map(Shadow::of).collect();
-        let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
+        // By journal device: the cache (0), then the origins.
+        let mut shadows: Vec<Shadow> = std::iter::once(&vols.cache)
+            .chain(&vols.origins)
+            .map(Shadow::of)
+            .collect();
+        let mut models = models();
         let mut allowed = Allowed::new();
         let mut workloads: Vec<Workload> = SIZES
             .iter()
@@ -496,40 +488,11 @@ fn crash_states_of_three_volumes_hold_only_acknowledged_data() {
             let events = journal.since(cursor);
             cursor += events.len();
             for (k, event) in events.iter().enumerate() {
-                match event {
-                    JournalEvent::Write {
-                        device: 0,
-                        offset,
-                        data,
-                    } => cache_shadow.write(*offset, data),
-                    JournalEvent::Flush { device: 0 } => cache_shadow.flush(),
-                    JournalEvent::Write {
-                        device,
-                        offset,
-                        data,
-                    } => origin_shadows[*device as usize - 1].write(*offset, data),
-                    JournalEvent::Flush { device } => origin_shadows[*device as usize - 1].flush(),
-                }
+                shadows[event_device(event)].apply(event);
                 cuts += 1;
-                let mut plans = vec![CrashPlan::DropAll];
-                if !cache_shadow.pending.is_empty() {
-                    plans.extend([
-                        CrashPlan::KeepAll,
-                        CrashPlan::Random {
-                            keep: 0.5,
-                            tear: 0.3,
-                        },
-                    ]);
-                }
-                for plan in plans {
-                    let image = build_crash_image(
-                        &cache_shadow.durable,
-                        &cache_shadow.pending,
-                        plan,
-                        &mut rng,
-                    );
+                for (plan, image) in shadows[0].crash_images(1, &mut rng) {
                     let crashed = SimDevice::from_image("cache", image);
-                    let origins: Vec<SimDevice> = origin_shadows
+                    let origins: Vec<SimDevice> = shadows[1..]
                         .iter()
                         .enumerate()
                         .map(|(i, o)| {
@@ -560,6 +523,22 @@ fn crash_states_of_three_volumes_hold_only_acknowledged_data() {
     );
 }
 
+/// One empty model per volume of `SIZES`.
+fn models() -> Vec<Model> {
+    SIZES.iter().map(|&b| Model::new(b)).collect()
+}
+
+/// Distinct data over the first `blocks` blocks of every volume (seeds
+/// from `seed`), flushed; the models that mirror it.
+fn fill_all(engine: &Engine, blocks: u64, seed: u64) -> Vec<Model> {
+    let mut models = models();
+    for (v, model) in models.iter_mut().enumerate() {
+        fill(engine, v as u16, model, blocks, seed + v as u64);
+    }
+    engine.flush().expect("flush");
+    models
+}
+
 /// Write distinct data over the first `blocks` blocks of `volume` and
 /// mirror it in `model`.
 fn fill(engine: &Engine, volume: u16, model: &mut Model, blocks: u64, seed: u64) {
@@ -572,11 +551,7 @@ fn fill(engine: &Engine, volume: u16, model: &mut Model, blocks: u64, seed: u64)
 fn a_removed_volume_is_on_its_origin_and_its_id_comes_back_empty() {
     let vols = Volumes::new(cache_bytes_small());
     let e = vols.engine();
-    let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
-    for (v, model) in models.iter_mut().enumerate() {
-        fill(e, v as u16, model, 40, 70 + v as u64);
-    }
-    e.flush().expect("flush");
+    let models = fill_all(e, 40, 70);
     assert!(matches!(
         e.remove_volume(""),
         Err(EngineError::FirstVolumeKept { .. })
@@ -629,13 +604,9 @@ fn a_removed_volume_is_on_its_origin_and_its_id_comes_back_empty() {
 fn removing_a_volume_cut_at_any_write_keeps_or_removes_it_whole() {
     let vols = Volumes::new(cache_bytes_small());
     let e = vols.engine();
-    let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
-    for (v, model) in models.iter_mut().enumerate() {
-        fill(e, v as u16, model, 30, 90 + v as u64);
-    }
-    e.flush().expect("flush");
-    let mut cache_shadow = Shadow::of(&vols.cache);
-    let mut origin_shadow = Shadow::of(&vols.origins[2]);
+    let models = fill_all(e, 30, 90);
+    // By journal device: the cache (0) and the removed volume's origin (1).
+    let mut shadows = [Shadow::of(&vols.cache), Shadow::of(&vols.origins[2])];
     let journal = Journal::default();
     vols.cache.attach_journal(&journal, 0);
     vols.origins[2].attach_journal(&journal, 1);
@@ -644,29 +615,11 @@ fn removing_a_volume_cut_at_any_write_keeps_or_removes_it_whole() {
     let mut rng = ChaCha8Rng::seed_from_u64(32);
     let (mut kept, mut gone) = (0u32, 0u32);
     for (cut, event) in events.iter().enumerate() {
-        match event {
-            JournalEvent::Write {
-                device: 0,
-                offset,
-                data,
-            } => cache_shadow.write(*offset, data),
-            JournalEvent::Flush { device: 0 } => cache_shadow.flush(),
-            JournalEvent::Write { offset, data, .. } => origin_shadow.write(*offset, data),
-            JournalEvent::Flush { .. } => origin_shadow.flush(),
-        }
-        let mut plans = vec![CrashPlan::DropAll, CrashPlan::KeepAll, CrashPlan::TearAll];
-        plans.extend(
-            [CrashPlan::Random {
-                keep: 0.5,
-                tear: 0.3,
-            }; 2],
-        );
-        for plan in plans {
+        shadows[event_device(event)].apply(event);
+        for (plan, image) in shadows[0].crash_images(2, &mut rng) {
             let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
-            let image =
-                build_crash_image(&cache_shadow.durable, &cache_shadow.pending, plan, &mut rng);
             let crashed = SimDevice::from_image("cache", image);
-            let origin2 = SimDevice::from_image("origin2", origin_shadow.durable.clone());
+            let origin2 = SimDevice::from_image("origin2", shadows[1].durable.clone());
             let origins = [
                 vols.origins[0].clone(),
                 vols.origins[1].clone(),
@@ -711,7 +664,7 @@ fn fail_writes(dev: &SimDevice) {
 fn a_failing_origin_loses_nothing_of_any_volume_and_drains_once_back() {
     let vols = Volumes::new(cache_bytes_small());
     let e = vols.engine();
-    let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
+    let mut models = models();
     fail_writes(&vols.origins[1]);
     // Volumes 0 and 1 are in write-back mode: their writes are absorbed.
     // (Volume 2 is write-through: while another volume's origin fails, its
@@ -746,12 +699,8 @@ fn a_failing_origin_loses_nothing_of_any_volume_and_drains_once_back() {
 fn a_cache_that_goes_degraded_drains_every_volume_to_its_own_origin() {
     let vols = Volumes::new(cache_bytes_small());
     let e = vols.engine();
-    let mut models: Vec<Model> = SIZES.iter().map(|&b| Model::new(b)).collect();
     // Flushed data on every volume, then more written but not flushed.
-    for (v, model) in models.iter_mut().enumerate() {
-        fill(e, v as u16, model, 20, 140 + v as u64);
-    }
-    e.flush().expect("flush");
+    let mut models = fill_all(e, 20, 140);
     for (v, model) in models.iter_mut().enumerate() {
         let data = pattern(150 + v as u64, 6 * BS as usize);
         e.write_in(v as u16, 10 * BS, &data, false).expect("write");

@@ -2,12 +2,12 @@
 //! cache: superseded versions of a block in the same group are skipped.
 
 mod common;
-use common::gate::Gate;
+use common::flush_gated::FlushGated;
 use common::*;
 
 use std::sync::Arc;
 
-use cairn_device::{Device, DeviceResult, SimDevice};
+use cairn_device::{Device, SimDevice};
 use cairn_engine::{Engine, FormatOptions};
 use cairn_format::Layout;
 
@@ -136,40 +136,6 @@ fn writeback_merges_consecutive_blocks_into_origin_writes_of_at_most_1_mib() {
     }
 }
 
-/// An origin whose next flush, once the gate is armed, waits at the gate:
-/// write-back has copied its group to the origin and not committed it.
-struct FlushGatedOrigin {
-    inner: SimDevice,
-    gate: Gate,
-}
-
-impl Device for FlushGatedOrigin {
-    fn name(&self) -> &str {
-        "flush-gated-origin"
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
-        self.inner.read_at(offset, buf)
-    }
-
-    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
-        self.inner.write_at(offset, buf)
-    }
-
-    fn flush(&self) -> DeviceResult<()> {
-        self.gate.pass(0, u64::MAX);
-        self.inner.flush()
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
-        self.inner.discard(offset, len)
-    }
-}
-
 /// Write-back finds a dirty block damaged and skips it; before it commits
 /// the group, a client writes that block again. The damaged copy's slot is
 /// no longer live, so commit must not mark it corrupt: the block reads as
@@ -182,10 +148,10 @@ fn a_damaged_block_rewritten_during_its_writeback_is_not_counted_corrupt() {
     let volume_blocks = 256u64;
     let lba = 9u64;
     let inner = SimDevice::new("origin", volume_blocks * BS);
-    let origin = Arc::new(FlushGatedOrigin {
-        inner: inner.clone(),
-        gate: Gate::default(),
-    });
+    // An origin whose next flush, once the gate is armed, waits at the
+    // gate: write-back has copied its group to the origin and not
+    // committed it.
+    let origin = Arc::new(FlushGated::new(inner.clone()));
     let cache = SimDevice::new("cache", cache_bytes_small());
     Engine::format(
         Arc::new(cache.clone()),

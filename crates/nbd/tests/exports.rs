@@ -11,7 +11,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -68,26 +68,9 @@ impl Three {
     }
 }
 
-/// Run a tool under coreutils `timeout`; its output, whether it succeeded
-/// or not.
-fn run_tool(program: &str, args: &[&str], timeout_s: u32) -> Output {
-    let mut cmd = Command::new("timeout");
-    cmd.arg("-k")
-        .arg("5")
-        .arg(timeout_s.to_string())
-        .arg(program)
-        .args(args);
-    // nbdsh runs "python3" from PATH: make that the system python, where
-    // python3-libnbd lives.
-    let path = std::env::var("PATH").unwrap_or_default();
-    cmd.env("PATH", format!("/usr/bin:/bin:{path}"));
-    cmd.output()
-        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
-}
-
 /// [`run_tool`] that must succeed; its stdout.
 fn run_ok(program: &str, args: &[&str], timeout_s: u32) -> String {
-    let out = run_tool(program, args, timeout_s);
+    let out = run_tool(program, args, &[], timeout_s);
     assert!(
         out.status.success(),
         "{program} {args:?} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
@@ -343,7 +326,7 @@ fn nbdinfo_is_refused_an_unknown_name() {
         return;
     }
     let three = Three::start();
-    let out = run_tool("nbdinfo", &[&three.server.uri_for("gamma")], 60);
+    let out = run_tool("nbdinfo", &[&three.server.uri_for("gamma")], &[], 60);
     assert!(!out.status.success(), "nbdinfo reached an unknown export");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -598,7 +581,7 @@ except nbd.Error as e:
     );
     // And a new client is refused it.
     if require_tool("nbdinfo") {
-        let out = run_tool("nbdinfo", &[&three.server.uri_for("beta")], 60);
+        let out = run_tool("nbdinfo", &[&three.server.uri_for("beta")], &[], 60);
         assert!(!out.status.success(), "nbdinfo reached a removed export");
     }
 }

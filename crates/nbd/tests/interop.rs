@@ -7,7 +7,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,20 +24,7 @@ fn run(program: &str, args: &[&str], timeout_s: u32) -> Output {
 }
 
 fn run_env(program: &str, args: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Output {
-    let mut cmd = Command::new("timeout");
-    cmd.envs(env.iter().copied());
-    cmd.arg("-k")
-        .arg("5")
-        .arg(timeout_s.to_string())
-        .arg(program)
-        .args(args);
-    // nbdsh runs "python3" from PATH; make that the system python, which
-    // is where python3-libnbd lives.
-    let path = std::env::var("PATH").unwrap_or_default();
-    cmd.env("PATH", format!("/usr/bin:/bin:{path}"));
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    let out = run_tool(program, args, env, timeout_s);
     if !out.status.success() {
         panic!(
             "{program} {args:?} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",

@@ -182,15 +182,7 @@ fn add_volume(target: &Target, origin: &str, new: &NewVolume) -> Result<(), Comm
 /// it during the drain; then drain and drop it. If that fails, the volume
 /// is exported again.
 fn remove_volume(target: &Target, name: &str, force: bool) -> Result<(), CommandError> {
-    let entry = target
-        .engine
-        .volume_table()
-        .by_name(name)
-        .cloned()
-        .ok_or_else(|| EngineError::VolumeNotFound { name: name.into() })?;
-    if entry.id == 0 {
-        return Err(EngineError::FirstVolumeKept { name: name.into() }.into());
-    }
+    let entry = target.engine.removable_volume(name)?;
     let Some(exports) = &target.exports else {
         target.engine.remove_volume(name)?;
         return Ok(());

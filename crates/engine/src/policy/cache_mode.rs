@@ -45,6 +45,12 @@ impl CacheMode {
         }
     }
 
+    /// The name of a stored mode code (a volume table entry's), or
+    /// "unknown" for a code this build does not know.
+    pub fn name_of_code(code: u8) -> &'static str {
+        CacheMode::from_code(code).map_or("unknown", CacheMode::name)
+    }
+
     pub fn parse(name: &str) -> Option<CacheMode> {
         Self::ALL.into_iter().find(|m| m.name() == name)
     }

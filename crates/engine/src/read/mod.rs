@@ -86,12 +86,18 @@ pub(crate) async fn read_blocks(
         Err(e) => return (Some(Err(e)), buf),
     };
     let ios = ios(&plans);
-    // A request lies in one volume: its misses go to that volume's origin.
-    let volume = match env.origins.of_key(first_lba) {
-        Ok((volume, _)) => volume,
-        Err(e) => return (Some(Err(e)), buf),
+    // A request lies in one volume: its misses go to that volume's origin,
+    // looked up only when there are misses (hits need no origin).
+    let origin = if ios.iter().any(|io| matches!(io.source, Source::Origin)) {
+        match env.origins.of_key(first_lba) {
+            Ok((volume, _)) => Some(volume),
+            Err(e) => return (Some(Err(e)), buf),
+        }
+    } else {
+        None
     };
-    let (buf, failures) = run_ios(env, volume.device(), first_lba, buf, &ios).await;
+    let origin = origin.as_ref().map(|v| v.device());
+    let (buf, failures) = run_ios(env, origin, first_lba, buf, &ios).await;
     let mut buf = buf;
     let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
@@ -162,7 +168,7 @@ fn ios(plans: &[Plan]) -> Ios {
 /// (by index into `ios`).
 async fn run_ios(
     env: &Env,
-    origin: &dyn Device,
+    origin: Option<&dyn Device>,
     first_lba: u64,
     buf: PooledBuf,
     ios: &[Io],
@@ -202,7 +208,7 @@ async fn run_ios(
 
 fn start_read<'a>(
     env: &'a Env,
-    origin: &'a dyn Device,
+    origin: Option<&'a dyn Device>,
     first_lba: u64,
     io: &Io,
     slice: BufSlice,
@@ -218,6 +224,7 @@ fn start_read<'a>(
         }
         Source::Origin => {
             let at = key_lba(first_lba + io.first as u64) * env.block_size_bytes as u64;
+            let origin = origin.expect("an origin read is planned only with its origin looked up");
             Box::pin(async move {
                 // Bounded origin concurrency: a miss beyond it waits here.
                 if env.origin_slots.acquire(1).await {

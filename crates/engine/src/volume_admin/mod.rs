@@ -123,30 +123,37 @@ pub(crate) fn add(
 /// let nothing new of it into the log (requests already past the entry
 /// points fail when they append). Returns its entry and origin; the
 /// caller drains write-back, then calls [`forget`], or [`reopen`] if the
-/// drain failed.
-pub(crate) fn close(p: Parts<'_>, name: &str) -> EngineResult<(VolumeEntry, Arc<VolumeOrigin>)> {
+/// drain failed. (Write-back still reaches its origin meanwhile.)
+pub(crate) fn close(p: Parts<'_>, name: &str) -> EngineResult<VolumeEntry> {
     let env = p.env;
     // A degraded cache writes no new table.
     let st = p.state.normal(env)?;
-    let entry = st
-        .volumes
+    let entry = removable(&st.volumes, name)?;
+    if env.origins.get(entry.id).is_none() {
+        return Err(EngineError::NoSuchVolume {
+            volume_id: entry.id,
+        });
+    }
+    env.origins.set_taking(entry.id, false);
+    drop(st);
+    Ok(entry)
+}
+
+/// Volume `name` of `table`, if it may be removed (the first volume stays).
+pub(crate) fn removable(table: &VolumeTable, name: &str) -> EngineResult<VolumeEntry> {
+    let entry = table
         .by_name(name)
         .cloned()
         .ok_or_else(|| EngineError::VolumeNotFound { name: name.into() })?;
     if entry.id == 0 {
         return Err(EngineError::FirstVolumeKept { name: name.into() });
     }
-    let origin = env.origins.get(entry.id).ok_or(EngineError::NoSuchVolume {
-        volume_id: entry.id,
-    })?;
-    origin.set_closed(true);
-    drop(st);
-    Ok((entry, origin))
+    Ok(entry)
 }
 
 /// Undo [`close`] after a failed drain: the volume is served again.
-pub(crate) fn reopen(origin: &VolumeOrigin) {
-    origin.set_closed(false);
+pub(crate) fn reopen(p: Parts<'_>, entry: &VolumeEntry) {
+    p.env.origins.set_taking(entry.id, true);
 }
 
 /// Last step of removing a volume, once write-back drained it: drop its

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cairn_device::{build_crash_image, CrashPlan, PendingWrite, SimDevice};
+use cairn_device::{build_crash_image, CrashPlan, JournalEvent, PendingWrite, SimDevice};
 use rand_chacha::ChaCha8Rng;
 
 use super::{open, read_volume, BS};
@@ -27,11 +27,54 @@ impl Shadow {
             data: data.to_vec(),
         });
     }
+    /// Replay one journaled event on this shadow (its device's).
+    pub fn apply(&mut self, event: &JournalEvent) {
+        match event {
+            JournalEvent::Write { offset, data, .. } => self.write(*offset, data),
+            JournalEvent::Flush { .. } => self.flush(),
+        }
+    }
+
+    /// The crash images of this cut: every unflushed write dropped, kept,
+    /// and torn (only its first sector lands: two copies of one structure
+    /// in flight at once are both lost), and `random` random subsets (each
+    /// write kept with probability 0.5, torn with 0.3, in shuffled order).
+    /// With nothing unflushed, the one image there is.
+    pub fn crash_images(&self, random: usize, rng: &mut ChaCha8Rng) -> Vec<(CrashPlan, Vec<u8>)> {
+        let mut plans = vec![CrashPlan::DropAll];
+        if !self.pending.is_empty() {
+            plans.extend([CrashPlan::KeepAll, CrashPlan::TearAll]);
+            plans.extend(std::iter::repeat_n(
+                CrashPlan::Random {
+                    keep: 0.5,
+                    tear: 0.3,
+                },
+                random,
+            ));
+        }
+        plans
+            .into_iter()
+            .map(|plan| {
+                (
+                    plan,
+                    build_crash_image(&self.durable, &self.pending, plan, rng),
+                )
+            })
+            .collect()
+    }
+
     pub fn flush(&mut self) {
         for w in self.pending.drain(..) {
             self.durable[w.offset as usize..w.offset as usize + w.data.len()]
                 .copy_from_slice(&w.data);
         }
+    }
+}
+
+/// The device a journaled event happened on.
+pub fn event_device(event: &JournalEvent) -> usize {
+    match event {
+        JournalEvent::Write { device, .. } | JournalEvent::Flush { device } => *device as usize,
     }
 }
 

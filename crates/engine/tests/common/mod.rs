@@ -14,6 +14,7 @@ macro_rules! report {
 }
 
 pub mod crash_check;
+pub mod flush_gated;
 pub mod gate;
 
 use std::sync::Arc;

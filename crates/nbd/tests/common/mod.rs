@@ -644,3 +644,25 @@ impl Client<UnixStream> {
         replies
     }
 }
+
+/// Run a tool under coreutils `timeout` with `env` set; its output,
+/// whether it succeeded or not. nbdsh runs "python3" from PATH: the system
+/// python, where python3-libnbd lives, comes first.
+pub fn run_tool(
+    program: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    timeout_s: u32,
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new("timeout");
+    cmd.envs(env.iter().copied());
+    cmd.arg("-k")
+        .arg("5")
+        .arg(timeout_s.to_string())
+        .arg(program)
+        .args(args);
+    let path = std::env::var("PATH").unwrap_or_default();
+    cmd.env("PATH", format!("/usr/bin:/bin:{path}"));
+    cmd.output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
+}

@@ -1,0 +1,54 @@
+//! A simulated device whose flushes pass a [`Gate`]: armed, the next
+//! flush (a cache barrier, or write-back's origin flush) waits inside the
+//! device until the test releases it.
+
+use cairn_device::{Device, DeviceResult, SimDevice};
+
+use super::gate::Gate;
+
+pub struct FlushGated {
+    pub inner: SimDevice,
+    pub gate: Gate,
+}
+
+impl FlushGated {
+    pub fn new(inner: SimDevice) -> FlushGated {
+        FlushGated {
+            inner,
+            gate: Gate::default(),
+        }
+    }
+}
+
+impl Device for FlushGated {
+    fn name(&self) -> &str {
+        "flush-gated"
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        self.inner.read_at(offset, buf)
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
+        self.inner.write_at(offset, buf)
+    }
+
+    fn flush(&self) -> DeviceResult<()> {
+        self.gate.pass(0, u64::MAX);
+        self.inner.flush()
+    }
+
+    /// A barrier's write and flush, the flush through the gate.
+    fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        self.inner.write_vectored_at(offset, bufs)?;
+        self.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        self.inner.discard(offset, len)
+    }
+}
