@@ -53,6 +53,11 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
             Box::new(|v| (v.dirty_blocks + v.clean_blocks) * block_bytes),
         ),
         ("size_bytes", Box::new(|v| v.entry.origin_size_bytes)),
+        ("writeback_offset", Box::new(|v| v.writeback_offset)),
+        (
+            "origin_failing",
+            Box::new(|v| u64::from(v.origin_error.is_some())),
+        ),
     ];
     if exports.is_some() {
         gauges.push((

@@ -33,6 +33,16 @@ pub fn volumes_json(
             m.insert("clean_blocks".into(), json!(v.clean_blocks));
             let cached_bytes = (v.dirty_blocks + v.clean_blocks) * block_size_bytes as u64;
             m.insert("cached_bytes".into(), json!(cached_bytes));
+            m.insert("writeback_offset".into(), json!(v.writeback_offset));
+            let origin = if v.origin_error.is_some() {
+                "failing"
+            } else {
+                "ok"
+            };
+            m.insert("origin_state".into(), json!(origin));
+            if let Some(error) = &v.origin_error {
+                m.insert("origin_error".into(), json!(error));
+            }
             if let Some(exports) = served {
                 let connections = exports
                     .iter()

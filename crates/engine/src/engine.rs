@@ -29,9 +29,10 @@ use crate::state_lock::StateLock;
 use crate::stats::{Counters, StatsSnapshot};
 use crate::superblocks;
 use crate::volume_admin::{self, NewVolume};
+use crate::volume_set::VolumeSet;
 use crate::volume_status::VolumeStatus;
 use crate::write;
-use crate::writeback::{Writeback, WritebackProgress};
+use crate::writeback::{Want, Writeback, WritebackProgress};
 
 pub struct Engine {
     env: Env,
@@ -199,6 +200,11 @@ impl Engine {
                     entry: entry.clone(),
                     dirty_blocks: blocks.dirty,
                     clean_blocks: blocks.clean,
+                    writeback_offset: st
+                        .log
+                        .volume_writeback_position(entry.id)
+                        .unwrap_or_else(|| st.log.writeback_position()),
+                    origin_error: self.writeback.volume_origin_error(entry.id),
                 }
             })
             .collect()
@@ -228,8 +234,10 @@ impl Engine {
     /// written) the volume is served again and nothing is lost.
     pub fn remove_volume(&self, name: &str) -> EngineResult<VolumeEntry> {
         let entry = volume_admin::close(self.parts(), name)?;
+        // Only this volume is drained: another volume's failing origin
+        // does not stop a removal.
         let removed = self
-            .drain()
+            .drain_volumes(VolumeSet::single(entry.id), &mut |_| {})
             .and_then(|_| volume_admin::forget(self.parts(), &entry));
         match removed {
             Ok(()) => Ok(entry),
@@ -689,7 +697,7 @@ impl Engine {
                     ..Default::default()
                 });
             }
-            self.drain_cached(&mut progress)
+            self.drain_cached(VolumeSet::single(0), &mut progress)
         })
     }
 
@@ -740,7 +748,8 @@ impl Engine {
                     ..Default::default()
                 });
             }
-            self.writeback.run_group(&self.env, &self.state)
+            self.writeback
+                .run_group(&self.env, &self.state, Want::Background)
         })
     }
 
@@ -754,6 +763,16 @@ impl Engine {
         &self,
         mut progress: impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
+        self.drain_volumes(VolumeSet::all(), &mut progress)
+    }
+
+    /// [`Engine::drain`] of `volumes` only (degraded: every volume is
+    /// on its origin already).
+    fn drain_volumes(
+        &self,
+        volumes: VolumeSet,
+        progress: &mut impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
         self.with_degrade(|degraded| {
             if degraded {
                 degrade::degraded_flush(self.parts(), None)?;
@@ -764,17 +783,19 @@ impl Engine {
                 progress(&p);
                 return Ok(p);
             }
-            self.drain_cached(&mut progress)
+            self.drain_cached(volumes, progress)
         })
     }
 
     fn drain_cached(
         &self,
+        volumes: VolumeSet,
         progress: &mut impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
         Counters::add(&self.env.counters.flushes, 1);
         self.flush_internal()?;
-        self.writeback.drain(&self.env, &self.state, progress)
+        self.writeback
+            .drain(&self.env, &self.state, volumes, progress)
     }
 
     /// The last origin error while write-back to the origin is failing.

@@ -13,7 +13,7 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::index::Index;
-use crate::log::{Log, LogPositions};
+use crate::log::{Log, LogPositions, WritebackCursors};
 use crate::options::OpenOptions;
 use crate::policy::CacheMode;
 use crate::recovery;
@@ -256,7 +256,13 @@ fn open_degraded(
         superblock.generation,
         LogPositions {
             tail: 0,
-            writeback_position: 0,
+            writeback: WritebackCursors::new(
+                &volumes
+                    .volumes()
+                    .iter()
+                    .map(|v| (v.id, 0))
+                    .collect::<Vec<_>>(),
+            ),
             writeback_limit: 0,
             head: 0,
             checkpoint_head: 0,

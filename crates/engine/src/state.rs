@@ -54,8 +54,14 @@ impl State {
             })?;
             superblocks::set_recalc_position(&mut self.superblock, tags.recalc_pos);
         }
+        // Every superblock carries each volume's write-back position as
+        // memory has it: each is true (its groups are on the origin,
+        // flushed), and a later one lets the tail move on sooner.
+        superblocks::set_writeback_positions(&mut self.superblock, self.log.writeback_cursors());
         superblocks::write_next(env, &mut self.superblock, retry_safe)
-            .map_err(|e| env.health.cache_write_failed("writing the superblock", e))
+            .map_err(|e| env.health.cache_write_failed("writing the superblock", e))?;
+        self.log.writeback_position_persisted();
+        Ok(())
     }
 
     /// Make `table` the volume table: written into the copy the current
@@ -94,9 +100,6 @@ impl State {
 
     /// Persist the write-back position, so the tail may move past it.
     pub(crate) fn persist_writeback(&mut self, env: &Env) -> EngineResult<()> {
-        self.superblock.writeback_offset = self.log.writeback_position();
-        self.write_superblock(env)?;
-        self.log.writeback_position_persisted();
-        Ok(())
+        self.write_superblock(env)
     }
 }

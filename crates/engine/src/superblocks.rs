@@ -10,6 +10,7 @@ use cairn_format::{
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
+use crate::log::WritebackCursors;
 use crate::retry::retrying_cache_write;
 use crate::stats::Counters;
 
@@ -147,6 +148,26 @@ pub(crate) fn lift_positions(superblock: &mut Superblock) {
     if let SuperblockVolumes::V2 { positions, .. } = &mut superblock.volumes {
         for p in positions {
             p.writeback_offset = p.writeback_offset.max(floor);
+        }
+    }
+}
+
+/// Record each volume's write-back position and their least (the cache's
+/// write-back position) in the superblock. A position in the superblock
+/// with no cursor (a volume being added) keeps its value.
+pub(crate) fn set_writeback_positions(superblock: &mut Superblock, cursors: &WritebackCursors) {
+    let least = cursors.least();
+    assert!(
+        least >= superblock.writeback_offset,
+        "the write-back position never moves back"
+    );
+    superblock.writeback_offset = least;
+    if let SuperblockVolumes::V2 { positions, .. } = &mut superblock.volumes {
+        for p in positions.iter_mut() {
+            if let Some(at) = cursors.get(p.id) {
+                assert!(at >= p.writeback_offset, "volume {} moved back", p.id);
+                p.writeback_offset = at;
+            }
         }
     }
 }

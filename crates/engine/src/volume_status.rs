@@ -8,4 +8,10 @@ pub struct VolumeStatus {
     pub entry: VolumeEntry,
     pub dirty_blocks: u64,
     pub clean_blocks: u64,
+    /// Log offset before which every block of this volume is on its
+    /// origin (its own write-back position; the cache's is the least).
+    pub writeback_offset: u64,
+    /// The last error of this volume's origin while write-back to it keeps
+    /// failing (the other volumes' write-back goes on meanwhile).
+    pub origin_error: Option<String>,
 }

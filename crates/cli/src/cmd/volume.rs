@@ -156,7 +156,11 @@ fn print_table(volumes: &Value) -> Result<()> {
             v["mode"].as_str().unwrap_or("?"),
             n("dirty_blocks"),
             n("clean_blocks"),
-            v["state"].as_str().unwrap_or("?"),
+            // A failing origin shows in the state: its write-back waits.
+            match v["origin_state"].as_str() {
+                Some("failing") => "failing",
+                _ => v["state"].as_str().unwrap_or("?"),
+            },
             v["origin"].as_str().unwrap_or("?")
         )?;
     }

@@ -29,9 +29,7 @@ pub(crate) fn write(env: &Env, st: &mut State) -> EngineResult<()> {
         .map_err(|e| env.health.cache_write_failed("writing a checkpoint", e))?;
     st.superblock.active_checkpoint = 1 - st.superblock.active_checkpoint;
     st.superblock.checkpoint_sequence = header.sequence;
-    st.superblock.writeback_offset = st.log.writeback_position();
     st.write_superblock(env)?;
-    st.log.writeback_position_persisted();
     st.log.checkpointed();
     st.index.lost_persisted();
     Counters::add(&env.counters.checkpoints, 1);

@@ -45,7 +45,7 @@ pub(crate) use degraded_io::{degraded_flush, degraded_write, degraded_zero_range
 
 use std::time::Duration;
 
-use cairn_format::{RecordHeader, FEATURE_DEGRADED};
+use cairn_format::{RecordHeader, FEATURE_DEGRADED, VOLUMES_MAX};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -55,6 +55,7 @@ use crate::parts::Parts;
 use crate::state::State;
 use crate::stats::Counters;
 use crate::superblocks;
+use crate::volume_set::VolumeSet;
 
 /// Most attempts at the switch to degraded mode whose first steps fail (a
 /// cache read of dirty data, an origin write) before the engine stops. A
@@ -201,16 +202,25 @@ fn drain_and_mark_degraded(env: &Env, st: &mut State) -> Result<u64, SwitchError
 fn drain_flushed_groups(env: &Env, st: &mut State) -> EngineResult<u64> {
     let slot_count = st.log.slot_count();
     let mut drained_blocks = 0;
-    for _ in 0..=slot_count {
-        if st.log.writeback_position() >= st.log.writeback_limit() {
+    // Bounded: each group moves at least one volume forward. Volumes that
+    // lag (their origin failed) are written back first, group by group,
+    // and a group is written to a volume only from its own position on:
+    // another volume's older group written again would take that origin
+    // back to a state that never existed.
+    for _ in 0..=(slot_count + 1) * VOLUMES_MAX as u64 {
+        let start = st.log.writeback_position();
+        let limit = st.log.writeback_limit();
+        if start >= limit {
             break;
         }
-        let start = st.log.writeback_position();
-        let (records, end) =
-            group::read_for_writeback(env, start, st.log.writeback_limit(), slot_count)?;
-        let applied = group::apply(env, &records)?;
+        let served = st.log.writeback_cursors().at(start, VolumeSet::all());
+        let (records, end) = group::read_for_writeback(env, start, limit, slot_count, served)?;
+        let mut applied = group::apply(env, &records, served);
         group::commit(env, st, start, end, &records, &applied);
         drained_blocks += applied.blocks_written;
+        if let Some((_, e)) = applied.failed.pop() {
+            return Err(e);
+        }
     }
     assert_eq!(
         st.log.writeback_position(),
@@ -334,7 +344,7 @@ fn forget_record(st: &mut State, start: u64, data_count: u64) {
             st.index.retire(slot);
         }
     }
-    st.index.retire_ranges(start, start + 1);
+    st.index.retire_ranges(VolumeSet::all(), start, start + 1);
 }
 
 /// Step 3: DEGRADED, durable in both superblock copies, BEFORE any
@@ -368,7 +378,14 @@ fn write_unflushed(
     if records.is_empty() {
         return Ok(0);
     }
-    let applied = group::apply(env, &records)?;
+    // Every volume is at `from` (step 1 drained each to the last durable
+    // epoch end).
+    let served = st.log.writeback_cursors().volumes();
+    assert_eq!(st.log.writeback_cursors().at(from, served), served);
+    let mut applied = group::apply(env, &records, served);
+    if let Some((_, e)) = applied.failed.pop() {
+        return Err(e);
+    }
     // Data taken from memory (queued records, the open record) matches its
     // checksums.
     let memory_start = records.get(sealed_count).map_or(u64::MAX, |r| r.at);

@@ -19,6 +19,7 @@ use crate::log::read_record_header;
 use crate::retry::retrying_cache_read;
 use crate::state::State;
 use crate::stats::Counters;
+use crate::volume_set::VolumeSet;
 
 /// Largest write-back write to the origin: consecutive blocks are merged
 /// up to this.
@@ -69,18 +70,20 @@ pub(crate) fn read(
     Ok((records, position))
 }
 
-/// [`read`] for write-back: only the blocks it copies to the origin (the
-/// last version of each block in the group) are read; superseded versions
-/// and clean copies are not. The other blocks' bytes are unspecified and
+/// [`read`] for write-back of the `served` volumes: only the blocks it
+/// copies to their origins (the last version of each of their blocks in the
+/// group) are read; superseded versions, clean copies and other volumes'
+/// blocks are not. The other blocks' bytes are unspecified and
 /// never used.
 pub(crate) fn read_for_writeback(
     env: &Env,
     start: u64,
     limit: u64,
     slot_count: u64,
+    served: VolumeSet,
 ) -> EngineResult<(Vec<GroupRecord>, u64)> {
     let (records, position) = read_headers(env, start, limit, slot_count)?;
-    let fin = final_choice(env, &records);
+    let fin = final_choice(env, &records, served);
     let wanted = block_runs(fin.blocks.values().map(|&(ri, k, _)| (ri, k)).collect());
     let read_blocks: usize = wanted.iter().map(|(_, first, end)| end - first).sum();
     let total_blocks: usize = records.iter().map(|r| r.header.data_count()).sum();
@@ -213,9 +216,10 @@ struct Final {
     bad: Vec<(u64, u64)>,
 }
 
-/// The group's final state, from its headers alone: ranges in order, then
-/// the last version of each block (not checked yet: see [`verify_final`]).
-fn final_choice(env: &Env, records: &[GroupRecord]) -> Final {
+/// The final state of the `served` volumes in the group, from its headers
+/// alone: ranges in order, then the last version of each block (not
+/// checked yet: see [`verify_final`]). Other volumes' entries are skipped.
+fn final_choice(env: &Env, records: &[GroupRecord], served: VolumeSet) -> Final {
     let block_bytes = env.block_size_bytes;
     let mut fin = Final {
         blocks: BTreeMap::new(),
@@ -229,7 +233,7 @@ fn final_choice(env: &Env, records: &[GroupRecord]) -> Final {
             match *entry {
                 RecordEntry::Data { lba, crc, clean } => {
                     k += 1;
-                    if !clean {
+                    if !clean && served.contains(key_volume(lba)) {
                         fin.blocks.insert(lba, (ri, k - 1, crc));
                     }
                 }
@@ -238,6 +242,9 @@ fn final_choice(env: &Env, records: &[GroupRecord]) -> Final {
                     lba,
                     block_count,
                 } => {
+                    if !served.contains(key_volume(lba)) {
+                        continue;
+                    }
                     let end = lba + block_count as u64;
                     let inside: Vec<u64> = fin.blocks.range(lba..end).map(|(&l, _)| l).collect();
                     for l in inside {
@@ -309,64 +316,86 @@ fn runs<'a>(env: &Env, records: &'a [GroupRecord], fin: &Final) -> Vec<(u64, Vec
         .collect()
 }
 
-/// Copy one group to the origins: each volume's final state (ranges in
-/// order, then the last valid version of each block, sorted and merged by
-/// address) to that volume's origin, then one flush of that origin.
-pub(crate) fn apply(env: &Env, records: &[GroupRecord]) -> EngineResult<Applied> {
-    let block_bytes = env.block_size_bytes as u64;
-    let mut fin = final_choice(env, records);
+/// Copy one group to the origins of the `served` volumes: each volume's
+/// final state (ranges in order, then the last valid version of each
+/// block, sorted and merged by address) to that volume's origin, then one
+/// flush of that origin. A volume whose origin fails does not stop the
+/// others: it is listed in [`Applied::failed`] and keeps its position.
+pub(crate) fn apply(env: &Env, records: &[GroupRecord], served: VolumeSet) -> Applied {
+    let mut fin = final_choice(env, records, served);
     verify_final(env, records, &mut fin);
-    let origin_err = |e| {
-        Counters::add(&env.counters.origin_write_errors, 1);
-        EngineError::Origin(e)
-    };
     let runs = runs(env, records, &fin);
     // Every volume the group has data for is written and flushed, also
     // one whose only block failed its checksum (then nothing is written,
     // and the flush is what a single origin always got).
-    let volumes: std::collections::BTreeSet<u16> = fin
+    let touched: std::collections::BTreeSet<u16> = fin
         .ranges
         .iter()
         .map(|r| key_volume(r.1))
         .chain(fin.blocks.keys().map(|&key| key_volume(key)))
         .chain(fin.bad.iter().map(|&(key, _)| key_volume(key)))
         .collect();
-    for id in volumes {
-        let Some(volume) = env.origins.get(id) else {
-            return Err(EngineError::NoSuchVolume { volume_id: id });
-        };
-        let origin = volume.device();
-        for &(kind, key, count) in fin.ranges.iter().filter(|r| key_volume(r.1) == id) {
-            let (at, len) = (key_lba(key) * block_bytes, count * block_bytes);
-            match kind {
-                RangeKind::Zero => origin.write_zeroes(at, len),
-                RangeKind::Discard => origin.discard(at, len),
-            }
-            .map_err(origin_err)?;
+    let mut failed = Vec::new();
+    for id in touched {
+        assert!(served.contains(id), "only served volumes are chosen");
+        if let Err(e) = apply_volume(env, id, &fin, &runs) {
+            failed.push((id, e));
         }
-        let writes: Vec<(u64, &[&[u8]])> = runs
-            .iter()
-            .filter(|(key, _)| key_volume(*key) == id)
-            .map(|(key, slices)| (key_lba(*key) * block_bytes, slices.as_slice()))
-            .collect();
-        origin.write_many_vectored(&writes).map_err(origin_err)?;
-        origin.flush().map_err(origin_err)?;
     }
-    Ok(Applied {
-        blocks_written: fin.blocks.len() as u64,
-        ranges: fin.ranges,
-        blocks: fin
-            .blocks
-            .iter()
-            .map(|(&lba, &(_, _, crc))| (lba, crc))
-            .collect(),
-        bad: fin.bad,
-    })
+    let mut done = served;
+    for (id, _) in &failed {
+        done.remove(*id);
+    }
+    let kept = |key: u64| done.contains(key_volume(key));
+    let blocks: Vec<(u64, u32)> = fin
+        .blocks
+        .iter()
+        .filter(|(&key, _)| kept(key))
+        .map(|(&key, &(_, _, crc))| (key, crc))
+        .collect();
+    Applied {
+        done,
+        failed,
+        blocks_written: blocks.len() as u64,
+        ranges: fin.ranges.into_iter().filter(|r| kept(r.1)).collect(),
+        blocks,
+        bad: fin.bad.into_iter().filter(|&(key, _)| kept(key)).collect(),
+    }
 }
 
-/// The group `[start, end)` is on the origin: its dirty blocks become
-/// clean, blocks that failed their checksum are marked corrupt, its ranges
-/// are forgotten, tags follow, and the write-back position moves to `end`.
+/// Volume `id`'s part of the group to its origin, then its flush.
+fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> EngineResult<()> {
+    let block_bytes = env.block_size_bytes as u64;
+    let origin_err = |e| {
+        Counters::add(&env.counters.origin_write_errors, 1);
+        EngineError::Origin(e)
+    };
+    let Some(volume) = env.origins.get(id) else {
+        return Err(EngineError::NoSuchVolume { volume_id: id });
+    };
+    let origin = volume.device();
+    for &(kind, key, count) in fin.ranges.iter().filter(|r| key_volume(r.1) == id) {
+        let (at, len) = (key_lba(key) * block_bytes, count * block_bytes);
+        match kind {
+            RangeKind::Zero => origin.write_zeroes(at, len),
+            RangeKind::Discard => origin.discard(at, len),
+        }
+        .map_err(origin_err)?;
+    }
+    let writes: Vec<(u64, &[&[u8]])> = runs
+        .iter()
+        .filter(|(key, _)| key_volume(*key) == id)
+        .map(|(key, slices)| (key_lba(*key) * block_bytes, slices.as_slice()))
+        .collect();
+    origin.write_many_vectored(&writes).map_err(origin_err)?;
+    origin.flush().map_err(origin_err)
+}
+
+/// The group `[start, end)` is on the origins of `applied.done`: their
+/// dirty blocks in it become clean, their blocks that failed their checksum
+/// are marked corrupt, their ranges are forgotten, tags follow, and their
+/// write-back positions move to `end`. A volume removed meanwhile (no
+/// cursor any more) is skipped.
 pub(crate) fn commit(
     env: &Env,
     st: &mut State,
@@ -375,15 +404,28 @@ pub(crate) fn commit(
     records: &[GroupRecord],
     applied: &Applied,
 ) {
-    assert_eq!(
-        st.log.writeback_position(),
-        start,
-        "groups are committed in log order"
-    );
     assert!(end > start);
+    let cursors = st.log.writeback_cursors();
+    let done = applied.done.intersection(cursors.volumes());
+    if done.is_empty() {
+        return;
+    }
+    assert_eq!(
+        cursors.at(start, done),
+        done,
+        "groups are committed in log order, volume by volume"
+    );
     for record in records {
-        for k in 0..record.header.data_count() as u64 {
+        let mut k = 0u64;
+        for entry in &record.header.entries {
+            let RecordEntry::Data { lba, .. } = *entry else {
+                continue;
+            };
             let logical = record.at + 1 + k;
+            k += 1;
+            if !done.contains(key_volume(lba)) {
+                continue;
+            }
             let slot = st.log.phys(logical);
             // Only if the slot still holds this record's block.
             if st.index.is_live(slot) && st.log.logical_of(slot) == logical {
@@ -411,8 +453,8 @@ pub(crate) fn commit(
     if let Some(tags) = st.tags.as_mut() {
         tags.record_origin_writes(&applied.ranges, &applied.blocks);
     }
-    st.index.retire_ranges(start, end);
-    st.log.written_back_to(end);
+    st.index.retire_ranges(done, start, end);
+    st.log.written_back_to(done, end);
     let block_bytes = env.block_size_bytes as u64;
     Counters::add(&env.counters.writeback_blocks, applied.blocks_written);
     Counters::add(

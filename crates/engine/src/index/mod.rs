@@ -16,12 +16,13 @@ mod write_stamps;
 
 use std::collections::BTreeSet;
 
-use cairn_format::{block_checksum, CheckpointEntry, PendingRange, RangeKind};
+use cairn_format::{block_checksum, key_volume, CheckpointEntry, PendingRange, RangeKind};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::stats::Counters;
 use crate::tags::TagTable;
+use crate::volume_set::VolumeSet;
 
 use block_counts::BlockCounts;
 pub use block_counts::VolumeBlocks;
@@ -399,8 +400,19 @@ impl Index {
     }
 
     /// The records in `[from, to)` were written back: forget their ranges.
-    pub(crate) fn retire_ranges(&mut self, from: u64, to: u64) {
-        self.ranges.retire_records(from, to);
+    /// Forget the ranges of `volumes` set by records in `[from, to)`:
+    /// written back.
+    pub(crate) fn retire_ranges(&mut self, volumes: VolumeSet, from: u64, to: u64) {
+        self.ranges
+            .retire_records(|key| volumes.contains(key_volume(key)), from, to);
+    }
+
+    /// Recovery: forget each volume's ranges set by records before its
+    /// write-back position (`None`: a volume not served, all of them).
+    pub(crate) fn retire_ranges_before(&mut self, position_of: impl Fn(u16) -> Option<u64>) {
+        self.ranges.retire_written_back(|key, record_offset| {
+            position_of(key_volume(key)).is_none_or(|at| record_offset < at)
+        });
     }
 
     pub(crate) fn range_count(&self) -> usize {
@@ -524,7 +536,7 @@ impl Index {
     pub(crate) fn finish_replay(
         &mut self,
         in_log: impl Fn(u32) -> bool,
-        is_dirty: impl Fn(u32) -> bool,
+        is_dirty: impl Fn(u32, u64) -> bool,
     ) -> Result<(), String> {
         let (mut counts, mut corrupt) = (BlockCounts::default(), 0);
         for slot in 0..self.slots.len() as u32 {
@@ -538,7 +550,7 @@ impl Index {
             if st & state::CORRUPT != 0 {
                 corrupt += 1;
             }
-            let dirty = st & state::CLEAN_INSERT == 0 && is_dirty(slot);
+            let dirty = st & state::CLEAN_INSERT == 0 && is_dirty(slot, self.slots.lba(slot));
             if dirty {
                 st |= state::DIRTY;
             }

@@ -80,10 +80,19 @@ impl RangeMap {
         }
     }
 
-    /// Forget every part set by a record in [from, to): written back.
-    pub fn retire_records(&mut self, from: u64, to: u64) {
+    /// Forget every part of a key `chosen` accepts set by a record in
+    /// [from, to): written back.
+    pub fn retire_records(&mut self, chosen: impl Fn(u64) -> bool, from: u64, to: u64) {
+        self.parts.retain(|&start, p| {
+            !(p.record_offset >= from && p.record_offset < to && chosen(start))
+        });
+    }
+
+    /// Forget every part for which `written_back(first key, record
+    /// offset)` holds.
+    pub fn retire_written_back(&mut self, written_back: impl Fn(u64, u64) -> bool) {
         self.parts
-            .retain(|_, p| !(p.record_offset >= from && p.record_offset < to));
+            .retain(|&start, p| !written_back(start, p.record_offset));
     }
 
     pub fn to_pending(&self) -> Vec<PendingRange> {
@@ -122,7 +131,7 @@ mod tests {
         assert_eq!(m.covering(60), Some(RangeKind::Zero));
         assert_eq!(m.covering(100), None);
         assert_eq!(m.len(), 3);
-        m.retire_records(0, 15);
+        m.retire_records(|_| true, 0, 15);
         assert_eq!(m.covering(10), None);
         assert_eq!(m.covering(50), Some(RangeKind::Discard));
         m.cut(45, 50);

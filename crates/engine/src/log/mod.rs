@@ -4,9 +4,11 @@
 //! `offset % slot_count`. In order:
 //! `tail <= writeback_persisted <= writeback_position <= writeback_limit <= head`:
 //! - the tail is the oldest slot still in use (eviction moves it);
-//! - write-back has copied everything before `writeback_position` to the
-//!   origin, and the superblock says so up to `writeback_persisted` (the
-//!   tail never passes that, so dirty data is never overwritten);
+//! - each volume's write-back has copied its blocks before its own cursor
+//!   to its origin (`WritebackCursors`); `writeback_position` is the least
+//!   cursor, before which everything is on the origins, and the superblock
+//!   says so up to `writeback_persisted` (the tail never passes that, so
+//!   dirty data is never overwritten);
 //! - `writeback_limit` is the end of the last durable epoch-end record:
 //!   write-back may go this far;
 //! - the next record starts at `head`.
@@ -19,10 +21,12 @@ mod barrier_plan;
 mod open_record;
 mod record_reader;
 mod unsynced;
+mod writeback_cursors;
 
 pub(crate) use barrier_plan::BarrierPlan;
 pub(crate) use open_record::OpenRecord;
 pub(crate) use record_reader::{check_shape, read_record_header};
+pub(crate) use writeback_cursors::WritebackCursors;
 
 use std::sync::Arc;
 
@@ -34,6 +38,7 @@ use crate::index::Index;
 use crate::retry::retrying_cache_write;
 use crate::sealed::{SealedQueue, SealedRecord};
 use crate::stats::Counters;
+use crate::volume_set::VolumeSet;
 use unsynced::Unsynced;
 
 /// At most this many recently hit clean blocks move forward per eviction
@@ -55,10 +60,11 @@ pub(crate) fn record_start(position: u64, slot_count: u64) -> u64 {
 }
 
 /// Where the log stands, as recovery found it (or a fresh format).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct LogPositions {
     pub(crate) tail: u64,
-    pub(crate) writeback_position: u64,
+    /// Each volume's write-back position.
+    pub(crate) writeback: WritebackCursors,
     pub(crate) writeback_limit: u64,
     pub(crate) head: u64,
     pub(crate) checkpoint_head: u64,
@@ -72,7 +78,8 @@ pub(crate) struct Log {
     /// Stamped on every record: bumped at each open.
     generation: u64,
     tail: u64,
-    writeback_position: u64,
+    writeback: WritebackCursors,
+    /// The least write-back position the superblock records.
     writeback_persisted: u64,
     writeback_limit: u64,
     head: u64,
@@ -93,15 +100,16 @@ pub(crate) struct Log {
 
 impl Log {
     pub(crate) fn new(slot_count: u64, generation: u64, at: LogPositions) -> Log {
-        assert!(at.tail <= at.writeback_position);
-        assert!(at.writeback_position <= at.writeback_limit);
+        let least = at.writeback.least();
+        assert!(at.tail <= least);
+        assert!(at.writeback.iter().all(|(_, p)| p <= at.writeback_limit));
         assert!(at.writeback_limit <= at.head);
         Log {
             slot_count,
             generation,
             tail: at.tail,
-            writeback_position: at.writeback_position,
-            writeback_persisted: at.writeback_position,
+            writeback: at.writeback,
+            writeback_persisted: least,
             writeback_limit: at.writeback_limit,
             head: at.head,
             checkpoint_head: at.checkpoint_head,
@@ -153,8 +161,20 @@ impl Log {
         self.head
     }
 
+    /// The least volume's write-back position: every block before it is
+    /// on its origin.
     pub(crate) fn writeback_position(&self) -> u64 {
-        self.writeback_position
+        self.writeback.least()
+    }
+
+    /// Each volume's write-back position.
+    pub(crate) fn writeback_cursors(&self) -> &WritebackCursors {
+        &self.writeback
+    }
+
+    /// Volume `id`'s write-back position, if it is served.
+    pub(crate) fn volume_writeback_position(&self, id: u16) -> Option<u64> {
+        self.writeback.get(id)
     }
 
     pub(crate) fn writeback_persisted(&self) -> u64 {
@@ -564,18 +584,34 @@ impl Log {
 
     // ----------------------------------------------------------- progress
 
-    /// Write-back copied the group ending at `position` to the origin.
-    pub(crate) fn written_back_to(&mut self, position: u64) {
-        assert!(position > self.writeback_position);
+    /// Write-back copied the group ending at `position` to the origins
+    /// of `volumes`.
+    pub(crate) fn written_back_to(&mut self, volumes: VolumeSet, position: u64) {
         // Past the limit only when degrading: the unflushed records go to
         // the origin too, from memory.
         assert!(position <= self.head, "write-back past the head");
-        self.writeback_position = position;
+        for id in volumes.iter() {
+            self.writeback.advance(id, position);
+        }
     }
 
-    /// The superblock now records the write-back position.
+    /// A volume was added: nothing of it is in the log before the last
+    /// durable epoch end, where its write-back starts (a record boundary,
+    /// and past every record of a removed volume that had its id).
+    pub(crate) fn add_volume(&mut self, id: u16) -> u64 {
+        let at = self.writeback_limit;
+        self.writeback.insert(id, at);
+        at
+    }
+
+    /// A volume was removed (or its addition failed).
+    pub(crate) fn remove_volume(&mut self, id: u16) {
+        self.writeback.remove(id);
+    }
+
+    /// The superblock now records every volume's write-back position.
     pub(crate) fn writeback_position_persisted(&mut self) {
-        self.writeback_persisted = self.writeback_position;
+        self.writeback_persisted = self.writeback.least();
     }
 
     /// A checkpoint of the index as of the head is durable.
@@ -607,7 +643,7 @@ impl Log {
     /// Degraded mode wrote everything back: nothing is dirty any more, and
     /// the log never moves again.
     pub(crate) fn drained(&mut self) {
-        self.writeback_position = self.head;
+        self.writeback.raise_all(self.head);
         self.writeback_limit = self.head;
         self.writeback_persisted = self.head;
         self.epoch_open = false;

@@ -1,7 +1,7 @@
 //! Step 5 of recovery: check the positions against each other and build
 //! the engine's state.
 
-use cairn_format::{CheckpointHeader, Superblock, PENDING_RANGES_MAX};
+use cairn_format::{key_volume, CheckpointHeader, Superblock, PENDING_RANGES_MAX};
 
 use super::log_damaged;
 use super::rebuild::Rebuilt;
@@ -9,7 +9,7 @@ use super::replay::Chain;
 use crate::env::Env;
 use crate::error::EngineResult;
 use crate::index::Index;
-use crate::log::{read_record_header, record_start, Log, LogPositions};
+use crate::log::{read_record_header, record_start, Log, LogPositions, WritebackCursors};
 
 pub(crate) fn finish(
     env: &Env,
@@ -22,8 +22,11 @@ pub(crate) fn finish(
 ) -> EngineResult<(Superblock, Log, Index)> {
     let slot_count = env.layout.log_blocks;
     let head = rebuilt.head;
-    let writeback = checkpoint.writeback_offset.max(superblock.writeback_offset);
-    check_writeback_position(env, checkpoint, chain, rebuilt, writeback)?;
+    let cursors = volume_positions(env, &superblock, checkpoint)?;
+    for (_, at) in cursors.iter() {
+        check_writeback_position(env, checkpoint, chain, rebuilt, at)?;
+    }
+    let writeback = cursors.least();
     let tail = checkpoint.tail_offset.max(head.saturating_sub(slot_count));
     if tail > writeback {
         return Err(log_damaged(
@@ -37,7 +40,7 @@ pub(crate) fn finish(
         superblock.generation,
         LogPositions {
             tail,
-            writeback_position: writeback,
+            writeback: cursors.clone(),
             writeback_limit: rebuilt.writeback_limit,
             head,
             checkpoint_head: checkpoint.head_offset,
@@ -50,7 +53,7 @@ pub(crate) fn finish(
     // already: the superblock may have persisted that position after the
     // checkpoint that still lists them. Kept, one would read as zeroes
     // over a later write that was written back and evicted since.
-    index.retire_ranges(0, writeback);
+    index.retire_ranges_before(|volume| cursors.get(volume));
     // The engine never lets more ranges wait than a checkpoint can hold
     // (writers run write-back first); more after replay is damage, and
     // would not fit the next checkpoint.
@@ -64,17 +67,45 @@ pub(crate) fn finish(
         ));
     }
     // Every live slot lies in [tail, head); it is dirty if it lies after
-    // the write-back position (and was not inserted clean).
+    // its volume's write-back position (and was not inserted clean).
     index
         .finish_replay(
             |slot| log.logical_of(slot) < head,
-            |slot| log.logical_of(slot) >= writeback,
+            |slot, key| {
+                let at = cursors.get(key_volume(key)).unwrap_or(writeback);
+                log.logical_of(slot) >= at
+            },
         )
         .map_err(|detail| log_damaged(env, detail))?;
     Ok((superblock, log, index))
 }
 
-/// The persisted write-back position must be a record boundary the log
+/// Each volume's write-back position: the superblock's, never behind the
+/// cache's (the least of them, which the superblock and the checkpoint
+/// also record). A format 1 superblock has the one volume.
+fn volume_positions(
+    env: &Env,
+    superblock: &Superblock,
+    checkpoint: &CheckpointHeader,
+) -> EngineResult<WritebackCursors> {
+    let floor = checkpoint.writeback_offset.max(superblock.writeback_offset);
+    let volumes: Vec<(u16, u64)> = match superblock.volume_table() {
+        Some((_, positions)) => positions
+            .iter()
+            .map(|p| (p.id, p.writeback_offset.max(floor)))
+            .collect(),
+        None => vec![(0, floor)],
+    };
+    if volumes.is_empty() {
+        return Err(log_damaged(
+            env,
+            "the superblock has no volume's write-back position".into(),
+        ));
+    }
+    Ok(WritebackCursors::new(&volumes))
+}
+
+/// A persisted write-back position must be a record boundary the log
 /// still replays to.
 fn check_writeback_position(
     env: &Env,

@@ -85,9 +85,10 @@ pub(crate) fn add(
     volumes.push(entry.clone());
     let next = VolumeTable::new(table.sequence, table.uuid, volumes)
         .map_err(|e| invalid(e.to_string()))?;
-    // The volume has nothing in the log yet: its write-back position is
-    // the cache's.
-    let floor = st.superblock.writeback_offset;
+    // The volume has nothing in the log yet: its write-back starts at the
+    // last durable epoch end, past every record of a removed volume that
+    // had its id.
+    let at = st.log.add_volume(id);
     let SuperblockVolumes::V2 { positions, .. } = &mut st.superblock.volumes else {
         // Only a degraded format 1 cache keeps a v1 superblock, and the
         // normal path refused it above.
@@ -95,15 +96,17 @@ pub(crate) fn add(
     };
     positions.push(VolumePosition {
         id,
-        writeback_offset: floor,
+        writeback_offset: at,
         recalc_position_blocks: 0,
     });
     if let Err(e) = st.write_volume_table(env, next) {
         if let SuperblockVolumes::V2 { positions, .. } = &mut st.superblock.volumes {
             positions.retain(|p| p.id != id);
         }
+        st.log.remove_volume(id);
         return Err(e);
     }
+    p.writeback.forget_volume(id);
     p.policy.set_mode_of(id, new.mode);
     env.origins.insert(VolumeOrigin::new(
         id,
@@ -217,6 +220,8 @@ pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
         }
         return Err(e);
     }
+    st.log.remove_volume(entry.id);
+    p.writeback.forget_volume(entry.id);
     env.origins.remove(entry.id);
     p.policy.set_mode_of(entry.id, CacheMode::WriteBack);
     tracing::info!(volume = entry.name, id = entry.id, "volume removed");

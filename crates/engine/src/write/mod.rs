@@ -8,7 +8,7 @@ mod partial;
 
 use std::sync::MutexGuard;
 
-use cairn_format::{RangeKind, PENDING_RANGES_MAX};
+use cairn_format::{key_volume, RangeKind, PENDING_RANGES_MAX};
 
 use crate::checkpoint;
 use crate::error::{EngineError, EngineResult};
@@ -17,6 +17,8 @@ use crate::policy::CacheMode;
 use crate::space::{self, Space};
 use crate::state::State;
 use crate::stats::Counters;
+use crate::volume_set::VolumeSet;
+use crate::writeback::Want;
 use partial::write_partial;
 
 /// A checkpoint is taken once this fraction of the log (1/N) was written
@@ -173,7 +175,8 @@ fn reserve<'a>(
                     st.flush(env)?;
                 }
                 drop(st);
-                p.writeback.run_group(env, p.state)?;
+                // The tail waits for the least write-back position.
+                p.writeback.run_group(env, p.state, Want::Laggards)?;
                 st = p.state.normal(env)?;
             }
         }
@@ -196,17 +199,26 @@ pub(crate) fn write_through(
     let env = p.env;
     Counters::add(&env.counters.writethrough_waits, 1);
     p.state.normal(env)?.flush(env)?;
-    // The write is sealed before the last durable epoch end now.
+    // The write is sealed before the last durable epoch end now; it is on
+    // the origin once its own volume's write-back passed that (another
+    // volume's failing origin does not hold it back).
+    let volume = key_volume(first);
     let target = p.state.normal(env)?.log.writeback_limit();
+    let position = |st: &State| {
+        st.log
+            .volume_writeback_position(volume)
+            .ok_or(EngineError::NoSuchVolume { volume_id: volume })
+    };
     for _ in 0..=env.layout.log_blocks {
-        if p.state.normal(env)?.log.writeback_position() >= target {
+        if position(&*p.state.normal(env)?)? >= target {
             break;
         }
-        p.writeback.run_group(env, p.state)?;
+        p.writeback
+            .run_group(env, p.state, Want::Volumes(VolumeSet::single(volume)))?;
     }
     let mut st = p.state.normal(env)?;
     assert!(
-        st.log.writeback_position() >= target,
+        position(&st)? >= target,
         "write-through did not reach the origin"
     );
     if !mode.keeps_written_copy() && end - first <= 65536 {
