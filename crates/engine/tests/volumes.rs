@@ -660,33 +660,78 @@ fn fail_writes(dev: &SimDevice) {
     });
 }
 
+/// Each volume's dirty and clean blocks and its write-back position.
+fn volume_state(engine: &Engine, id: u16) -> cairn_engine::VolumeStatus {
+    engine
+        .volumes_status()
+        .into_iter()
+        .find(|v| v.entry.id == id)
+        .expect("volume listed")
+}
+
+/// Run background write-back steps until none makes progress (bounded).
+fn background_until_idle(engine: &Engine) {
+    for _ in 0..10_000 {
+        match engine.writeback_step() {
+            Ok(p) if p.groups == 0 => return,
+            Ok(_) | Err(EngineError::Origin(_)) => {}
+            Err(e) => panic!("write-back step: {e}"),
+        }
+    }
+    panic!("write-back never went idle");
+}
+
 #[test]
-fn a_failing_origin_loses_nothing_of_any_volume_and_drains_once_back() {
-    let vols = Volumes::new(cache_bytes_small());
-    let e = vols.engine();
+fn a_failing_origin_holds_back_only_its_own_volume() {
+    let mut vols = Volumes::new(cache_bytes_small());
     let mut models = models();
     fail_writes(&vols.origins[1]);
-    // Volumes 0 and 1 are in write-back mode: their writes are absorbed.
-    // (Volume 2 is write-through: while another volume's origin fails, its
-    // writes fail too, because write-back is one position through the log
-    // for every volume; per-volume write-back is not built yet.)
-    for (v, model) in models.iter_mut().enumerate().take(2) {
-        fill(e, v as u16, model, 24, 120 + v as u64);
+    // Every volume takes writes; volume 2 is write-through, so its writes
+    // are answered once on its own origin: another volume's failing origin
+    // does not hold them back.
+    for (v, model) in models.iter_mut().enumerate() {
+        fill(vols.engine(), v as u16, model, 24, 120 + v as u64);
     }
+    let e = vols.engine();
     e.flush().expect("flush: the cache takes the writes");
-    // Write-back cannot finish (today it holds back every volume while one
-    // origin fails); nothing is lost meanwhile, and reads are served.
+    background_until_idle(e);
+    // The healthy origins drained; the failing one kept its dirty data.
+    for v in [0usize, 2] {
+        assert!(
+            vols.origins[v].live_image() == models[v].image,
+            "origin {v} is its volume while origin 1 fails"
+        );
+        let st = volume_state(e, v as u16);
+        assert_eq!(st.dirty_blocks, 0, "volume {v} wrote back");
+        assert!(st.origin_error.is_none(), "volume {v}'s origin is fine");
+    }
+    let lagging = volume_state(e, 1);
+    assert_eq!(lagging.dirty_blocks, 24, "volume 1 kept its dirty data");
+    assert!(lagging.origin_error.is_some(), "status names the failing origin");
+    assert!(lagging.writeback_offset < volume_state(e, 0).writeback_offset);
+    assert!(e.origin_error().is_some());
+    // A drain of everything reports the failing origin; removing another
+    // volume drains only that volume. Reads are served meanwhile.
     assert!(matches!(e.drain(), Err(EngineError::Origin(_))));
-    assert!(
-        e.origin_error().is_some(),
-        "status names the failing origin"
-    );
     for (v, model) in models.iter().enumerate() {
         let got = read_all(e, v as u16).expect("read while an origin fails");
         assert!(got == model.image, "volume {v} while origin 1 fails");
     }
+    e.checkpoint().expect("checkpoint: the positions are persisted");
+    // A crash now (the engine dropped without closing): each volume's
+    // position comes back from the superblock, so volume 0 is not dirty
+    // again and volume 1 still is.
+    let crashed = vols.engine.take().expect("open");
+    drop(crashed);
+    vols.engine = Some(open_all(&vols.cache, &vols.origins).expect("reopen after a crash"));
+    let e = vols.engine();
+    assert_eq!(volume_state(e, 0).dirty_blocks, 0, "volume 0 stays written back");
+    assert_eq!(volume_state(e, 1).dirty_blocks, 24, "volume 1 is still dirty");
+    e.remove_volume("vol2")
+        .expect("removing volume 2 while origin 1 fails");
     vols.origins[1].clear_faults();
     e.drain().expect("drain once the origin is back");
+    assert!(e.origin_error().is_none());
     for (v, model) in models.iter().enumerate() {
         assert!(
             vols.origins[v].live_image() == model.image,

@@ -59,7 +59,7 @@ pub(crate) fn read(
     limit: u64,
     slot_count: u64,
 ) -> EngineResult<(Vec<GroupRecord>, u64)> {
-    let (records, position) = read_headers(env, start, limit, slot_count)?;
+    let (records, position) = read_headers(env, start, limit, slot_count, VolumeSet::all())?;
     let wanted: Vec<(usize, usize, usize)> = records
         .iter()
         .enumerate()
@@ -82,7 +82,7 @@ pub(crate) fn read_for_writeback(
     slot_count: u64,
     served: VolumeSet,
 ) -> EngineResult<(Vec<GroupRecord>, u64)> {
-    let (records, position) = read_headers(env, start, limit, slot_count)?;
+    let (records, position) = read_headers(env, start, limit, slot_count, served)?;
     let fin = final_choice(env, &records, served);
     let wanted = block_runs(fin.blocks.values().map(|&(ri, k, _)| (ri, k)).collect());
     let read_blocks: usize = wanted.iter().map(|(_, first, end)| end - first).sum();
@@ -111,18 +111,20 @@ fn block_runs(mut chosen: Vec<(usize, usize)>) -> Vec<(usize, usize, usize)> {
 }
 
 /// The headers of the records from `start` (see [`read`]), each with a data
-/// buffer of its size, not read yet.
+/// buffer of its size, not read yet; the entries of the `checked` volumes
+/// are checked (see `check_shape`).
 fn read_headers(
     env: &Env,
     start: u64,
     limit: u64,
     slot_count: u64,
+    checked: VolumeSet,
 ) -> EngineResult<(Vec<GroupRecord>, u64)> {
     let block_bytes = env.block_size_bytes;
     let mut records = Vec::new();
     let mut position = start;
     for _ in 0..slot_count {
-        let (at, header) = read_record_header(env, position, slot_count)?.ok_or_else(|| {
+        let (at, header) = read_record_header(env, position, slot_count, checked)?.ok_or_else(|| {
             EngineError::LogDamaged {
                 device: env.cache.name().to_string(),
                 detail: format!("no valid record at write-back position {position}"),

@@ -7,16 +7,18 @@ use super::record_start;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::retry::read_slot_retrying;
+use crate::volume_set::VolumeSet;
 
 /// Read and decode the record header expected at `position` (after a lap
 /// skip, if one applies). `None` if the block there is not a valid header
 /// of this format for that logical offset. A header that is valid but
-/// describes a record the engine never writes (see [`check_shape`]) is
-/// damage: an error.
+/// describes a record the engine never writes (see [`check_shape`], with
+/// the entries of the `checked` volumes) is damage: an error.
 pub(crate) fn read_record_header(
     env: &Env,
     position: u64,
     slot_count: u64,
+    checked: VolumeSet,
 ) -> EngineResult<Option<(u64, RecordHeader)>> {
     let at = record_start(position, slot_count);
     let mut buf = vec![0u8; env.block_size_bytes];
@@ -25,7 +27,7 @@ pub(crate) fn read_record_header(
     read_slot_retrying(env, (at % slot_count) as u32, &mut buf).map_err(EngineError::Cache)?;
     match RecordHeader::decode(&buf, env.block_size_bytes as u32) {
         Ok((header, _)) if header.log_offset == at && header.format_tag == env.format_tag => {
-            check_shape(env, at, &header, slot_count)?;
+            check_shape(env, at, &header, slot_count, checked)?;
             Ok(Some((at, header)))
         }
         _ => Ok(None),
@@ -37,12 +39,17 @@ pub(crate) fn read_record_header(
 /// written from them, check that the record is one the engine could have
 /// written. Its data blocks fit one record buffer, it does not run past
 /// the end of the lap (records never wrap), and every block it addresses
-/// lies in the volume.
+/// of a `checked` volume lies in that volume (a volume id outside the
+/// cache's volumes is checked when `checked` has it). The entries of other
+/// volumes are never used by the caller: an old record behind a lagging
+/// volume's write-back position may name a volume removed since, or a
+/// smaller one that took its id.
 pub(crate) fn check_shape(
     env: &Env,
     at: u64,
     header: &RecordHeader,
     slot_count: u64,
+    checked: VolumeSet,
 ) -> EngineResult<()> {
     let damaged = |detail: String| EngineError::LogDamaged {
         device: env.cache.name().to_string(),
@@ -68,6 +75,9 @@ pub(crate) fn check_shape(
                 lba, block_count, ..
             } => (lba, block_count as u64),
         };
+        if !checked.contains(cairn_format::key_volume(lba)) {
+            continue;
+        }
         // Decoding bounds keys by KEY_MAX and count by u32: no overflow.
         if !env.keys_valid(lba, count) {
             let id = cairn_format::key_volume(lba);

@@ -6,6 +6,7 @@ use super::log_damaged;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::log::{check_shape, record_start};
+use crate::volume_set::VolumeSet;
 
 /// Blocks read per I/O by the scan past the chain's end.
 const SCAN_CHUNK_BLOCKS: u64 = 256;
@@ -63,7 +64,10 @@ pub(crate) fn replay_chain(
         }
         // It chains: a record the engine could not have written is damage,
         // not a torn write (its header checksum matched).
-        check_shape(env, at, &header, slot_count)?;
+        // Replayed records come after the newest checkpoint: a removed
+        // volume's never do (its removal wrote one), so every entry is
+        // checked.
+        check_shape(env, at, &header, slot_count, VolumeSet::all())?;
         position = at + header.length_blocks();
         next_sequence += 1;
         prev_crc = header_crc;
