@@ -468,6 +468,8 @@ fn crash_harness(failing: Option<std::ops::Range<usize>>) -> (u64, u64) {
     let mut states = 0u64;
     let mut cuts = 0u64;
     let mut lagged = false;
+    // Crash states that recovered with volume 1 behind volume 0.
+    let mut diverged = 0u64;
     for seed in seeds(3) {
         let mut vols = Volumes::new(cache_bytes_small());
         let journal = Journal::default();
@@ -551,6 +553,10 @@ fn crash_harness(failing: Option<std::ops::Range<usize>>) -> (u64, u64) {
                     let engine =
                         open_all(&crashed, &origins).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                     allowed.check(&ctx, &engine);
+                    let status = engine.volumes_status();
+                    if status[1].writeback_offset < status[0].writeback_offset {
+                        diverged += 1;
+                    }
                     if failing.is_some() {
                         engine
                             .drain()
@@ -579,9 +585,10 @@ fn crash_harness(failing: Option<std::ops::Range<usize>>) -> (u64, u64) {
         }
     }
     assert!(
-        failing.is_none() || lagged,
-        "volume 1's write-back position fell behind the others'"
+        failing.is_none() || (lagged && diverged > 0),
+        "volume 1's write-back position fell behind the others' ({diverged} crash states recovered so)"
     );
+    report!("{diverged} crash states recovered with volume 1 behind volume 0");
     (cuts, states)
 }
 
@@ -769,7 +776,10 @@ fn a_failing_origin_holds_back_only_its_own_volume() {
     }
     let lagging = volume_state(e, 1);
     assert_eq!(lagging.dirty_blocks, 24, "volume 1 kept its dirty data");
-    assert!(lagging.origin_error.is_some(), "status names the failing origin");
+    assert!(
+        lagging.origin_error.is_some(),
+        "status names the failing origin"
+    );
     assert!(lagging.writeback_offset < volume_state(e, 0).writeback_offset);
     assert!(e.origin_error().is_some());
     // A drain of everything reports the failing origin; removing another
@@ -779,7 +789,8 @@ fn a_failing_origin_holds_back_only_its_own_volume() {
         let got = read_all(e, v as u16).expect("read while an origin fails");
         assert!(got == model.image, "volume {v} while origin 1 fails");
     }
-    e.checkpoint().expect("checkpoint: the positions are persisted");
+    e.checkpoint()
+        .expect("checkpoint: the positions are persisted");
     // A crash now (the engine dropped without closing): each volume's
     // position comes back from the superblock, so volume 0 is not dirty
     // again and volume 1 still is.
@@ -787,8 +798,16 @@ fn a_failing_origin_holds_back_only_its_own_volume() {
     drop(crashed);
     vols.engine = Some(open_all(&vols.cache, &vols.origins).expect("reopen after a crash"));
     let e = vols.engine();
-    assert_eq!(volume_state(e, 0).dirty_blocks, 0, "volume 0 stays written back");
-    assert_eq!(volume_state(e, 1).dirty_blocks, 24, "volume 1 is still dirty");
+    assert_eq!(
+        volume_state(e, 0).dirty_blocks,
+        0,
+        "volume 0 stays written back"
+    );
+    assert_eq!(
+        volume_state(e, 1).dirty_blocks,
+        24,
+        "volume 1 is still dirty"
+    );
     e.remove_volume("vol2")
         .expect("removing volume 2 while origin 1 fails");
     vols.origins[1].clear_faults();

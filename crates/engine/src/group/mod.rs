@@ -124,12 +124,13 @@ fn read_headers(
     let mut records = Vec::new();
     let mut position = start;
     for _ in 0..slot_count {
-        let (at, header) = read_record_header(env, position, slot_count, checked)?.ok_or_else(|| {
-            EngineError::LogDamaged {
-                device: env.cache.name().to_string(),
-                detail: format!("no valid record at write-back position {position}"),
-            }
-        })?;
+        let (at, header) =
+            read_record_header(env, position, slot_count, checked)?.ok_or_else(|| {
+                EngineError::LogDamaged {
+                    device: env.cache.name().to_string(),
+                    detail: format!("no valid record at write-back position {position}"),
+                }
+            })?;
         // `read_record_header` checked the shape: the data fits a record
         // buffer and the record does not wrap.
         let end = at + header.length_blocks();
