@@ -30,9 +30,10 @@ counts() {
   "$bin" status --cache "$work/cache.img" --json 2>/dev/null |
     python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["read_hits"], d["read_misses"])'
 }
-ratio() { # hits0 misses0 hits1 misses1
-  python3 -c "h=$3-$1; m=$4-$2; print('%.3f (%d hits, %d misses)' % (h/max(1,h+m), h, m))"
+ratio() { # seconds hits0 misses0 hits1 misses1
+  python3 -c "h=$4-$2; m=$5-$3; print('%.3f (%d hits, %d misses; %.0f reads/s)' % (h/max(1,h+m), h, m, (h+m)/$1))"
 }
+now() { date +%s.%N; }
 read_hot() { # seconds
   fio --name=hot --ioengine=nbd --uri="$a" --rw=randread --bs=4k --iodepth=4 \
     --size="${hot_mib}M" --time_based --runtime="$1" --randrepeat=0 >/dev/null
@@ -43,17 +44,27 @@ read_hot 5
 set -- $(counts)
 read_hot 10
 set -- "$@" $(counts)
-alone=$(ratio "$@")
+alone=$(ratio 10 "$@")
 # B streams more than the cache holds while A keeps reading its hot set.
 set -- $(counts)
+start=$(now)
 fio --name=stream --ioengine=nbd --uri="$b" --rw=write --bs=1M --iodepth=4 \
-  --size="${stream_mib}M" >/dev/null &
+  --size="${stream_mib}M" --output-format=json --output="$work/stream.json" &
 stream=$!
 while kill -0 "$stream" 2>/dev/null; do read_hot 3; done
 wait "$stream"
+streamed=$(now)
 set -- "$@" $(counts)
-during=$(ratio "$@")
+seconds=$(python3 -c "print($streamed - $start)")
+during=$(ratio "$seconds" "$@")
+stream_mb_s=$(python3 -c "import json; print('%.0f' % (json.load(open('$work/stream.json'))['jobs'][0]['write']['bw_bytes'] / 1e6))")
 echo "fairness: cache ${cache_mib} MiB, hot set ${hot_mib} MiB on volume A, ${stream_mib} MiB streamed to volume B"
 echo "  A's hit ratio alone:            $alone"
 echo "  A's hit ratio during B's stream: $during"
+echo "  B's stream: ${stream_mb_s} MB/s (fio's figure) while A was read"
+"$bin" status --cache "$work/cache.img" --json 2>/dev/null | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+print("  cache: %d evictions, %d second chances, %d share moves" % (
+    d["evictions"], d["second_chances"], d.get("share_moves", -1)))'
 "$bin" volume list --cache "$work/cache.img" 2>/dev/null | sed 's/^/  /'

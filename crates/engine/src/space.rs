@@ -1,13 +1,16 @@
 //! Room in the log: eviction of clean blocks at the tail (with a second
-//! chance for recently hit ones), persisting write-back progress and
-//! checkpointing when those are what holds the tail back.
+//! chance for recently hit ones, and for the blocks of a volume under its
+//! share of the cache while another is over its own), persisting
+//! write-back progress and checkpointing when those are what holds the
+//! tail back.
 
 use crate::checkpoint;
 use crate::env::Env;
 use crate::error::EngineResult;
-use crate::log::{EPOCH_END_RESERVE_BLOCKS, SECOND_CHANCE_MAX_BLOCKS};
+use crate::log::{EPOCH_END_RESERVE_BLOCKS, SECOND_CHANCE_MAX_BLOCKS, SHARE_RESCUE_MAX_BLOCKS};
 use crate::state::State;
 use crate::stats::Counters;
+use crate::volume_set::VolumeSet;
 
 /// Rounds of "evict, persist write-back, checkpoint" before giving up and
 /// asking for write-back.
@@ -40,8 +43,7 @@ pub(crate) fn ensure_space(env: &Env, st: &mut State, blocks: u64) -> EngineResu
         // 1. Evict clean slots up to the persisted write-back position,
         //    a little further than needed so second-chance blocks have
         //    room at the head.
-        let target = from + needed + SECOND_CHANCE_MAX_BLOCKS as u64 + 2 - slot_count;
-        rescued.extend(st.log.evict_until(env, &mut st.index, target));
+        rescued.extend(evict(env, st, needed)?);
         if from + needed <= st.log.limit() {
             ready = true;
             break;
@@ -81,15 +83,75 @@ pub(crate) fn ensure_space(env: &Env, st: &mut State, blocks: u64) -> EngineResu
     }
 }
 
-/// Re-insert second-chance blocks at the head as clean copies, if that
-/// still leaves `needed` blocks free; otherwise they stay evicted.
+/// Evict towards room for `needed` blocks (a little more, so rescued
+/// blocks fit at the head). Returns the rescued blocks not yet moved: the
+/// last batch, at most `SECOND_CHANCE_MAX_BLOCKS + SHARE_RESCUE_MAX_BLOCKS`.
+/// While the tail stops in front of a protected volume's block (a batch
+/// full of them), the batch moves to the head at once and eviction goes
+/// on, so a long run of one volume's working set moves forward whole
+/// instead of losing its end to the cap.
+fn evict(env: &Env, st: &mut State, needed: u64) -> EngineResult<Vec<(u64, Vec<u8>, bool)>> {
+    let slot_count = st.log.slot_count();
+    let protected = protected_volumes(st);
+    let keep_free = env.record_data_blocks_max + 1 + EPOCH_END_RESERVE_BLOCKS;
+    // Each full batch moves the tail at least SHARE_RESCUE_MAX_BLOCKS
+    // slots, and moved blocks land beyond the persisted write-back
+    // position the tail stops at: a lap bounds the batches.
+    let batches_max = slot_count / SHARE_RESCUE_MAX_BLOCKS as u64 + 2;
+    for _ in 0..batches_max {
+        let from = st.log.append_position();
+        let target =
+            (from + needed + SECOND_CHANCE_MAX_BLOCKS as u64 + 2).saturating_sub(slot_count);
+        let (batch, stopped_at_cap) = st.log.evict_until(env, &mut st.index, target, protected);
+        assert!(batch.len() <= SECOND_CHANCE_MAX_BLOCKS + SHARE_RESCUE_MAX_BLOCKS);
+        if !stopped_at_cap {
+            return Ok(batch);
+        }
+        reinsert(env, st, batch, keep_free)?;
+    }
+    Ok(Vec::new())
+}
+
+/// The volumes whose clean blocks the tail moves forward instead of
+/// evicting: those holding less than their share of the cache (an equal
+/// split among the volumes) while another volume holds more than its own.
+/// So one volume's burst, longer than the cache, evicts its own older
+/// blocks and not another volume's working set; and with one volume, or
+/// with every volume within its share, eviction is plain second chance.
+fn protected_volumes(st: &State) -> VolumeSet {
+    let volumes = st.volumes.volumes();
+    if volumes.len() < 2 {
+        return VolumeSet::EMPTY;
+    }
+    let share_blocks = st.log.slot_count() / volumes.len() as u64;
+    let mut under = VolumeSet::EMPTY;
+    let mut someone_over = false;
+    for v in volumes {
+        let blocks = st.index.volume_blocks(v.id);
+        let held = blocks.dirty + blocks.clean;
+        if held < share_blocks {
+            under.insert(v.id);
+        } else if held > share_blocks {
+            someone_over = true;
+        }
+    }
+    if someone_over {
+        under
+    } else {
+        VolumeSet::EMPTY
+    }
+}
+
+/// Re-insert rescued blocks (second chance, share) at the head as clean
+/// copies, if that still leaves `needed` blocks free; otherwise they stay
+/// evicted.
 fn reinsert(
     env: &Env,
     st: &mut State,
-    rescued: Vec<(u64, Vec<u8>)>,
+    rescued: Vec<(u64, Vec<u8>, bool)>,
     needed: u64,
 ) -> EngineResult<()> {
-    for (lba, block) in rescued {
+    for (lba, block, for_share) in rescued {
         let from = st.log.append_position();
         // One block, a possible new header and lap skip, plus the room the
         // caller asked for.
@@ -101,7 +163,11 @@ fn reinsert(
             continue;
         }
         st.log.append_data(env, &mut st.index, lba, &block, true)?;
-        Counters::add(&env.counters.second_chances, 1);
+        if for_share {
+            Counters::add(&env.counters.share_moves, 1);
+        } else {
+            Counters::add(&env.counters.second_chances, 1);
+        }
     }
     Ok(())
 }

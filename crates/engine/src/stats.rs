@@ -100,6 +100,7 @@ counters!(
     writethrough_waits,
     evictions,
     second_chances,
+    share_moves,
     cache_read_errors,
     cache_read_retries,
     cache_write_errors,

@@ -885,3 +885,76 @@ fn a_cache_that_goes_degraded_drains_every_volume_to_its_own_origin() {
         assert!(got == model.image, "volume {v} read degraded");
     }
 }
+
+/// Volume 1 streams writes several times the cache's size while volume 0's
+/// written-back working set sits untouched: volume 0 holds less than its
+/// share of the cache, so the tail moves its blocks forward instead of
+/// evicting them, and afterwards every one of them is still a hit.
+#[test]
+fn one_volume_streaming_does_not_evict_another_volumes_working_set() {
+    let mut vols = Volumes::new(cache_bytes_small() + 512 * BS);
+    let mut models = models();
+    let cache_blocks = vols.engine().stats().cache_blocks;
+    // Half of volume 0's share (an equal split of three volumes).
+    let hot_blocks = (cache_blocks / 3 / 2).min(SIZES[0]);
+    assert!(hot_blocks >= 64, "a working set worth measuring");
+    let chunk_blocks = 32u64;
+    let streamed_blocks = (3 * cache_blocks).div_ceil(chunk_blocks) * chunk_blocks;
+    assert!(
+        streamed_blocks > 2 * SIZES[1],
+        "the stream laps volume 1 too"
+    );
+    fill(vols.engine(), 0, &mut models[0], hot_blocks, 160);
+    let e = vols.engine();
+    e.flush().expect("flush");
+    e.drain().expect("drain: volume 0's set is clean");
+    assert_eq!(volume_state(e, 0).clean_blocks, hot_blocks);
+    let before = e.stats();
+    // The stream: 32-block writes over volume 1, lap after lap, flushed
+    // and written back as it goes.
+    for i in 0..streamed_blocks / chunk_blocks {
+        let offset = (i * chunk_blocks) % SIZES[1] * BS;
+        let data = pattern(170 + i, (chunk_blocks * BS) as usize);
+        e.write_in(1, offset, &data, false).expect("stream write");
+        models[1].write(offset, &data);
+        if i % 4 == 3 {
+            e.flush().expect("flush");
+            background_until_idle(e);
+        }
+    }
+    let during = e.stats();
+    assert!(
+        during.evictions > before.evictions,
+        "the stream evicted (its own older blocks)"
+    );
+    assert_eq!(
+        volume_state(e, 0).clean_blocks,
+        hot_blocks,
+        "volume 0 kept its working set"
+    );
+    // Every block of the working set is a hit: the origin is not read.
+    vols.origins[0].reset_counters();
+    let mut got = vec![0u8; (hot_blocks * BS) as usize];
+    e.read_in(0, 0, &mut got).expect("read the working set");
+    assert!(got == models[0].image[..got.len()], "volume 0's data");
+    assert_eq!(
+        vols.origins[0].counters().reads,
+        0,
+        "no miss went to origin 0"
+    );
+    let after = e.stats();
+    assert_eq!(after.read_misses, during.read_misses, "no misses");
+    assert!(after.read_hits > during.read_hits);
+    // The counter says how: its blocks moved forward at least once each.
+    assert!(
+        during.share_moves - before.share_moves >= hot_blocks,
+        "share moves: {}",
+        during.share_moves - before.share_moves
+    );
+    // Volume 1 wrote back in full and reads back as streamed.
+    e.drain().expect("drain");
+    assert!(vols.origins[1].live_image() == models[1].image);
+    assert!(read_all(e, 1).expect("read volume 1") == models[1].image);
+    vols.reopen_clean();
+    assert_eq!(volume_state(vols.engine(), 0).clean_blocks, hot_blocks);
+}

@@ -20,6 +20,7 @@
 mod barrier_plan;
 mod open_record;
 mod record_reader;
+mod rescue_pick;
 mod unsynced;
 mod writeback_cursors;
 
@@ -30,7 +31,7 @@ pub(crate) use writeback_cursors::WritebackCursors;
 
 use std::sync::Arc;
 
-use cairn_format::{block_checksum, RangeKind, RecordHeader, RECORD_FLAG_EPOCH_END};
+use cairn_format::{block_checksum, key_volume, RangeKind, RecordHeader, RECORD_FLAG_EPOCH_END};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -39,11 +40,17 @@ use crate::retry::retrying_cache_write;
 use crate::sealed::{SealedQueue, SealedRecord};
 use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
+use rescue_pick::RescuePick;
 use unsynced::Unsynced;
 
 /// At most this many recently hit clean blocks move forward per eviction
 /// round (each costs a cache read and a write).
 pub(crate) const SECOND_CHANCE_MAX_BLOCKS: usize = 64;
+
+/// At most this many clean blocks of protected volumes (under their share
+/// of the cache while another volume is over its own: see `space.rs`) move
+/// forward per eviction round, on top of the recently hit ones.
+pub(crate) const SHARE_RESCUE_MAX_BLOCKS: usize = 1024;
 
 /// Blocks always kept free for an empty epoch-end record (plus a lap skip).
 pub(crate) const EPOCH_END_RESERVE_BLOCKS: u64 = 3;
@@ -427,7 +434,8 @@ impl Log {
         if start + 1 > self.limit() {
             // Only right after recovery: the tail restarts at the
             // checkpoint's, behind clean data it may now evict.
-            let _ = self.evict_until(env, index, start + 1 - self.slot_count);
+            let target = start + 1 - self.slot_count;
+            let _ = self.evict_until(env, index, target, VolumeSet::EMPTY);
         }
         assert!(start < self.limit(), "no room for an epoch-end record");
         self.head = start;
@@ -540,32 +548,59 @@ impl Log {
 
     // ------------------------------------------------------------ eviction
 
-    /// Advance the tail towards `target`, evicting clean blocks, but never
-    /// past the persisted write-back position (dirty data stays). Clean
-    /// blocks hit since they were inserted (second chance) are read and
-    /// returned, up to a bound, so the caller can move them to the head.
+    /// Move the tail towards `target` (never past the persisted write-back
+    /// position), retiring the clean blocks it passes. Clean blocks hit
+    /// since they were inserted (second chance), and those of the
+    /// `protected` volumes, are read and returned (with `true` for the
+    /// latter) so the caller can move them to the head; the tail goes
+    /// further for each protected block, so they have room there.
+    /// Hit blocks beyond `SECOND_CHANCE_MAX_BLOCKS` are evicted; at the
+    /// `SHARE_RESCUE_MAX_BLOCKS`th protected one the tail stops in front
+    /// of the next, short of `target`, and says so (`true`).
     pub(crate) fn evict_until(
         &mut self,
         env: &Env,
         index: &mut Index,
         target: u64,
-    ) -> Vec<(u64, Vec<u8>)> {
-        let mut rescued = Vec::new();
-        while self.tail < target && self.tail < self.writeback_persisted {
+        protected: VolumeSet,
+    ) -> (Vec<(u64, Vec<u8>, bool)>, bool) {
+        let mut picks = Vec::new();
+        let mut stopped_at_cap = false;
+        let (mut hit_rescues, mut share_rescues) = (0usize, 0usize);
+        // Room at the head for the protected blocks: theirs, their record
+        // headers and a lap skip (second-chance blocks use the caller's
+        // margin).
+        let share_room = |n: usize| match n as u64 {
+            0 => 0,
+            n => n + n.div_ceil(env.record_data_blocks_max) + 3,
+        };
+        while self.tail < target + share_room(share_rescues) && self.tail < self.writeback_persisted
+        {
             let slot = self.phys(self.tail);
             if index.is_live(slot) {
                 assert!(!index.is_dirty(slot), "tail passed dirty data");
                 let lba = index.lba(slot);
-                if index.is_referenced(slot)
-                    && !index.is_corrupt(slot)
-                    && rescued.len() < SECOND_CHANCE_MAX_BLOCKS
-                    && env.origins.takes_new_data(lba)
-                {
-                    let mut block = vec![0u8; env.block_size_bytes];
-                    // Check data after reading it: only a verified copy moves.
-                    let read = env.read_slot(slot, &mut block);
-                    if read.is_ok() && block_checksum(lba, &block) == index.crc(slot) {
-                        rescued.push((lba, block));
+                let movable = !index.is_corrupt(slot) && env.origins.takes_new_data(lba);
+                let hit =
+                    movable && index.is_referenced(slot) && hit_rescues < SECOND_CHANCE_MAX_BLOCKS;
+                let shared = !hit && movable && protected.contains(key_volume(lba));
+                if shared && share_rescues == SHARE_RESCUE_MAX_BLOCKS {
+                    // Stop in front of it rather than evict it: the caller
+                    // moves this batch to the head and comes back.
+                    stopped_at_cap = true;
+                    break;
+                }
+                if hit || shared {
+                    picks.push(RescuePick {
+                        slot,
+                        lba,
+                        crc: index.crc(slot),
+                        for_share: !hit,
+                    });
+                    if hit {
+                        hit_rescues += 1;
+                    } else {
+                        share_rescues += 1;
                     }
                 }
                 if index.is_corrupt(slot) {
@@ -579,7 +614,8 @@ impl Log {
             index.clear(slot);
             self.tail += 1;
         }
-        rescued
+        assert!(picks.len() <= SECOND_CHANCE_MAX_BLOCKS + SHARE_RESCUE_MAX_BLOCKS);
+        (RescuePick::read_all(env, &picks), stopped_at_cap)
     }
 
     // ----------------------------------------------------------- progress
