@@ -34,6 +34,8 @@ pub fn volumes_json(
             let cached_bytes = (v.dirty_blocks + v.clean_blocks) * block_size_bytes as u64;
             m.insert("cached_bytes".into(), json!(cached_bytes));
             m.insert("writeback_offset".into(), json!(v.writeback_offset));
+            m.insert("dirty_share_pct".into(), json!(v.dirty_share_pct));
+            m.insert("dirty_limit_blocks".into(), json!(v.dirty_limit_blocks));
             let origin = if v.origin_error.is_some() {
                 "failing"
             } else {

@@ -205,6 +205,10 @@ impl Engine {
                         .volume_writeback_position(entry.id)
                         .unwrap_or_else(|| st.log.writeback_position()),
                     origin_error: self.writeback.volume_origin_error(entry.id),
+                    dirty_share_pct: entry.dirty_share_pct.unwrap_or_else(|| {
+                        crate::write::default_dirty_share_pct(st.volumes.volumes().len())
+                    }),
+                    dirty_limit_blocks: crate::write::dirty_limit_blocks(&st, entry.id),
                 }
             })
             .collect()

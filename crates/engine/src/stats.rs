@@ -115,6 +115,7 @@ counters!(
     writeback_reads_skipped,
     lost_blocks_unrecorded,
     writeback_stalls,
+    dirty_share_waits,
     cache_barriers,
     flush_barriers,
     group_commit_joins,

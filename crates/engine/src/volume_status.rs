@@ -14,4 +14,10 @@ pub struct VolumeStatus {
     /// The last error of this volume's origin while write-back to it keeps
     /// failing (the other volumes' write-back goes on meanwhile).
     pub origin_error: Option<String>,
+    /// The share of the log this volume's dirty data may hold while other
+    /// volumes use the cache: its own setting or the default, in percent.
+    pub dirty_share_pct: u8,
+    /// The most dirty blocks it may hold now (`None`: no limit, as no
+    /// other volume holds anything in the cache).
+    pub dirty_limit_blocks: Option<u64>,
 }

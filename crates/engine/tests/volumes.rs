@@ -43,6 +43,7 @@ fn new_volume(name: &str, mode: CacheMode) -> NewVolume {
         name: name.into(),
         mode,
         integrity: false,
+        dirty_share_pct: None,
     }
 }
 
@@ -345,6 +346,7 @@ fn a_user_cannot_add_a_volume_twice_or_reach_one_that_is_not_there() {
         Arc::new(SimDevice::new("tagged", 16 * BS)),
         &NewVolume {
             integrity: true,
+            dirty_share_pct: None,
             ..new_volume("tagged", CacheMode::WriteBack)
         },
     );
@@ -957,4 +959,77 @@ fn one_volume_streaming_does_not_evict_another_volumes_working_set() {
     assert!(read_all(e, 1).expect("read volume 1") == models[1].image);
     vols.reopen_clean();
     assert_eq!(volume_state(vols.engine(), 0).clean_blocks, hot_blocks);
+}
+
+/// Volume 1's dirty data stops at its share of the log while its origin
+/// fails: its own writes then fail with the origin's error, the other
+/// volumes keep writing into the rest of the log; once the origin is back
+/// its writers wait for its own write-back and stay within the share.
+#[test]
+fn a_volume_stops_at_its_dirty_share_and_only_its_writers_wait() {
+    let vols = Volumes::new(cache_bytes_small());
+    let mut models = models();
+    let e = vols.engine();
+    assert_eq!(
+        volume_state(e, 1).dirty_limit_blocks,
+        None,
+        "no limit while the other volumes hold nothing"
+    );
+    fill(e, 0, &mut models[0], 16, 180);
+    e.flush().expect("flush");
+    let share = volume_state(e, 1);
+    assert_eq!(share.dirty_share_pct, 33, "the default with three volumes");
+    let limit = share
+        .dirty_limit_blocks
+        .expect("a limit once volume 0 holds data");
+    assert!(
+        limit < SIZES[1] / 2,
+        "the test can reach the limit: {limit}"
+    );
+    fail_writes(&vols.origins[1]);
+    let chunk_blocks = 16u64;
+    let mut refused = None;
+    for i in 0..SIZES[1] / chunk_blocks {
+        let offset = i * chunk_blocks * BS;
+        let data = pattern(190 + i, (chunk_blocks * BS) as usize);
+        match e.write_in(1, offset, &data, false) {
+            Ok(()) => models[1].write(offset, &data),
+            Err(err) => {
+                refused = Some((i, err));
+                break;
+            }
+        }
+        assert!(volume_state(e, 1).dirty_blocks <= limit, "chunk {i}");
+    }
+    let (at_chunk, err) = refused.expect("volume 1 reached its share");
+    assert!(matches!(err, EngineError::Origin(_)), "{err}");
+    assert!(at_chunk * chunk_blocks + chunk_blocks > limit);
+    assert!(e.stats().dirty_share_waits > 0);
+    // The other volumes are not held back: volume 0 takes more than
+    // volume 1 had room for, and volume 2 writes through.
+    fill(e, 0, &mut models[0], 128, 200);
+    e.flush().expect("volume 0's writes are durable");
+    fill(e, 2, &mut models[2], 32, 210);
+    assert!(
+        vols.origins[2].live_image()[..32 * BS as usize] == models[2].image[..32 * BS as usize]
+    );
+    // The origin is back: volume 1's writers wait for its write-back and
+    // never pass the share.
+    vols.origins[1].clear_faults();
+    for i in 0..2 * SIZES[1] / chunk_blocks {
+        let offset = (i * chunk_blocks) % SIZES[1] * BS;
+        let data = pattern(220 + i, (chunk_blocks * BS) as usize);
+        e.write_in(1, offset, &data, false)
+            .expect("volume 1 writes once its origin is back");
+        models[1].write(offset, &data);
+        assert!(volume_state(e, 1).dirty_blocks <= limit, "lap chunk {i}");
+    }
+    e.drain().expect("drain");
+    for (v, model) in models.iter().enumerate() {
+        assert!(vols.origins[v].live_image() == model.image, "origin {v}");
+        assert!(
+            read_all(e, v as u16).expect("read") == model.image,
+            "volume {v}"
+        );
+    }
 }

@@ -122,11 +122,13 @@ pub fn execute(
             origin,
             mode,
             integrity,
+            dirty_share_pct,
         } => {
             let new = NewVolume {
                 name: name.clone(),
                 mode: *mode,
                 integrity: *integrity,
+                dirty_share_pct: *dirty_share_pct,
             };
             add_volume(target, origin, &new)?;
             emit(volumes_reply(target));

@@ -89,6 +89,10 @@ pub enum AdminRequest {
         #[serde(with = "mode_name")]
         mode: CacheMode,
         integrity: bool,
+        /// Percent of the log its dirty data may hold while other volumes
+        /// use the cache; absent for the default.
+        #[serde(default)]
+        dirty_share_pct: Option<u8>,
     },
     /// The volumes (`cairn volume list`).
     VolumeList,
@@ -352,6 +356,7 @@ mod tests {
                 origin: "nbd+unix:///x?socket=/run/a b.sock".into(),
                 mode: CacheMode::WriteThrough,
                 integrity: false,
+                dirty_share_pct: Some(30),
             },
             AdminRequest::VolumeList,
             AdminRequest::VolumeRemove {

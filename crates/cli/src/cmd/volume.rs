@@ -38,6 +38,14 @@ pub enum VolumeCommand {
         /// its tag area is sized when the cache is formatted).
         #[arg(long)]
         integrity: bool,
+        /// The most of the cache's log this volume's dirty data may hold
+        /// while other volumes use the cache, in percent (1-100). At it,
+        /// this volume's writers wait for its own write-back, and only
+        /// them. Default: half with two volumes, a third with three, a
+        /// quarter with four or more; alone in the cache a volume may use
+        /// all of it.
+        #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
+        dirty_share_pct: Option<u8>,
     },
     /// Remove a volume: write back all its dirty data to its origin, then
     /// drop it from the cache (the first volume stays).
@@ -75,12 +83,14 @@ pub fn run(command: VolumeCommand) -> Result<()> {
             origin,
             mode,
             integrity,
+            dirty_share_pct,
         } => {
             let request = AdminRequest::VolumeAdd {
                 name: name.clone(),
                 origin: origin.clone(),
                 mode: mode.engine(),
                 integrity,
+                dirty_share_pct,
             };
             let volumes = ask(&cache, &request)?;
             let added = volumes

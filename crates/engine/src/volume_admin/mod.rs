@@ -21,13 +21,17 @@ use crate::parts::Parts;
 use crate::policy::CacheMode;
 use crate::volume_origin::VolumeOrigin;
 
-/// What a new volume is: its name (the NBD export name), mode and
-/// whether it keeps integrity tags.
+/// What a new volume is: its name (the NBD export name), mode, whether it
+/// keeps integrity tags, and its share of the log for dirty data.
 #[derive(Debug, Clone)]
 pub struct NewVolume {
     pub name: String,
     pub mode: CacheMode,
     pub integrity: bool,
+    /// Percent of the log its dirty data may hold while other volumes use
+    /// the cache (1..=100); `None` for the default (half with two
+    /// volumes, less with more: see `write/dirty_share.rs`).
+    pub dirty_share_pct: Option<u8>,
 }
 
 /// Add a volume on `origin`. Returns its entry as written.
@@ -46,6 +50,13 @@ pub(crate) fn add(
         return Err(invalid(
             "integrity tags are kept for the first volume only (its tag area was sized when the cache was formatted); add this volume without integrity".into(),
         ));
+    }
+    if let Some(pct) = new.dirty_share_pct {
+        if !(1..=100).contains(&pct) {
+            return Err(invalid(format!(
+                "a dirty share of {pct}% is out of range: give 1 to 100 percent of the log"
+            )));
+        }
     }
     crate::format::check_origin_size(origin.as_ref(), env.block_size_bytes as u32)?;
     let identity = origin_identity_for_superblock(&origin.identity()).to_string();
@@ -78,7 +89,7 @@ pub(crate) fn add(
         origin_size_bytes: origin.size_bytes(),
         mode: new.mode.code(),
         integrity: false,
-        dirty_share_pct: None,
+        dirty_share_pct: new.dirty_share_pct,
         settings: Default::default(),
     };
     let mut volumes = table.volumes().to_vec();

@@ -39,6 +39,7 @@ fn two_volumes(blocks0: u64) -> (SimDevice, SimDevice, Engine) {
         name: "vol1".into(),
         mode: CacheMode::WriteBack,
         integrity: false,
+        dirty_share_pct: None,
     };
     engine
         .add_volume(Arc::new(o1.clone()) as Arc<dyn Device>, &new)
@@ -145,6 +146,7 @@ fn a_failed_add_leaves_the_superblock_as_it_was() {
         name: "vol2".into(),
         mode: CacheMode::WriteBack,
         integrity: false,
+        dirty_share_pct: None,
     };
     assert!(engine.add_volume(Arc::new(o2), &new).is_err());
     cache.clear_faults();
@@ -169,6 +171,7 @@ fn removing_a_volume_keeps_the_other_volumes_cached() {
         name: "vol2".into(),
         mode: CacheMode::WriteBack,
         integrity: false,
+        dirty_share_pct: None,
     };
     engine
         .add_volume(Arc::new(SimDevice::new("o2", 64 * BS)), &new)

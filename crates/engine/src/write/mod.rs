@@ -4,7 +4,10 @@
 //! never fail); modes other than write-back write through before the
 //! reply.
 
+mod dirty_share;
 mod partial;
+
+pub(crate) use dirty_share::{default_dirty_share_pct, dirty_limit_blocks};
 
 use std::sync::MutexGuard;
 
@@ -51,6 +54,7 @@ pub(crate) fn write(
         let first = at / block_bytes;
         let chunk_end = ((first + chunk_blocks) * block_bytes).min(end);
         let blocks = (chunk_end - first * block_bytes).div_ceil(block_bytes);
+        st = dirty_share::wait_within(p, st, key_volume(first), blocks)?;
         st = reserve(p, st, blocks, 0)?;
         while at < chunk_end {
             let lba = at / block_bytes;

@@ -1,0 +1,83 @@
+//! A volume's share of the log for dirty data. While another volume holds
+//! blocks in the cache, a volume whose dirty data is at its share writes
+//! back its own data before taking more: its writers wait for its origin,
+//! and only them; the rest of the log stays free for the other volumes.
+//! Alone in the cache, a volume may fill the whole log (a burst is what a
+//! write-back cache is for).
+
+use std::sync::MutexGuard;
+
+use crate::error::EngineResult;
+use crate::parts::Parts;
+use crate::state::State;
+use crate::stats::Counters;
+use crate::volume_set::VolumeSet;
+use crate::writeback::Want;
+
+use super::SPACE_RETRIES_MAX;
+
+/// The default share of the log one volume's dirty data may hold, in
+/// percent, with `volume_count` volumes: half with two, a third with
+/// three, a quarter with four or more (a floor, so a volume still absorbs
+/// a burst); all of it with one.
+pub(crate) fn default_dirty_share_pct(volume_count: usize) -> u8 {
+    match volume_count {
+        0 | 1 => 100,
+        n => (100 / n).max(25) as u8,
+    }
+}
+
+/// The most dirty blocks `volume` may hold now, or `None` while no other
+/// volume holds anything in the cache (no limit then).
+pub(crate) fn dirty_limit_blocks(st: &State, volume: u16) -> Option<u64> {
+    let entries = st.volumes.volumes();
+    let others_cached = entries.iter().any(|v| {
+        let b = st.index.volume_blocks(v.id);
+        v.id != volume && b.dirty + b.clean > 0
+    });
+    if !others_cached {
+        return None;
+    }
+    let pct = st
+        .volumes
+        .by_id(volume)
+        .and_then(|v| v.dirty_share_pct)
+        .unwrap_or_else(|| default_dirty_share_pct(entries.len()));
+    assert!((1..=100).contains(&pct), "dirty share {pct}% out of range");
+    Some(st.log.slot_count() * pct as u64 / 100)
+}
+
+/// Wait until `blocks` more dirty blocks of `volume` fit its share,
+/// running write-back of that volume (and only it) meanwhile. A volume
+/// with no dirty data left always goes on, so a write larger than the
+/// share still makes progress; an origin that fails fails the wait
+/// (like a full log does), never another volume's writes.
+pub(crate) fn wait_within<'a>(
+    p: Parts<'a>,
+    mut st: MutexGuard<'a, State>,
+    volume: u16,
+    blocks: u64,
+) -> EngineResult<MutexGuard<'a, State>> {
+    let env = p.env;
+    for _ in 0..SPACE_RETRIES_MAX {
+        let dirty = st.index.volume_blocks(volume).dirty;
+        match dirty_limit_blocks(&st, volume) {
+            Some(limit) if dirty > 0 && dirty + blocks > limit => {}
+            _ => return Ok(st),
+        }
+        Counters::add(&env.counters.dirty_share_waits, 1);
+        if st.log.volume_writeback_position(volume) >= Some(st.log.writeback_limit()) {
+            // Its dirty data is all after the last epoch end: end one now
+            // so write-back can take it.
+            Counters::add(&env.counters.internal_flushes, 1);
+            st.flush(env)?;
+        }
+        drop(st);
+        p.writeback
+            .run_group(env, p.state, Want::Volumes(VolumeSet::single(volume)))?;
+        st = p.state.normal(env)?;
+    }
+    Err(crate::error::EngineError::Failed(format!(
+        "volume {volume} stayed over its dirty share after many write-back rounds"
+    )))
+}
