@@ -12,6 +12,12 @@ use crate::state::State;
 use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
 
+/// Batches of protected blocks (`SHARE_RESCUE_MAX_BLOCKS` each) one
+/// eviction moves at most under the engine lock: 16 MiB of 4 KiB blocks
+/// read and written, so a long run of a working set delays the other
+/// requests by one such batch at a time, not by its whole length.
+const SHARE_BATCHES_MAX: usize = 4;
+
 /// Rounds of "evict, persist write-back, checkpoint" before giving up and
 /// asking for write-back.
 const SPACE_ROUNDS_MAX: usize = 4;
@@ -44,6 +50,9 @@ pub(crate) fn ensure_space(env: &Env, st: &mut State, blocks: u64) -> EngineResu
         //    a little further than needed so second-chance blocks have
         //    room at the head.
         rescued.extend(evict(env, st, needed)?);
+        // Eviction may have moved blocks to the head: the append position
+        // is where it is now.
+        let from = st.log.append_position();
         if from + needed <= st.log.limit() {
             ready = true;
             break;
@@ -75,7 +84,8 @@ pub(crate) fn ensure_space(env: &Env, st: &mut State, blocks: u64) -> EngineResu
     // room the caller wanted (it then waits for write-back, which frees
     // more), but never the reserve a flush needs.
     let keep_free = records_max + 1 + EPOCH_END_RESERVE_BLOCKS;
-    reinsert(env, st, rescued, if ready { needed } else { keep_free })?;
+    // What still does not fit stays evicted (its data is on its origin).
+    let _ = reinsert(env, st, rescued, if ready { needed } else { keep_free })?;
     if ready || st.log.append_position() + needed <= st.log.limit() {
         Ok(Space::Ready)
     } else {
@@ -85,39 +95,54 @@ pub(crate) fn ensure_space(env: &Env, st: &mut State, blocks: u64) -> EngineResu
 
 /// Evict towards room for `needed` blocks (a little more, so rescued
 /// blocks fit at the head). Returns the rescued blocks not yet moved: the
-/// last batch, at most `SECOND_CHANCE_MAX_BLOCKS + SHARE_RESCUE_MAX_BLOCKS`.
+/// last batch and any an earlier one had no room for.
 /// While the tail stops in front of a protected volume's block (a batch
 /// full of them), the batch moves to the head at once and eviction goes
 /// on, so a long run of one volume's working set moves forward whole
-/// instead of losing its end to the cap.
+/// instead of losing its end to the cap. At most `SHARE_BATCHES_MAX`
+/// batches per call: the moves happen under the engine lock, so a run
+/// longer than that is left where the tail stopped (not evicted), the
+/// caller finds too little room and retries after dropping the lock.
 fn evict(env: &Env, st: &mut State, needed: u64) -> EngineResult<Vec<(u64, Vec<u8>, bool)>> {
     let slot_count = st.log.slot_count();
     let protected = protected_volumes(st);
     let keep_free = env.record_data_blocks_max + 1 + EPOCH_END_RESERVE_BLOCKS;
-    // Each full batch moves the tail at least SHARE_RESCUE_MAX_BLOCKS
-    // slots, and moved blocks land beyond the persisted write-back
-    // position the tail stops at: a lap bounds the batches.
-    let batches_max = slot_count / SHARE_RESCUE_MAX_BLOCKS as u64 + 2;
-    for _ in 0..batches_max {
+    let mut batches = 0;
+    let mut left = Vec::new();
+    loop {
+        batches += 1;
         let from = st.log.append_position();
-        let target =
-            (from + needed + SECOND_CHANCE_MAX_BLOCKS as u64 + 2).saturating_sub(slot_count);
+        // Room for the blocks still waiting too, with their headers.
+        let waiting = left.len() as u64;
+        let waiting_room = waiting + waiting.div_ceil(env.record_data_blocks_max) + 3;
+        let target = (from + needed + SECOND_CHANCE_MAX_BLOCKS as u64 + 2 + waiting_room)
+            .saturating_sub(slot_count);
         let (batch, stopped_at_cap) = st.log.evict_until(env, &mut st.index, target, protected);
         assert!(batch.len() <= SECOND_CHANCE_MAX_BLOCKS + SHARE_RESCUE_MAX_BLOCKS);
+        // Blocks an earlier batch had no room for yet (the log was full
+        // when the tail stopped short) go first; at most one batch waits.
+        left.extend(batch);
         if !stopped_at_cap {
-            return Ok(batch);
+            return Ok(left);
         }
-        reinsert(env, st, batch, keep_free)?;
+        // The tail stopped short of the target: these blocks use the room
+        // it freed for them now, before the caller takes what it needs.
+        left = reinsert(env, st, left, keep_free)?;
+        assert!(left.len() <= 2 * (SECOND_CHANCE_MAX_BLOCKS + SHARE_RESCUE_MAX_BLOCKS));
+        if batches == SHARE_BATCHES_MAX {
+            return Ok(left);
+        }
     }
-    Ok(Vec::new())
 }
 
 /// The volumes whose clean blocks the tail moves forward instead of
 /// evicting: those holding less than their share of the cache (an equal
 /// split among the volumes) while another volume holds more than its own.
 /// So one volume's burst, longer than the cache, evicts its own older
-/// blocks and not another volume's working set; and with one volume, or
-/// with every volume within its share, eviction is plain second chance.
+/// blocks and not another volume's working set. With every volume within
+/// its share they are protected only while at most 3/4 of the log is live
+/// (a small area rewritten laps the log too); with one volume eviction is
+/// plain second chance, as it always was.
 fn protected_volumes(st: &State) -> VolumeSet {
     let volumes = st.volumes.volumes();
     if volumes.len() < 2 {
@@ -135,7 +160,13 @@ fn protected_volumes(st: &State) -> VolumeSet {
             someone_over = true;
         }
     }
-    if someone_over {
+    // With nobody over, moving is still right while most of the log is
+    // dead (a volume rewriting a small area laps the log without growing):
+    // evicting a live block then frees nothing another block needs. Past
+    // the mark, moves would cost more than they keep (each freed slot
+    // could take many), and eviction is plain second chance.
+    let mostly_dead = st.index.live_blocks() * 4 <= st.log.slot_count() * 3;
+    if someone_over || mostly_dead {
         under
     } else {
         VolumeSet::EMPTY
@@ -150,17 +181,20 @@ fn reinsert(
     st: &mut State,
     rescued: Vec<(u64, Vec<u8>, bool)>,
     needed: u64,
-) -> EngineResult<()> {
-    for (lba, block, for_share) in rescued {
-        let from = st.log.append_position();
-        // One block, a possible new header and lap skip, plus the room the
-        // caller asked for.
-        // A block of a volume being removed is not moved forward.
-        if from + 3 + needed > st.log.limit()
-            || st.index.is_cached(lba)
-            || !env.origins.takes_new_data(lba)
-        {
+) -> EngineResult<Vec<(u64, Vec<u8>, bool)>> {
+    let mut rescued = rescued.into_iter();
+    for (lba, block, for_share) in rescued.by_ref() {
+        // A block of a volume being removed is not moved forward, nor one
+        // written again since it was picked.
+        if st.index.is_cached(lba) || !env.origins.takes_new_data(lba) {
             continue;
+        }
+        // One block, a possible new header and lap skip, plus the room the
+        // caller asked for. Without it, this block and the rest go back.
+        if st.log.append_position() + 3 + needed > st.log.limit() {
+            let mut left = vec![(lba, block, for_share)];
+            left.extend(rescued);
+            return Ok(left);
         }
         st.log.append_data(env, &mut st.index, lba, &block, true)?;
         if for_share {
@@ -169,7 +203,7 @@ fn reinsert(
             Counters::add(&env.counters.second_chances, 1);
         }
     }
-    Ok(())
+    Ok(Vec::new())
 }
 
 /// Insert a clean copy (a read fill or a repair). Returns false if there

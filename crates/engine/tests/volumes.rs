@@ -1033,3 +1033,60 @@ fn a_volume_stops_at_its_dirty_share_and_only_its_writers_wait() {
         );
     }
 }
+
+/// A working set longer than one eviction's budget of moves (4 batches of
+/// 1,024 blocks) still survives a stream whole: the tail stops in front of
+/// the rest instead of evicting it, and the next writer moves more. Also
+/// with 6,000 blocks; at 9,000 it caught a writer told there was room by a
+/// check that used the append position from before the moves. Volume 1
+/// rewrites a small area, so nobody is over its share: the log is mostly
+/// dead, which protects the set too.
+#[test]
+fn a_working_set_longer_than_one_evictions_moves_survives_a_stream() {
+    let hot_blocks = 9_000u64;
+    let cache = SimDevice::new("cache", cache_bytes_small() + 20_000 * BS);
+    let origins = [
+        SimDevice::new("origin0", hot_blocks * BS),
+        SimDevice::new("origin1", 2_048 * BS),
+    ];
+    Engine::format(
+        Arc::new(cache.clone()),
+        Arc::new(origins[0].clone()),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    let e = open_all(&cache, &origins[..1]).expect("open");
+    e.add_volume(
+        Arc::new(origins[1].clone()),
+        &new_volume("stream", CacheMode::WriteBack),
+    )
+    .expect("add");
+    let mut hot = Model::new(hot_blocks);
+    fill(&e, 0, &mut hot, hot_blocks, 240);
+    e.flush().expect("flush");
+    e.drain().expect("drain");
+    let cache_blocks = e.stats().cache_blocks;
+    assert!(hot_blocks < cache_blocks / 2, "the set is under its share");
+    let chunk_blocks = 256u64;
+    let mut stream = Model::new(2_048);
+    for i in 0..(3 * cache_blocks).div_ceil(chunk_blocks) {
+        let offset = (i * chunk_blocks) % 2_048 * BS;
+        let data = pattern(250 + i, (chunk_blocks * BS) as usize);
+        e.write_in(1, offset, &data, false).expect("stream write");
+        stream.write(offset, &data);
+        if i % 8 == 7 {
+            e.flush().expect("flush");
+            background_until_idle(&e);
+        }
+    }
+    assert_eq!(
+        volume_state(&e, 0).clean_blocks,
+        hot_blocks,
+        "the whole set stayed"
+    );
+    origins[0].reset_counters();
+    assert!(read_all(&e, 0).expect("read the set") == hot.image);
+    assert_eq!(origins[0].counters().reads, 0, "every block a hit");
+    e.drain().expect("drain");
+    assert!(origins[1].live_image() == stream.image);
+}
