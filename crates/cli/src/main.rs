@@ -29,6 +29,7 @@ mod settings;
 mod status;
 mod volume_exports;
 mod writeback;
+mod writeback_turns;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 
 use cairn_engine::Engine;
 
+use crate::writeback_turns::{extra_thread_loop, Turns, WRITEBACK_THREADS_MAX};
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WritebackPolicy {
     pub high_watermark_pct: u64,
@@ -211,11 +213,41 @@ impl Planner {
 }
 
 /// Run write-back until `stop`; `policy` gives the policy in force, read
-/// every step (`cairn set` may change it while serving).
+/// every step (`cairn set` may change it while serving). This thread
+/// decides and steps; up to `WRITEBACK_THREADS_MAX - 1` more step beside
+/// it while there are several volumes (see `writeback_turns`).
 pub fn writeback_loop(
     engine: &Engine,
     stop: &AtomicBool,
-    policy_now: impl Fn() -> WritebackPolicy,
+    policy_now: impl Fn() -> WritebackPolicy + Sync,
+) {
+    let turns = Turns::default();
+    std::thread::scope(|s| {
+        for index in 1..WRITEBACK_THREADS_MAX {
+            let (turns, policy_now) = (&turns, &policy_now);
+            let spawned = std::thread::Builder::new()
+                .name(format!("writeback-{index}"))
+                .spawn_scoped(s, move || {
+                    extra_thread_loop(engine, stop, turns, index, || {
+                        policy_now().rate_limit_bytes_per_sec
+                    })
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("write-back runs on fewer threads: {e}");
+                break;
+            }
+        }
+        decide_and_step(engine, stop, &policy_now, &turns);
+        // The extra threads see `stop` too; the scope waits for them.
+        turns.set_cleaning(false);
+    });
+}
+
+fn decide_and_step(
+    engine: &Engine,
+    stop: &AtomicBool,
+    policy_now: &impl Fn() -> WritebackPolicy,
+    turns: &Turns,
 ) {
     let mut policy = policy_now();
     let mut planner = Planner::new(policy.clone());
@@ -223,8 +255,6 @@ pub fn writeback_loop(
     let mut last_ops = 0u64;
     let mut last_activity = Instant::now();
     let mut backoff_ms = 10u64;
-    let mut budget_start = Instant::now();
-    let mut budget_bytes = 0u64;
     let mut degraded = engine.is_degraded();
     while !stop.load(Ordering::SeqCst) {
         // `cairn set` may have changed the policy while serving.
@@ -243,6 +273,9 @@ pub fn writeback_loop(
                     &engine.volume().origin_identity
                 )
             );
+        }
+        for (bytes, elapsed) in turns.take_steps() {
+            planner.record_writeback(bytes, elapsed);
         }
         let s = engine.stats();
         let ops = s.reads + s.writes + s.flushes + s.discards + s.write_zeroes;
@@ -271,34 +304,26 @@ pub fn writeback_loop(
                 client_write_bytes: s.write_bytes,
             },
         );
-        if matches!(
+        let cleaning = !matches!(
             decision,
             Decision::Clean | Decision::Paused | Decision::Busy | Decision::Burst
-        ) {
+        );
+        turns.set_cleaning(cleaning);
+        if !cleaning {
             std::thread::sleep(Duration::from_millis(20));
             continue;
         }
-        if policy.rate_limit_bytes_per_sec > 0 {
-            let elapsed = budget_start.elapsed().as_secs_f64();
-            let allowed = (elapsed * policy.rate_limit_bytes_per_sec as f64) as u64;
-            if budget_bytes > allowed {
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-            if elapsed > 10.0 {
-                budget_start = Instant::now();
-                budget_bytes = 0;
-            }
+        if !turns.budget_allows(policy.rate_limit_bytes_per_sec) {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
         }
         let step_started = Instant::now();
         match engine.writeback_step() {
             Ok(p) => {
                 backoff_ms = 10;
-                planner.record_writeback(
-                    p.blocks_written * s.block_size_bytes,
-                    step_started.elapsed(),
-                );
-                budget_bytes += p.blocks_written * s.block_size_bytes;
+                let bytes = p.blocks_written * s.block_size_bytes;
+                planner.record_writeback(bytes, step_started.elapsed());
+                turns.spend(bytes);
                 if p.groups == 0 {
                     std::thread::sleep(Duration::from_millis(20));
                 }

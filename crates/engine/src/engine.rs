@@ -188,6 +188,11 @@ impl Engine {
             .clone()
     }
 
+    /// How many volumes the cache serves.
+    pub fn volume_count(&self) -> usize {
+        self.state.unchecked().volumes.volumes().len()
+    }
+
     /// Every volume with its blocks in the cache, in table order.
     pub fn volumes_status(&self) -> Vec<VolumeStatus> {
         let st = self.state.unchecked();

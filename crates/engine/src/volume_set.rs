@@ -50,10 +50,6 @@ impl VolumeSet {
         VolumeSet(self.0 & other.0)
     }
 
-    pub(crate) fn union(self, other: VolumeSet) -> VolumeSet {
-        VolumeSet(self.0 | other.0)
-    }
-
     pub(crate) fn without(self, other: VolumeSet) -> VolumeSet {
         VolumeSet(self.0 & !other.0)
     }
@@ -78,7 +74,6 @@ mod tests {
         let b = VolumeSet::single(5);
         assert_eq!(a.without(b).iter().collect::<Vec<_>>(), vec![0, 31]);
         assert_eq!(a.intersection(b), b);
-        assert_eq!(b.union(VolumeSet::single(1)).iter().count(), 2);
         a.remove(0);
         a.remove(5);
         a.remove(31);

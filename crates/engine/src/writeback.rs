@@ -1,23 +1,28 @@
 //! Ordered write-back: epoch group by epoch group, checksums verified
 //! before anything reaches the origin, origin flushed after each group.
-//! Each volume has its own position in the shared log: a step writes back
-//! the next group of the volumes standing at the least position it is
-//! asked for, and a volume whose origin fails stays where it is while the
-//! others go on. This part owns the write-back lock (every origin writer
-//! and every origin reader that judges a tag holds it), the pause switch
-//! and each origin's health as write-back sees it.
+//! Each volume has its own position in the shared log and its own lane: a
+//! step writes back the next group of one volume, steps of one volume run
+//! one at a time and in log order, and steps of different volumes run at
+//! once, so a slow or failing origin holds back only its own volume. This
+//! part owns the lanes, the exclusive lock (degrading, recalculation,
+//! scrubbing and origin repair take it against every lane), the pause
+//! switch and each origin's health as write-back sees it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use cairn_format::VOLUMES_MAX;
 
 use crate::env::Env;
-use crate::error::EngineResult;
+use crate::error::{EngineError, EngineResult};
 use crate::group;
 use crate::origin_health::OriginHealth;
 use crate::state_lock::StateLock;
 use crate::volume_set::VolumeSet;
+
+/// How many times a step looks for its volume again after the one it
+/// waited for was written back by another step meanwhile.
+const PICK_ATTEMPTS_MAX: usize = 1024;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WritebackProgress {
@@ -30,30 +35,62 @@ pub struct WritebackProgress {
 /// Which volumes a write-back step is for.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Want {
-    /// The daemon's loop: every volume behind, except those backing off
-    /// after a failure of their origin.
+    /// The daemon's loop: the volume furthest behind whose lane is free,
+    /// except those backing off after a failure of their origin.
     Background,
-    /// These volumes (a drain, a write-through write), backoff or not;
-    /// others standing at the same group come along unless failing.
+    /// These volumes (a drain, a write-through write), backoff or not:
+    /// the one furthest behind, waiting for its lane.
     Volumes(VolumeSet),
-    /// The volumes at the least write-back position, which pin the tail
-    /// (a writer waiting for space).
+    /// A volume at the least write-back position, which pins the tail (a
+    /// writer waiting for space).
     Laggards,
 }
 
-#[derive(Default)]
 pub(crate) struct Writeback {
-    /// Serialises write-back, degrading, recalculation, scrubbing and
-    /// origin repair: everything that writes the origin or judges a tag.
-    serial: Mutex<()>,
+    /// Shared by write-back steps, exclusive for everything else that
+    /// writes the origin or judges a tag: degrading, recalculation,
+    /// scrubbing and origin repair.
+    exclusive: RwLock<()>,
+    /// One per volume id: that volume's steps, one at a time.
+    lanes: [Mutex<()>; VOLUMES_MAX],
     paused: AtomicBool,
     /// Each volume's origin as write-back sees it.
     health: OriginHealth,
 }
 
+impl Default for Writeback {
+    fn default() -> Self {
+        Writeback {
+            exclusive: RwLock::new(()),
+            lanes: std::array::from_fn(|_| Mutex::new(())),
+            paused: AtomicBool::new(false),
+            health: OriginHealth::default(),
+        }
+    }
+}
+
 impl Writeback {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, ()> {
-        self.serial.lock().unwrap_or_else(|p| p.into_inner())
+    /// Stop every lane: no write-back step runs until the guard drops.
+    pub(crate) fn lock(&self) -> RwLockWriteGuard<'_, ()> {
+        self.exclusive.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn shared(&self) -> RwLockReadGuard<'_, ()> {
+        self.exclusive.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lane(&self, id: u16) -> MutexGuard<'_, ()> {
+        self.lanes[id as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn try_lane(&self, id: u16) -> Option<MutexGuard<'_, ()>> {
+        match self.lanes[id as usize].try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     pub(crate) fn set_paused(&self, paused: bool) {
@@ -87,61 +124,110 @@ impl Writeback {
         self.health.forget(id);
     }
 
-    /// Write back the next epoch group of the volumes `want` names.
-    /// Background: an error only if no volume made progress; otherwise an
-    /// error if any wanted volume's origin failed.
+    /// Write back the next epoch group of one volume that `want` names.
+    /// An error if that volume's origin failed.
     pub(crate) fn run_group(
         &self,
         env: &Env,
         state: &StateLock,
         want: Want,
     ) -> EngineResult<WritebackProgress> {
-        let _serial = self.lock();
-        let Some(step) = self.plan(env, state, want)? else {
+        let _shared = self.shared();
+        let Some((step, _lane)) = self.pick(env, state, want)? else {
             return Ok(WritebackProgress {
                 dirty_blocks: state.normal(env)?.index.dirty_blocks(),
                 ..Default::default()
             });
         };
+        let served = VolumeSet::single(step.volume);
         let (records, end) =
-            group::read_for_writeback(env, step.start, step.limit, step.slot_count, step.served)?;
-        let mut applied = group::apply(env, &records, step.served);
+            group::read_for_writeback(env, step.start, step.limit, step.slot_count, served)?;
+        let mut applied = group::apply(env, &records, served);
         let mut st = state.normal(env)?;
         group::commit(env, &mut st, step.start, end, &records, &applied);
-        let name = |id: u16| {
-            st.volumes
-                .by_id(id)
-                .map_or_else(|| format!("#{id}"), |v| format!("{:?}", v.name))
-        };
-        for id in applied.done.iter() {
-            self.health.succeeded(id, &name(id));
-        }
-        for (id, e) in &applied.failed {
-            self.health.failed(*id, &name(*id), &e.to_string());
+        let name = st
+            .volumes
+            .by_id(step.volume)
+            .map_or_else(|| format!("#{}", step.volume), |v| format!("{:?}", v.name));
+        if applied.done.contains(step.volume) {
+            self.health.succeeded(step.volume, &name);
         }
         let progress = WritebackProgress {
             blocks_written: applied.blocks_written,
             groups: u64::from(!applied.done.is_empty()),
             dirty_blocks: st.index.dirty_blocks(),
         };
-        let must_fail = match want {
-            Want::Background => applied.done.is_empty(),
-            Want::Volumes(_) | Want::Laggards => true,
-        };
-        let wanted_failed = applied
-            .failed
-            .iter()
-            .position(|(id, _)| step.wanted.contains(*id));
-        match wanted_failed {
-            Some(i) if must_fail => Err(applied.failed.swap_remove(i).1),
-            _ => Ok(progress),
+        drop(st);
+        match applied.failed.pop() {
+            Some((id, e)) => {
+                assert_eq!(id, step.volume, "a step writes only its own volume");
+                assert!(applied.failed.is_empty());
+                self.health.failed(id, &name, &e.to_string());
+                Err(e)
+            }
+            None => Ok(progress),
         }
     }
 
-    /// The group a step writes back: the least position among the wanted
-    /// volumes behind the last durable epoch end, and every volume served
-    /// at it. `None` if no wanted volume is behind.
-    fn plan(&self, env: &Env, state: &StateLock, want: Want) -> EngineResult<Option<Step>> {
+    /// The volume a step writes back and its lane, held: the volume
+    /// furthest behind the last durable epoch end among those `want`
+    /// names. `None` if none is behind (or, in the background, none
+    /// behind has a free lane).
+    fn pick<'a>(
+        &'a self,
+        env: &Env,
+        state: &StateLock,
+        want: Want,
+    ) -> EngineResult<Option<(Step, MutexGuard<'a, ()>)>> {
+        // Bounded: a retry means another step moved the volume waited for.
+        for _ in 0..PICK_ATTEMPTS_MAX {
+            let candidates = self.candidates(env, state, want)?;
+            let Some(&(first, _)) = candidates.first() else {
+                return Ok(None);
+            };
+            let (volume, lane) = match want {
+                Want::Background => {
+                    match candidates
+                        .iter()
+                        .find_map(|&(id, _)| self.try_lane(id).map(|lane| (id, lane)))
+                    {
+                        Some(found) => found,
+                        None => return Ok(None),
+                    }
+                }
+                Want::Volumes(_) | Want::Laggards => (first, self.lane(first)),
+            };
+            // With the lane held, this volume's position moves no more.
+            let st = state.normal(env)?;
+            let log = &st.log;
+            let limit = log.writeback_limit();
+            match log.writeback_cursors().get(volume) {
+                Some(start) if start < limit => {
+                    return Ok(Some((
+                        Step {
+                            volume,
+                            start,
+                            limit,
+                            slot_count: log.slot_count(),
+                        },
+                        lane,
+                    )))
+                }
+                _ => continue,
+            }
+        }
+        Err(EngineError::Failed(format!(
+            "write-back found no turn for its volume after {PICK_ATTEMPTS_MAX} tries"
+        )))
+    }
+
+    /// The volumes behind that `want` names, furthest behind first.
+    fn candidates(
+        &self,
+        env: &Env,
+        state: &StateLock,
+        want: Want,
+    ) -> EngineResult<Vec<(u16, u64)>> {
         let st = state.normal(env)?;
         let log = &st.log;
         let cursors = log.writeback_cursors();
@@ -153,28 +239,17 @@ impl Writeback {
                 behind.insert(id);
             }
         }
-        let (wanted, along) = match want {
-            Want::Background => {
-                let wanted = behind.without(self.health.backing_off());
-                (wanted, wanted)
-            }
-            Want::Volumes(set) => (
-                behind.intersection(set),
-                behind.without(self.health.failing()),
-            ),
-            Want::Laggards => {
-                let laggards = cursors.at(log.writeback_position(), behind);
-                (laggards, behind.without(self.health.failing()))
-            }
+        let wanted = match want {
+            Want::Background => behind.without(self.health.backing_off()),
+            Want::Volumes(set) => behind.intersection(set),
+            Want::Laggards => cursors.at(log.writeback_position(), behind),
         };
-        let start = wanted.iter().filter_map(|id| cursors.get(id)).min();
-        Ok(start.map(|start| Step {
-            start,
-            limit,
-            slot_count: log.slot_count(),
-            wanted,
-            served: cursors.at(start, wanted.union(along)),
-        }))
+        let mut candidates: Vec<(u16, u64)> = cursors
+            .iter()
+            .filter(|&(id, _)| wanted.contains(id))
+            .collect();
+        candidates.sort_unstable_by_key(|&(id, at)| (at, id));
+        Ok(candidates)
     }
 
     /// Write back every complete group of `volumes`, then persist the
@@ -210,13 +285,10 @@ impl Writeback {
     }
 }
 
-/// One write-back step's group.
+/// One write-back step's group: volume `volume`'s next one.
 struct Step {
+    volume: u16,
     start: u64,
     limit: u64,
     slot_count: u64,
-    /// The volumes the caller asked for (their failure is its error).
-    wanted: VolumeSet,
-    /// Every volume whose position is `start` and that this step serves.
-    served: VolumeSet,
 }

@@ -5,56 +5,13 @@
 //! so the race happens every time, not by luck.
 
 mod common;
-use common::gate::Gate;
+use common::gated_origin::{GatedOrigin, Hold};
 use common::*;
 
 use std::sync::Arc;
 
-use cairn_device::{Device, DeviceResult, SimDevice};
+use cairn_device::{Device, SimDevice};
 use cairn_engine::{CacheMode, Engine, FormatOptions};
-
-/// An origin that can hold one read until released: after it read its
-/// data (the data it returns is then as old as the read's start), or with
-/// `hold_before`, before it reads (the data is then as new as the
-/// release).
-struct GatedOrigin {
-    inner: SimDevice,
-    gate: Gate,
-    hold_before: bool,
-}
-
-impl Device for GatedOrigin {
-    fn name(&self) -> &str {
-        "gated-origin"
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
-        if self.hold_before {
-            self.gate.pass(offset, buf.len() as u64);
-        }
-        self.inner.read_at(offset, buf)?;
-        if !self.hold_before {
-            self.gate.pass(offset, buf.len() as u64);
-        }
-        Ok(())
-    }
-
-    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
-        self.inner.write_at(offset, buf)
-    }
-
-    fn flush(&self) -> DeviceResult<()> {
-        self.inner.flush()
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
-        self.inner.discard(offset, len)
-    }
-}
 
 #[test]
 fn a_fill_older_than_an_acknowledged_write_is_never_installed() {
@@ -64,11 +21,7 @@ fn a_fill_older_than_an_acknowledged_write_is_never_installed() {
     let new = pattern(2, BS as usize);
     let inner = SimDevice::new("origin", volume_blocks * BS);
     inner.write_at(lba * BS, &old).expect("seed the origin");
-    let origin = Arc::new(GatedOrigin {
-        inner: inner.clone(),
-        gate: Gate::default(),
-        hold_before: false,
-    });
+    let origin = Arc::new(GatedOrigin::new(inner.clone(), Hold::ReadAfter));
     let cache = SimDevice::new("cache", cache_bytes_small());
     Engine::format(
         Arc::new(cache.clone()),
@@ -133,11 +86,7 @@ fn a_miss_whose_tag_moved_before_its_origin_read_is_not_an_error() {
     let old = pattern(3, BS as usize);
     let new = pattern(4, BS as usize);
     let inner = SimDevice::new("origin", volume_blocks * BS);
-    let origin = Arc::new(GatedOrigin {
-        inner: inner.clone(),
-        gate: Gate::default(),
-        hold_before: true,
-    });
+    let origin = Arc::new(GatedOrigin::new(inner.clone(), Hold::ReadBefore));
     let cache = SimDevice::new("cache", cache_bytes_small());
     Engine::format(
         Arc::new(cache.clone()),

@@ -16,6 +16,7 @@ macro_rules! report {
 pub mod crash_check;
 pub mod flush_gated;
 pub mod gate;
+pub mod gated_origin;
 
 use std::sync::Arc;
 
@@ -266,6 +267,7 @@ impl Workload {
 }
 
 /// The reference model: the volume as a byte image.
+#[derive(Clone)]
 pub struct Model {
     pub image: Vec<u8>,
 }

@@ -1,0 +1,157 @@
+//! Write-back's extra threads. The engine runs one volume's steps one at
+//! a time and different volumes' at once (a lane each), so while one
+//! volume's step waits for a slow origin, another thread can write back
+//! the others. The write-back loop decides *whether* to clean (the
+//! policy); these threads follow its decision and report what they wrote,
+//! so the policy's measured write-back speed and the rate limit see every
+//! thread.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use cairn_engine::Engine;
+
+/// Write-back threads at most, the loop's own included. One per volume
+/// is enough (a volume's steps run one at a time); four lets three slow
+/// origins hold a thread each while the fourth cleans the rest.
+pub const WRITEBACK_THREADS_MAX: usize = 4;
+
+/// Steps kept for the loop to read (it reads every 20 ms or sooner).
+const STEPS_KEPT_MAX: usize = 1024;
+
+/// What the loop and the extra threads share.
+pub struct Turns {
+    /// The loop's last decision lets write-back run.
+    cleaning: AtomicBool,
+    /// Steps the extra threads ran since the loop last looked:
+    /// (bytes written, time taken).
+    steps: Mutex<VecDeque<(u64, Duration)>>,
+    /// The rate limit's window: (its start, bytes written in it).
+    budget: Mutex<(Instant, u64)>,
+}
+
+impl Default for Turns {
+    fn default() -> Self {
+        Turns {
+            cleaning: AtomicBool::new(false),
+            steps: Mutex::new(VecDeque::new()),
+            budget: Mutex::new((Instant::now(), 0)),
+        }
+    }
+}
+
+impl Turns {
+    pub fn set_cleaning(&self, cleaning: bool) {
+        self.cleaning.store(cleaning, Ordering::Relaxed);
+    }
+
+    fn cleaning(&self) -> bool {
+        self.cleaning.load(Ordering::Relaxed)
+    }
+
+    /// A step of an extra thread wrote `bytes` in `elapsed`.
+    fn record_step(&self, bytes: u64, elapsed: Duration) {
+        let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        if steps.len() >= STEPS_KEPT_MAX {
+            steps.pop_front();
+        }
+        steps.push_back((bytes, elapsed));
+    }
+
+    /// The extra threads' steps since the last call.
+    pub fn take_steps(&self) -> Vec<(u64, Duration)> {
+        let mut steps = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        steps.drain(..).collect()
+    }
+
+    /// May write-back write more under a limit of `bytes_per_sec`
+    /// (0: none)? The window restarts every 10 s.
+    pub fn budget_allows(&self, bytes_per_sec: u64) -> bool {
+        if bytes_per_sec == 0 {
+            return true;
+        }
+        let mut budget = self.budget.lock().unwrap_or_else(|p| p.into_inner());
+        let elapsed = budget.0.elapsed().as_secs_f64();
+        if budget.1 > (elapsed * bytes_per_sec as f64) as u64 {
+            return false;
+        }
+        if elapsed > 10.0 {
+            *budget = (Instant::now(), 0);
+        }
+        true
+    }
+
+    pub fn spend(&self, bytes: u64) {
+        self.budget.lock().unwrap_or_else(|p| p.into_inner()).1 += bytes;
+    }
+}
+
+/// Extra write-back thread number `index` (1 and up; the loop is 0):
+/// steps while the loop says clean and there are more volumes than
+/// `index`, until `stop`.
+pub fn extra_thread_loop(
+    engine: &Engine,
+    stop: &AtomicBool,
+    turns: &Turns,
+    index: usize,
+    rate_limit_now: impl Fn() -> u64,
+) {
+    let block_bytes = engine.stats().block_size_bytes;
+    let mut backoff_ms = 10u64;
+    while !stop.load(Ordering::SeqCst) {
+        if !turns.cleaning()
+            || index >= engine.volume_count()
+            || !turns.budget_allows(rate_limit_now())
+        {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        let started = Instant::now();
+        match engine.writeback_step() {
+            Ok(p) => {
+                backoff_ms = 10;
+                let bytes = p.blocks_written * block_bytes;
+                turns.record_step(bytes, started.elapsed());
+                turns.spend(bytes);
+                if p.groups == 0 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            Err(e) => {
+                tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
+                std::thread::sleep(Duration::from_millis(backoff_ms));
+                backoff_ms = (backoff_ms * 2).min(5_000);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Turns;
+    use std::time::Duration;
+
+    #[test]
+    fn the_rate_limit_counts_every_threads_bytes() {
+        let t = Turns::default();
+        assert!(t.budget_allows(0));
+        assert!(t.budget_allows(1_000));
+        t.spend(1_000_000);
+        assert!(!t.budget_allows(1_000), "a 1 MB step is far over 1 kB/s");
+        assert!(t.budget_allows(0), "no limit");
+    }
+
+    #[test]
+    fn steps_are_handed_over_once_and_bounded() {
+        let t = Turns::default();
+        for i in 0..(super::STEPS_KEPT_MAX as u64 + 10) {
+            t.record_step(i, Duration::from_millis(1));
+        }
+        let steps = t.take_steps();
+        assert_eq!(steps.len(), super::STEPS_KEPT_MAX);
+        assert_eq!(steps[0].0, 10, "the oldest went first");
+        assert!(t.take_steps().is_empty());
+    }
+}
