@@ -17,7 +17,7 @@ rate_mb_s=${2:-20}
 rounds=${3:-2}
 seconds=15
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin="$root/target/release/cairn"
+bin=${CAIRN_BIN:-$root/target/release/cairn}
 [ -x "$bin" ] || cargo build --release -p cairn --manifest-path "$root/Cargo.toml"
 for tool in fio nbdkit; do
   command -v "$tool" >/dev/null || { echo "dirty_share: $tool is missing" >&2; exit 1; }

@@ -57,6 +57,7 @@ mod volume_origin;
 mod volume_set;
 mod volume_status;
 mod write;
+mod write_lane;
 mod writeback;
 
 pub use block_status::{BlockState, BlockStatusRun};

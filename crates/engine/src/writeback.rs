@@ -9,7 +9,7 @@
 //! switch and each origin's health as write-back sees it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use cairn_format::VOLUMES_MAX;
 
@@ -19,6 +19,7 @@ use crate::group;
 use crate::origin_health::OriginHealth;
 use crate::state_lock::StateLock;
 use crate::volume_set::VolumeSet;
+use crate::write_lane::{LaneTaken, WriteLane};
 
 /// How many times a step looks for its volume again after the one it
 /// waited for was written back by another step meanwhile.
@@ -38,11 +39,19 @@ pub(crate) enum Want {
     /// The daemon's loop: the volume furthest behind whose lane is free,
     /// except those backing off after a failure of their origin.
     Background,
-    /// These volumes (a drain, a write-through write), backoff or not:
-    /// the one furthest behind, waiting for its lane.
+    /// These volumes (a drain), backoff or not: the one furthest behind,
+    /// waiting for its lane.
     Volumes(VolumeSet),
-    /// A volume at the least write-back position, which pins the tail (a
-    /// writer waiting for space).
+    /// A writer that needs one of these volumes to move on (a
+    /// write-through write, a volume at its dirty share), backoff or not:
+    /// the one furthest behind; if a step of it is running, wait for that
+    /// step to end and return without one (the caller checks again).
+    /// Running a second step after the running one would make the writer
+    /// wait for two, and with a slow origin the lane's other takers (the
+    /// volume's own writers, the background) won it again and again.
+    Progress(VolumeSet),
+    /// [`Want::Progress`] of a volume at the least write-back position,
+    /// which pins the tail (a writer waiting for space).
     Laggards,
 }
 
@@ -52,7 +61,7 @@ pub(crate) struct Writeback {
     /// scrubbing and origin repair.
     exclusive: RwLock<()>,
     /// One per volume id: that volume's steps, one at a time.
-    lanes: [Mutex<()>; VOLUMES_MAX],
+    lanes: [WriteLane; VOLUMES_MAX],
     paused: AtomicBool,
     /// Each volume's origin as write-back sees it.
     health: OriginHealth,
@@ -62,7 +71,7 @@ impl Default for Writeback {
     fn default() -> Self {
         Writeback {
             exclusive: RwLock::new(()),
-            lanes: std::array::from_fn(|_| Mutex::new(())),
+            lanes: std::array::from_fn(|_| WriteLane::default()),
             paused: AtomicBool::new(false),
             health: OriginHealth::default(),
         }
@@ -79,18 +88,8 @@ impl Writeback {
         self.exclusive.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn lane(&self, id: u16) -> MutexGuard<'_, ()> {
-        self.lanes[id as usize]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn try_lane(&self, id: u16) -> Option<MutexGuard<'_, ()>> {
-        match self.lanes[id as usize].try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
+    fn lane(&self, id: u16) -> &WriteLane {
+        &self.lanes[id as usize]
     }
 
     pub(crate) fn set_paused(&self, paused: bool) {
@@ -171,14 +170,14 @@ impl Writeback {
 
     /// The volume a step writes back and its lane, held: the volume
     /// furthest behind the last durable epoch end among those `want`
-    /// names. `None` if none is behind (or, in the background, none
-    /// behind has a free lane).
+    /// names. `None` if none is behind, or, in the background, none
+    /// behind has a free lane, or a writer waited for another step.
     fn pick<'a>(
         &'a self,
         env: &Env,
         state: &StateLock,
         want: Want,
-    ) -> EngineResult<Option<(Step, MutexGuard<'a, ()>)>> {
+    ) -> EngineResult<Option<(Step, LaneTaken<'a>)>> {
         // Bounded: a retry means another step moved the volume waited for.
         for _ in 0..PICK_ATTEMPTS_MAX {
             let candidates = self.candidates(env, state, want)?;
@@ -189,13 +188,17 @@ impl Writeback {
                 Want::Background => {
                     match candidates
                         .iter()
-                        .find_map(|&(id, _)| self.try_lane(id).map(|lane| (id, lane)))
+                        .find_map(|&(id, _)| self.lane(id).try_take().map(|lane| (id, lane)))
                     {
                         Some(found) => found,
                         None => return Ok(None),
                     }
                 }
-                Want::Volumes(_) | Want::Laggards => (first, self.lane(first)),
+                Want::Volumes(_) => (first, self.lane(first).take()),
+                Want::Progress(_) | Want::Laggards => match self.lane(first).take_or_wait() {
+                    Some(lane) => (first, lane),
+                    None => return Ok(None),
+                },
             };
             // With the lane held, this volume's position moves no more.
             let st = state.normal(env)?;
@@ -241,7 +244,7 @@ impl Writeback {
         }
         let wanted = match want {
             Want::Background => behind.without(self.health.backing_off()),
-            Want::Volumes(set) => behind.intersection(set),
+            Want::Volumes(set) | Want::Progress(set) => behind.intersection(set),
             Want::Laggards => cursors.at(log.writeback_position(), behind),
         };
         let mut candidates: Vec<(u16, u64)> = cursors

@@ -59,13 +59,16 @@ pub(crate) fn wait_within<'a>(
     blocks: u64,
 ) -> EngineResult<MutexGuard<'a, State>> {
     let env = p.env;
-    for _ in 0..SPACE_RETRIES_MAX {
+    for retry in 0..SPACE_RETRIES_MAX {
         let dirty = st.index.volume_blocks(volume).dirty;
         match dirty_limit_blocks(&st, volume) {
             Some(limit) if dirty > 0 && dirty + blocks > limit => {}
             _ => return Ok(st),
         }
-        Counters::add(&env.counters.dirty_share_waits, 1);
+        if retry == 0 {
+            // Writes that waited, not rounds.
+            Counters::add(&env.counters.dirty_share_waits, 1);
+        }
         if st.log.volume_writeback_position(volume) >= Some(st.log.writeback_limit()) {
             // Its dirty data is all after the last epoch end: end one now
             // so write-back can take it.
@@ -74,7 +77,7 @@ pub(crate) fn wait_within<'a>(
         }
         drop(st);
         p.writeback
-            .run_group(env, p.state, Want::Volumes(VolumeSet::single(volume)))?;
+            .run_group(env, p.state, Want::Progress(VolumeSet::single(volume)))?;
         st = p.state.normal(env)?;
     }
     Err(crate::error::EngineError::Failed(format!(

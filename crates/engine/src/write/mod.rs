@@ -167,12 +167,16 @@ fn reserve<'a>(
     {
         checkpoint::write(env, &mut st)?;
     }
-    for _ in 0..SPACE_RETRIES_MAX {
+    for retry in 0..SPACE_RETRIES_MAX {
         let ranges_full = st.index.range_count() + ranges > PENDING_RANGES_MAX;
         match space::ensure_space(env, &mut st, blocks)? {
             Space::Ready if !ranges_full => return Ok(st),
             _ => {
-                Counters::add(&env.counters.writeback_stalls, 1);
+                // Writes that waited, not rounds: a round may only wait
+                // for another thread's step.
+                if retry == 0 {
+                    Counters::add(&env.counters.writeback_stalls, 1);
+                }
                 if st.log.writeback_position() == st.log.writeback_limit() {
                     // No complete epoch to write back: end one now.
                     Counters::add(&env.counters.internal_flushes, 1);
@@ -218,13 +222,17 @@ pub(crate) fn write_through(
             break;
         }
         p.writeback
-            .run_group(env, p.state, Want::Volumes(VolumeSet::single(volume)))?;
+            .run_group(env, p.state, Want::Progress(VolumeSet::single(volume)))?;
     }
     let mut st = p.state.normal(env)?;
-    assert!(
-        position(&st)? >= target,
-        "write-through did not reach the origin"
-    );
+    if position(&st)? < target {
+        // Each round stepped or waited for a step of this volume; steps
+        // that kept failing without an error reaching this writer end here.
+        return Err(EngineError::Failed(format!(
+            "a write-through write of volume {volume} did not reach its origin after {} write-back rounds",
+            env.layout.log_blocks + 1
+        )));
+    }
     if !mode.keeps_written_copy() && end - first <= 65536 {
         for lba in first..end {
             if let Some(slot) = st.index.lookup(lba) {
