@@ -342,3 +342,56 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
     assert_clean_failure(&first, &["first volume"]);
     assert!(server.terminate().success());
 }
+
+/// The daemon writes back each volume on its own lane: while a write to
+/// the "stuck" volume's origin takes 20 s (nbdkit's delay filter), data
+/// written to the first volume afterwards reaches its origin, and the
+/// stuck volume's is still on the cache. With one write-back step at a
+/// time for the cache, the first volume waits the 20 s too.
+#[test]
+fn a_stuck_origin_does_not_hold_back_another_volumes_write_back() {
+    if !require_tools("volumes", &["nbdkit"]) || !require_python_nbd("volumes") {
+        return;
+    }
+    let ctx = Ctx::new("volumes-stuck");
+    let cache = ctx.file("cache.img", 64 * MIB);
+    let local = ctx.file("local.img", 8 * MIB);
+    let stuck = NbdFile::start(&ctx, "stuck", 8 * MIB, &["--filter=delay"], &["wdelay=20"]);
+    ctx.format(&cache, &local.to_string_lossy(), &[]);
+    let cache_arg = cache.to_string_lossy().to_string();
+    volume_add(&ctx, &cache_arg, "stuck", &stuck.uri(), &[]);
+    let sock = ctx.path("cairn.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let stuck_data = pattern(71, 256 << 10);
+    nbd_write(&export_uri(&sock, "stuck"), 0, &stuck_data, true);
+    let dirty = |st: &serde_json::Value, i: usize| u64_of(&st["volumes"][i], "dirty_blocks");
+    // Idle, write-back starts on the stuck volume within ~0.2 s; give it
+    // time to be inside its origin's write.
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let first_data = pattern(72, 256 << 10);
+    nbd_write(&export_uri(&sock, ""), 4096, &first_data, true);
+    let mut st = ctx.status(&cache);
+    for _ in 0..100 {
+        if dirty(&st, 0) == 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        st = ctx.status(&cache);
+    }
+    let volumes = &st["volumes"];
+    assert_eq!(
+        dirty(&st, 0),
+        0,
+        "the first volume is on its origin: {volumes}"
+    );
+    assert!(
+        dirty(&st, 1) > 0,
+        "the stuck volume's write-back is still held by its origin: {volumes}"
+    );
+    let on_origin = std::fs::read(&local).expect("read the first origin");
+    assert!(
+        on_origin[4096..4096 + first_data.len()] == first_data[..],
+        "the first origin holds the data written through cairn"
+    );
+    server.kill9();
+}
