@@ -35,6 +35,10 @@ pub fn volumes_json(
             m.insert("cached_bytes".into(), json!(cached_bytes));
             m.insert("writeback_offset".into(), json!(v.writeback_offset));
             m.insert("dirty_share_pct".into(), json!(v.dirty_share_pct));
+            m.insert(
+                "dirty_share_default".into(),
+                json!(e.dirty_share_pct.is_none()),
+            );
             m.insert("dirty_limit_blocks".into(), json!(v.dirty_limit_blocks));
             let origin = if v.origin_error.is_some() {
                 "failing"

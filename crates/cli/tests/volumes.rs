@@ -395,3 +395,93 @@ fn a_stuck_origin_does_not_hold_back_another_volumes_write_back() {
     );
     server.kill9();
 }
+
+/// `cairn volume set` changes a volume's dirty share and mode after it was
+/// added, offline and online: leaving write-back writes back that
+/// volume's data first, the settings are stored (an offline list after a
+/// kill -9 shows them), and wrong uses are refused with the reason.
+#[test]
+fn volume_set_changes_a_volumes_mode_and_dirty_share() {
+    if !require_python_nbd("volumes") {
+        return;
+    }
+    let ctx = Ctx::new("volumes-set");
+    let cache = ctx.file("cache.img", 64 * MIB);
+    let local = ctx.file("local.img", 8 * MIB);
+    let second = ctx.file("second.img", 8 * MIB);
+    ctx.format(&cache, &local.to_string_lossy(), &[]);
+    let cache_arg = cache.to_string_lossy().to_string();
+    volume_add(&ctx, &cache_arg, "second", &second.to_string_lossy(), &[]);
+    let set = |args: &[&str]| {
+        let mut all = vec!["volume", "set", "--cache", &cache_arg];
+        all.extend_from_slice(args);
+        ctx.cairn(&all)
+    };
+    let listed = |name: &str| {
+        let out = ctx.cairn_ok(&["volume", "list", "--cache", &cache_arg, "--json"]);
+        let all: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("JSON");
+        all.as_array()
+            .expect("a list")
+            .iter()
+            .find(|v| v["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name:?} not listed: {all}"))
+    };
+    let out = set(&["--name", "second", "--dirty-share-pct", "10"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        stdout(&out).contains("dirty share 10%"),
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(listed("second")["dirty_share_pct"], 10);
+    assert_eq!(listed("second")["dirty_share_default"], false);
+    for (args, reason) in [
+        (
+            &["--name", "second", "--dirty-share-pct", "0"][..],
+            "1 to 100",
+        ),
+        (&["--name", "second"][..], "nothing to change"),
+        (
+            &["--name", "nosuch", "--mode", "writethrough"][..],
+            "nosuch",
+        ),
+    ] {
+        let out = set(args);
+        assert!(!out.status.success(), "{args:?}: {}", describe(&out));
+        assert!(
+            stderr(&out).contains(reason),
+            "{args:?}: {}",
+            describe(&out)
+        );
+    }
+    let sock = ctx.path("cairn.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let data = pattern(81, 128 << 10);
+    nbd_write(&export_uri(&sock, "second"), 8192, &data, true);
+    assert!(u64_of(&listed("second"), "dirty_blocks") > 0);
+    let out = set(&["--name", "second", "--mode", "writethrough"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        stdout(&out).contains("32 dirty blocks written back first"),
+        "{}",
+        describe(&out)
+    );
+    let v = listed("second");
+    assert_eq!(v["mode"], "writethrough", "{v}");
+    assert_eq!(v["dirty_blocks"], 0, "{v}");
+    let on_origin = std::fs::read(&second).expect("read the origin");
+    assert!(on_origin[8192..8192 + data.len()] == data[..]);
+    let out = set(&["--name", "second", "--dirty-share-pct", "default"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(stdout(&out).contains("(the default)"), "{}", describe(&out));
+    server.kill9();
+    let v = listed("second");
+    assert_eq!(v["mode"], "writethrough", "stored: {v}");
+    assert_eq!(v["dirty_share_default"], true, "stored: {v}");
+    assert_eq!(
+        listed("")["mode"],
+        "writeback",
+        "the first volume kept its mode"
+    );
+}

@@ -257,17 +257,41 @@ impl Engine {
         }
     }
 
-    /// `table` with its first volume changed by `change`, as the next
-    /// table.
+    /// The id of volume `name`.
+    fn volume_id(&self, name: &str) -> EngineResult<u16> {
+        self.state
+            .unchecked()
+            .volumes
+            .by_name(name)
+            .map(|v| v.id)
+            .ok_or_else(|| EngineError::VolumeNotFound {
+                name: name.to_string(),
+            })
+    }
+
+    /// Set volume `name`'s dirty share: `Some(pct)` percent of the log
+    /// (1-100), `None` the default for the number of volumes. It applies
+    /// to the next write; stored in the volume table.
+    pub fn set_volume_dirty_share(&self, name: &str, pct: Option<u8>) -> EngineResult<()> {
+        volume_admin::check_dirty_share(&self.env, pct)?;
+        let id = self.volume_id(name)?;
+        let mut st = self.state.normal(&self.env)?;
+        let table = self.changed_volume(&st.volumes, id, |v| v.dirty_share_pct = pct)?;
+        st.write_volume_table(&self.env, table)
+    }
+
+    /// `table` with volume `id` changed by `change`, as the next table.
     fn changed_volume(
         &self,
         table: &VolumeTable,
+        id: u16,
         change: impl FnOnce(&mut VolumeEntry),
     ) -> EngineResult<VolumeTable> {
         let mut volumes = table.volumes().to_vec();
-        if let Some(first) = volumes.iter_mut().find(|v| v.id == 0) {
-            change(first);
-        }
+        let Some(entry) = volumes.iter_mut().find(|v| v.id == id) else {
+            return Err(EngineError::NoSuchVolume { volume_id: id });
+        };
+        change(entry);
         VolumeTable::new(table.sequence, table.uuid, volumes).map_err(|e| {
             EngineError::InvalidVolume {
                 device: self.env.cache.name().to_string(),
@@ -682,6 +706,25 @@ impl Engine {
     pub fn set_mode(
         &self,
         mode: CacheMode,
+        progress: impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
+        self.set_mode_of(0, mode, progress)
+    }
+
+    /// [`Engine::set_mode`] of volume `name`.
+    pub fn set_volume_mode(
+        &self,
+        name: &str,
+        mode: CacheMode,
+        progress: impl FnMut(&WritebackProgress),
+    ) -> EngineResult<WritebackProgress> {
+        self.set_mode_of(self.volume_id(name)?, mode, progress)
+    }
+
+    fn set_mode_of(
+        &self,
+        id: u16,
+        mode: CacheMode,
         mut progress: impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
         self.with_degrade(|degraded| {
@@ -694,11 +737,13 @@ impl Engine {
             // A mode change is a management action: everything
             // acknowledged before it is made durable first.
             self.flush_internal()?;
-            self.policy.set_mode(mode);
             {
                 let mut st = self.state.normal(&self.env)?;
-                let table = self.changed_volume(&st.volumes, |v| v.mode = mode.code())?;
+                let table = self.changed_volume(&st.volumes, id, |v| v.mode = mode.code())?;
                 st.write_volume_table(&self.env, table)?;
+                // Under the engine lock, after the table: a volume removed
+                // meanwhile is refused above and keeps its slot's mode.
+                self.policy.set_mode_of(id, mode);
             }
             if mode == CacheMode::WriteBack {
                 return Ok(WritebackProgress {
@@ -706,7 +751,10 @@ impl Engine {
                     ..Default::default()
                 });
             }
-            self.drain_cached(VolumeSet::single(0), &mut progress)
+            // Only this volume's dirty data must reach its origin now: its
+            // new writes go through, and a volume left dirty would be
+            // written back to an origin the user now trusts to be current.
+            self.drain_cached(VolumeSet::single(id), &mut progress)
         })
     }
 
@@ -722,7 +770,7 @@ impl Engine {
     /// degraded cache takes no writes: refused, like a mode change.
     pub fn store_settings(&self, settings: StoredSettings) -> EngineResult<()> {
         let mut st = self.state.normal(&self.env)?;
-        let table = self.changed_volume(&st.volumes, |v| v.settings = settings)?;
+        let table = self.changed_volume(&st.volumes, 0, |v| v.settings = settings)?;
         st.write_volume_table(&self.env, table)
     }
 

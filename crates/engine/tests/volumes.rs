@@ -1294,3 +1294,81 @@ fn concurrent_write_back_of_three_volumes_keeps_each_origin_its_volume() {
     }
     report!("three volumes written while 3 threads wrote back: {steps} concurrent steps, every origin its volume");
 }
+
+/// A volume's mode and dirty share change after it was added, online:
+/// leaving write-back drains that volume only, both are stored in the
+/// volume table (a reopen keeps them), and bad values or unknown names
+/// are refused.
+#[test]
+fn a_volumes_mode_and_dirty_share_change_after_it_was_added() {
+    let mut vols = Volumes::new(cache_bytes_small());
+    let mut models = models();
+    for (v, model) in models.iter_mut().enumerate() {
+        fill(vols.engine(), v as u16, model, 20, 400 + v as u64);
+    }
+    let e = vols.engine();
+    e.flush().expect("flush");
+    assert_eq!(volume_state(e, 1).dirty_blocks, 20);
+    let p = e
+        .set_volume_mode("vol1", CacheMode::WriteThrough, |_| {})
+        .expect("volume 1 to write-through");
+    assert_eq!(p.blocks_written, 20, "volume 1's dirty blocks were drained");
+    assert_eq!(volume_state(e, 1).dirty_blocks, 0);
+    assert!(vols.origins[1].live_image() == models[1].image);
+    assert_eq!(
+        volume_state(e, 0).dirty_blocks,
+        20,
+        "the first volume stays dirty"
+    );
+    assert_eq!(
+        volume_state(e, 1).entry.mode,
+        CacheMode::WriteThrough.code()
+    );
+    // Its writes now reach its origin before they are answered.
+    fill(e, 1, &mut models[1], 8, 410);
+    assert!(vols.origins[1].live_image() == models[1].image);
+    assert_eq!(volume_state(e, 1).dirty_blocks, 0);
+    e.set_volume_dirty_share("vol2", Some(10)).expect("share");
+    assert_eq!(volume_state(e, 2).dirty_share_pct, 10);
+    for bad in [Some(0), Some(101)] {
+        assert!(
+            matches!(
+                e.set_volume_dirty_share("vol2", bad),
+                Err(EngineError::InvalidVolume { .. })
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(
+        e.set_volume_dirty_share("nosuch", Some(10)),
+        Err(EngineError::VolumeNotFound { .. })
+    ));
+    assert!(matches!(
+        e.set_volume_mode("nosuch", CacheMode::WriteBack, |_| {}),
+        Err(EngineError::VolumeNotFound { .. })
+    ));
+    vols.reopen_clean();
+    let e = vols.engine();
+    assert_eq!(
+        volume_state(e, 1).entry.mode,
+        CacheMode::WriteThrough.code(),
+        "the mode is stored"
+    );
+    assert_eq!(
+        volume_state(e, 2).dirty_share_pct,
+        10,
+        "the share is stored"
+    );
+    e.set_volume_dirty_share("vol2", None)
+        .expect("back to the default");
+    assert_eq!(volume_state(e, 2).entry.dirty_share_pct, None);
+    assert_eq!(volume_state(e, 2).dirty_share_pct, 33, "a third of three");
+    e.set_volume_mode("vol1", CacheMode::WriteBack, |_| {})
+        .expect("back to write-back");
+    fill(e, 1, &mut models[1], 4, 420);
+    assert_eq!(volume_state(e, 1).dirty_blocks, 4, "write-back again");
+    e.drain().expect("drain");
+    for (v, model) in models.iter().enumerate() {
+        assert!(vols.origins[v].live_image() == model.image, "origin {v}");
+    }
+}

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cairn_engine::{Engine, EngineError, NewVolume, ScrubOptions, StoredSettings};
+use cairn_engine::{CacheMode, Engine, EngineError, NewVolume, ScrubOptions, StoredSettings};
 
 use super::{AdminReply, AdminRequest, SettingsChange};
 use crate::settings::{EffectiveSettings, SharedSettings};
@@ -133,12 +133,39 @@ pub fn execute(
             add_volume(target, origin, &new)?;
             emit(volumes_reply(target));
         }
+        AdminRequest::VolumeSet {
+            name,
+            mode,
+            dirty_share_pct,
+        } => set_volume(target, name, *mode, *dirty_share_pct, emit)?,
         AdminRequest::VolumeList => emit(volumes_reply(target)),
         AdminRequest::VolumeRemove { name, force } => {
             remove_volume(target, name, *force)?;
             emit(volumes_reply(target));
         }
     }
+    Ok(())
+}
+
+/// `cairn volume set`: the dirty share (0: the default), then the mode
+/// (leaving write-back drains the volume, with progress).
+fn set_volume(
+    target: &Target,
+    name: &str,
+    mode: Option<CacheMode>,
+    dirty_share_pct: Option<u8>,
+    emit: &mut dyn FnMut(AdminReply),
+) -> Result<(), CommandError> {
+    let engine = target.engine;
+    if let Some(pct) = dirty_share_pct {
+        engine.set_volume_dirty_share(name, (pct != 0).then_some(pct))?;
+    }
+    if let Some(mode) = mode {
+        let mut progress = Throttle::default();
+        let p = engine.set_volume_mode(name, mode, |p| progress.drain(p, emit))?;
+        emit(drained(engine, p.blocks_written));
+    }
+    emit(volumes_reply(target));
     Ok(())
 }
 

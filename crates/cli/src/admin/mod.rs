@@ -38,7 +38,7 @@ pub const REQUEST_LINE_BYTES_MAX: usize = 4096;
 pub const REPLY_LINE_BYTES_MAX: usize = 1 << 20;
 
 /// The command names a daemon knows, in the order `--help` would list them.
-pub const COMMANDS: [&str; 10] = [
+pub const COMMANDS: [&str; 11] = [
     "status",
     "flush",
     "check",
@@ -47,6 +47,7 @@ pub const COMMANDS: [&str; 10] = [
     "warm",
     "set",
     "volume_add",
+    "volume_set",
     "volume_list",
     "volume_remove",
 ];
@@ -94,6 +95,15 @@ pub enum AdminRequest {
         #[serde(default)]
         dirty_share_pct: Option<u8>,
     },
+    /// Change a volume's mode and/or dirty share (`cairn volume set`);
+    /// `dirty_share_pct` 0 is the default share.
+    VolumeSet {
+        name: String,
+        #[serde(default, with = "mode_name_opt")]
+        mode: Option<CacheMode>,
+        #[serde(default)]
+        dirty_share_pct: Option<u8>,
+    },
     /// The volumes (`cairn volume list`).
     VolumeList,
     /// Drain a volume, then drop it from the cache; refused while clients
@@ -113,6 +123,7 @@ impl AdminRequest {
             AdminRequest::Warm { .. } => "warm",
             AdminRequest::Set { .. } => "set",
             AdminRequest::VolumeAdd { .. } => "volume_add",
+            AdminRequest::VolumeSet { .. } => "volume_set",
             AdminRequest::VolumeList => "volume_list",
             AdminRequest::VolumeRemove { .. } => "volume_remove",
         }
@@ -323,6 +334,25 @@ mod mode_name {
     }
 }
 
+/// [`mode_name`] of an optional mode (absent: no change).
+mod mode_name_opt {
+    use cairn_engine::CacheMode;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(mode: &Option<CacheMode>, s: S) -> Result<S::Ok, S::Error> {
+        match mode {
+            Some(mode) => super::mode_name::serialize(mode, s),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<CacheMode>, D::Error> {
+        #[derive(Deserialize)]
+        struct Wrapped(#[serde(with = "super::mode_name")] CacheMode);
+        Ok(Option::<Wrapped>::deserialize(d)?.map(|Wrapped(mode)| mode))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,12 +388,30 @@ mod tests {
                 integrity: false,
                 dirty_share_pct: Some(30),
             },
+            AdminRequest::VolumeSet {
+                name: "db".into(),
+                mode: Some(CacheMode::WriteThrough),
+                dirty_share_pct: Some(0),
+            },
             AdminRequest::VolumeList,
             AdminRequest::VolumeRemove {
                 name: "db".into(),
                 force: true,
             },
         ]
+    }
+
+    #[test]
+    fn a_volume_set_without_a_mode_round_trips() {
+        let r = AdminRequest::VolumeSet {
+            name: "".into(),
+            mode: None,
+            dirty_share_pct: Some(40),
+        };
+        let mut bytes = Vec::new();
+        write_message(&mut bytes, &Envelope::new(&r)).expect("encode");
+        let line = String::from_utf8(bytes).expect("utf-8");
+        assert_eq!(decode_request(line.trim_end()).expect(&line), r);
     }
 
     #[test]

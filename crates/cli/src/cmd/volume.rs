@@ -64,6 +64,32 @@ pub enum VolumeCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Change a volume's cache mode or dirty share, online or offline.
+    ///
+    /// Leaving writeback writes back that volume's dirty data first, with
+    /// progress (the other volumes keep theirs). The settings are stored
+    /// in the cache's volume table.
+    ///
+    ///   cairn volume set --cache C --name backup --mode writethrough
+    ///   cairn volume set --cache C --name scratch --dirty-share-pct 10
+    ///   cairn volume set --cache C --name scratch --dirty-share-pct default
+    #[command(verbatim_doc_comment)]
+    Set {
+        /// The cache device or file (as given to `cairn format`).
+        #[arg(long)]
+        cache: PathBuf,
+        /// The volume to change ("" for the first volume).
+        #[arg(long)]
+        name: String,
+        #[arg(long, value_enum)]
+        mode: Option<Mode>,
+        /// The most of the cache's log this volume's dirty data may hold
+        /// while other volumes use the cache: a percent (1-100), or
+        /// `default` (half with two volumes, a third with three, a quarter
+        /// with four or more).
+        #[arg(long, value_parser = parse_dirty_share)]
+        dirty_share_pct: Option<DirtyShare>,
+    },
     /// List the volumes: name, origin, size, mode, cached blocks, state.
     List {
         /// The cache device or file (as given to `cairn format`).
@@ -116,6 +142,12 @@ pub fn run(command: VolumeCommand) -> Result<()> {
             )?;
             say!("removed volume {name:?}: its origin holds everything written to it")?;
         }
+        VolumeCommand::Set {
+            cache,
+            name,
+            mode,
+            dirty_share_pct,
+        } => set(&cache, &name, mode, dirty_share_pct)?,
         VolumeCommand::List { cache, json } => {
             let volumes = ask(&cache, &AdminRequest::VolumeList)?;
             if json {
@@ -125,6 +157,66 @@ pub fn run(command: VolumeCommand) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// A dirty share as given on the command line.
+#[derive(Debug, Clone, Copy)]
+pub struct DirtyShare(Option<u8>);
+
+fn parse_dirty_share(text: &str) -> Result<DirtyShare, String> {
+    if text == "default" {
+        return Ok(DirtyShare(None));
+    }
+    match text.parse::<u8>() {
+        Ok(pct) if (1..=100).contains(&pct) => Ok(DirtyShare(Some(pct))),
+        _ => Err(format!(
+            "{text:?} is not a share: give a percent from 1 to 100, or `default`"
+        )),
+    }
+}
+
+/// `cairn volume set`.
+fn set(
+    cache: &Path,
+    name: &str,
+    mode: Option<Mode>,
+    dirty_share_pct: Option<DirtyShare>,
+) -> Result<()> {
+    if mode.is_none() && dirty_share_pct.is_none() {
+        anyhow::bail!("nothing to change: give --mode, --dirty-share-pct or both");
+    }
+    let request = AdminRequest::VolumeSet {
+        name: name.to_string(),
+        mode: mode.map(Mode::engine),
+        dirty_share_pct: dirty_share_pct.map(|DirtyShare(pct)| pct.unwrap_or(0)),
+    };
+    let mut written = 0u64;
+    let mut volumes = None;
+    {
+        let pb = super::Progress::new("draining");
+        super::run_request(cache, &request, |reply| match reply {
+            AdminReply::Progress { done, total } => pb.set(done, total),
+            AdminReply::Drained { blocks_written, .. } => written = blocks_written,
+            AdminReply::Volumes { volumes: v } => volumes = Some(v),
+            _ => {}
+        })?;
+    }
+    let volumes = volumes.context("the daemon answered without the volumes")?;
+    let entry = volumes
+        .as_array()
+        .and_then(|list| list.iter().find(|v| v["name"] == name))
+        .context("the volume is not in the list")?;
+    say!(
+        "volume {name:?}: mode {}, dirty share {}% of the log{} ({written} dirty blocks written back first)",
+        entry["mode"].as_str().unwrap_or("?"),
+        entry["dirty_share_pct"],
+        if entry["dirty_share_default"].as_bool() == Some(true) {
+            " (the default)"
+        } else {
+            ""
+        },
+    )?;
     Ok(())
 }
 

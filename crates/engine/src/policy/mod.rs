@@ -52,11 +52,6 @@ impl Policy {
         CacheMode::from_code(code).unwrap_or(CacheMode::WriteBack)
     }
 
-    /// Set the first volume's mode.
-    pub(crate) fn set_mode(&self, mode: CacheMode) {
-        self.set_mode_of(0, mode);
-    }
-
     pub(crate) fn set_mode_of(&self, volume: u16, mode: CacheMode) {
         self.modes[volume as usize].store(mode.code(), Ordering::SeqCst);
     }

@@ -16,6 +16,7 @@ use cairn_format::{
     VolumeTable,
 };
 
+use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::parts::Parts;
 use crate::policy::CacheMode;
@@ -32,6 +33,20 @@ pub struct NewVolume {
     /// the cache (1..=100); `None` for the default (half with two
     /// volumes, less with more: see `write/dirty_share.rs`).
     pub dirty_share_pct: Option<u8>,
+}
+
+/// A dirty share a volume may have: 1 to 100 percent of the log, or none
+/// (the default).
+pub(crate) fn check_dirty_share(env: &Env, pct: Option<u8>) -> EngineResult<()> {
+    match pct {
+        Some(pct) if !(1..=100).contains(&pct) => Err(EngineError::InvalidVolume {
+            device: env.cache.name().to_string(),
+            detail: format!(
+                "a dirty share of {pct}% is out of range: give 1 to 100 percent of the log"
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Add a volume on `origin`. Returns its entry as written.
@@ -51,13 +66,7 @@ pub(crate) fn add(
             "integrity tags are kept for the first volume only (its tag area was sized when the cache was formatted); add this volume without integrity".into(),
         ));
     }
-    if let Some(pct) = new.dirty_share_pct {
-        if !(1..=100).contains(&pct) {
-            return Err(invalid(format!(
-                "a dirty share of {pct}% is out of range: give 1 to 100 percent of the log"
-            )));
-        }
-    }
+    check_dirty_share(env, new.dirty_share_pct)?;
     crate::format::check_origin_size(origin.as_ref(), env.block_size_bytes as u32)?;
     let identity = origin_identity_for_superblock(&origin.identity()).to_string();
     let mut st = p.state.normal(env)?;
