@@ -187,6 +187,10 @@ pub(crate) fn reopen(p: Parts<'_>, entry: &VolumeEntry) {
 /// `volume remove` is simply run again.
 pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
     let env = p.env;
+    // A background step of the volume may still run (the durable log grew
+    // since the drain, so it looked behind): it must end before its
+    // position, its origin and, once reused, its id go.
+    let _lane = p.writeback.hold_lane(entry.id);
     let mut st = p.state.normal(env)?;
     let st = &mut *st;
     let blocks = st.index.volume_blocks(entry.id);
