@@ -44,36 +44,43 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
                 .map(|e| e.connections as u64)
         })
     };
-    type Gauge<'a> = Box<dyn Fn(&cairn_engine::VolumeStatus) -> u64 + 'a>;
+    // `None`: no line for that volume (a limit that does not apply).
+    type Gauge<'a> = Box<dyn Fn(&cairn_engine::VolumeStatus) -> Option<u64> + 'a>;
     let mut gauges: Vec<(&str, Gauge)> = vec![
-        ("dirty_blocks", Box::new(|v| v.dirty_blocks)),
-        ("clean_blocks", Box::new(|v| v.clean_blocks)),
+        ("dirty_blocks", Box::new(|v| Some(v.dirty_blocks))),
+        ("clean_blocks", Box::new(|v| Some(v.clean_blocks))),
         (
             "cached_bytes",
-            Box::new(|v| (v.dirty_blocks + v.clean_blocks) * block_bytes),
+            Box::new(|v| Some((v.dirty_blocks + v.clean_blocks) * block_bytes)),
         ),
-        ("size_bytes", Box::new(|v| v.entry.origin_size_bytes)),
-        ("writeback_offset", Box::new(|v| v.writeback_offset)),
+        ("size_bytes", Box::new(|v| Some(v.entry.origin_size_bytes))),
+        ("writeback_offset", Box::new(|v| Some(v.writeback_offset))),
         (
             "origin_failing",
-            Box::new(|v| u64::from(v.origin_error.is_some())),
+            Box::new(|v| Some(u64::from(v.origin_error.is_some()))),
         ),
+        (
+            "dirty_share_pct",
+            Box::new(|v| Some(u64::from(v.dirty_share_pct))),
+        ),
+        // Only while another volume holds blocks: alone, no limit.
+        ("dirty_limit_blocks", Box::new(|v| v.dirty_limit_blocks)),
     ];
     if exports.is_some() {
         gauges.push((
             "connections",
-            Box::new(move |v| connections(v).unwrap_or(0)),
+            Box::new(move |v| Some(connections(v).unwrap_or(0))),
         ));
     }
     for (name, value) in gauges {
         let _ = writeln!(out, "# TYPE cairn_volume_{name} gauge");
         for v in &volumes {
+            let Some(value) = value(v) else { continue };
             let _ = writeln!(
                 out,
-                "cairn_volume_{name}{{volume=\"{}\",id=\"{}\"}} {}",
+                "cairn_volume_{name}{{volume=\"{}\",id=\"{}\"}} {value}",
                 label(&v.entry.name),
                 v.entry.id,
-                value(v)
             );
         }
     }

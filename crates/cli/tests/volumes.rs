@@ -218,6 +218,8 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
             16 * MIB
         ),
         "cairn_volume_connections{volume=\"late\",id=\"3\"} 0".to_string(),
+        // Four volumes: a quarter of the log each, by default.
+        "cairn_volume_dirty_share_pct{volume=\"fast\",id=\"1\"} 25".to_string(),
     ] {
         assert!(
             text.lines().any(|l| l == line),
@@ -227,6 +229,10 @@ fn three_volumes_over_three_origins_survive_kill9_and_drain_to_their_own_origins
     assert!(
         text.contains("cairn_volume_info{volume=\"slow\",id=\"2\",origin=\"nbd+unix:"),
         "{text}"
+    );
+    assert!(
+        text.contains("cairn_volume_dirty_limit_blocks{volume=\"fast\",id=\"1\"} "),
+        "the other volumes hold blocks, so a limit applies: {text}"
     );
     let dirty: u64 = text
         .lines()
