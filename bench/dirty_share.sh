@@ -19,17 +19,9 @@ seconds=15
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${CAIRN_BIN:-$root/target/release/cairn}
 [ -x "$bin" ] || cargo build --release -p cairn --manifest-path "$root/Cargo.toml"
-for tool in fio nbdkit; do
-  command -v "$tool" >/dev/null || { echo "dirty_share: $tool is missing" >&2; exit 1; }
-done
-work=$(mktemp -d /var/tmp/cairn-dshare.XXXXXX)
-stop_all() {
-  for f in "$work"/*.pid; do [ -e "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null; done
-  rm -f "$work"/*.pid
-  sleep 0.3
-}
-trap 'stop_all; rm -rf "$work"' EXIT
-export CAIRN_RUNTIME_DIR="$work"
+# shellcheck source=bench/volumes_common.sh
+. "$root/bench/volumes_common.sh"
+volumes_bench_setup dirty_share
 
 # fio's write IOPS and p99 completion latency (µs) of A, from JSON.
 a_writes() { # seconds uri

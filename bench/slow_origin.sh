@@ -20,17 +20,9 @@ if [ ${#bins[@]} -eq 0 ]; then
   [ -x "$root/target/release/cairn" ] || cargo build --release -p cairn --manifest-path "$root/Cargo.toml"
   bins=("$root/target/release/cairn")
 fi
-for tool in fio nbdkit; do
-  command -v "$tool" >/dev/null || { echo "slow_origin: $tool is missing" >&2; exit 1; }
-done
-work=$(mktemp -d /var/tmp/cairn-slow.XXXXXX)
-stop_all() {
-  for f in "$work"/*.pid; do [ -e "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null; done
-  rm -f "$work"/*.pid
-  sleep 0.3
-}
-trap 'stop_all; rm -rf "$work"' EXIT
-export CAIRN_RUNTIME_DIR="$work"
+# shellcheck source=bench/volumes_common.sh
+. "$root/bench/volumes_common.sh"
+volumes_bench_setup slow_origin
 
 # A's and B's dirty blocks, from `volume list --json`.
 dirty() { # bin

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use cairn_engine::Engine;
 
-use crate::writeback_turns::{extra_thread_loop, Turns, WRITEBACK_THREADS_MAX};
+use crate::writeback_turns::{extra_thread_loop, step, Turns, WRITEBACK_THREADS_MAX};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WritebackPolicy {
@@ -317,22 +317,9 @@ fn decide_and_step(
             std::thread::sleep(Duration::from_millis(10));
             continue;
         }
-        let step_started = Instant::now();
-        match engine.writeback_step() {
-            Ok(p) => {
-                backoff_ms = 10;
-                let bytes = p.blocks_written * s.block_size_bytes;
-                planner.record_writeback(bytes, step_started.elapsed());
-                turns.spend(bytes);
-                if p.groups == 0 {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-            Err(e) => {
-                tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
-                std::thread::sleep(Duration::from_millis(backoff_ms));
-                backoff_ms = (backoff_ms * 2).min(5_000);
-            }
+        if let Some((bytes, elapsed)) = step(engine, s.block_size_bytes, &mut backoff_ms) {
+            planner.record_writeback(bytes, elapsed);
+            turns.spend(bytes);
         }
     }
 }

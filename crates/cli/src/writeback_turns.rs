@@ -108,22 +108,31 @@ pub fn extra_thread_loop(
             std::thread::sleep(Duration::from_millis(20));
             continue;
         }
-        let started = Instant::now();
-        match engine.writeback_step() {
-            Ok(p) => {
-                backoff_ms = 10;
-                let bytes = p.blocks_written * block_bytes;
-                turns.record_step(bytes, started.elapsed());
-                turns.spend(bytes);
-                if p.groups == 0 {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+        if let Some((bytes, elapsed)) = step(engine, block_bytes, &mut backoff_ms) {
+            turns.record_step(bytes, elapsed);
+            turns.spend(bytes);
+        }
+    }
+}
+
+/// One write-back step: the bytes it wrote and the time it took. An empty
+/// step sleeps 20 ms; a failed one is logged and sleeps `backoff_ms`,
+/// which doubles up to 5 s until a step succeeds.
+pub fn step(engine: &Engine, block_bytes: u64, backoff_ms: &mut u64) -> Option<(u64, Duration)> {
+    let started = Instant::now();
+    match engine.writeback_step() {
+        Ok(p) => {
+            *backoff_ms = 10;
+            if p.groups == 0 {
+                std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) => {
-                tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
-                std::thread::sleep(Duration::from_millis(backoff_ms));
-                backoff_ms = (backoff_ms * 2).min(5_000);
-            }
+            Some((p.blocks_written * block_bytes, started.elapsed()))
+        }
+        Err(e) => {
+            tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
+            std::thread::sleep(Duration::from_millis(*backoff_ms));
+            *backoff_ms = (*backoff_ms * 2).min(5_000);
+            None
         }
     }
 }

@@ -195,28 +195,7 @@ impl Engine {
 
     /// Every volume with its blocks in the cache, in table order.
     pub fn volumes_status(&self) -> Vec<VolumeStatus> {
-        let st = self.state.unchecked();
-        st.volumes
-            .volumes()
-            .iter()
-            .map(|entry| {
-                let blocks = st.index.volume_blocks(entry.id);
-                VolumeStatus {
-                    entry: entry.clone(),
-                    dirty_blocks: blocks.dirty,
-                    clean_blocks: blocks.clean,
-                    writeback_offset: st
-                        .log
-                        .volume_writeback_position(entry.id)
-                        .unwrap_or_else(|| st.log.writeback_position()),
-                    origin_error: self.writeback.volume_origin_error(entry.id),
-                    dirty_share_pct: entry.dirty_share_pct.unwrap_or_else(|| {
-                        crate::write::default_dirty_share_pct(st.volumes.volumes().len())
-                    }),
-                    dirty_limit_blocks: crate::write::dirty_limit_blocks(&st, entry.id),
-                }
-            })
-            .collect()
+        crate::volume_status::statuses(self.parts())
     }
 
     /// Add a volume on `origin` while the cache is open; its requests go
@@ -257,47 +236,11 @@ impl Engine {
         }
     }
 
-    /// The id of volume `name`.
-    fn volume_id(&self, name: &str) -> EngineResult<u16> {
-        self.state
-            .unchecked()
-            .volumes
-            .by_name(name)
-            .map(|v| v.id)
-            .ok_or_else(|| EngineError::VolumeNotFound {
-                name: name.to_string(),
-            })
-    }
-
     /// Set volume `name`'s dirty share: `Some(pct)` percent of the log
     /// (1-100), `None` the default for the number of volumes. It applies
     /// to the next write; stored in the volume table.
     pub fn set_volume_dirty_share(&self, name: &str, pct: Option<u8>) -> EngineResult<()> {
-        volume_admin::check_dirty_share(&self.env, pct)?;
-        let id = self.volume_id(name)?;
-        let mut st = self.state.normal(&self.env)?;
-        let table = self.changed_volume(&st.volumes, id, |v| v.dirty_share_pct = pct)?;
-        st.write_volume_table(&self.env, table)
-    }
-
-    /// `table` with volume `id` changed by `change`, as the next table.
-    fn changed_volume(
-        &self,
-        table: &VolumeTable,
-        id: u16,
-        change: impl FnOnce(&mut VolumeEntry),
-    ) -> EngineResult<VolumeTable> {
-        let mut volumes = table.volumes().to_vec();
-        let Some(entry) = volumes.iter_mut().find(|v| v.id == id) else {
-            return Err(EngineError::NoSuchVolume { volume_id: id });
-        };
-        change(entry);
-        VolumeTable::new(table.sequence, table.uuid, volumes).map_err(|e| {
-            EngineError::InvalidVolume {
-                device: self.env.cache.name().to_string(),
-                detail: e.to_string(),
-            }
-        })
+        volume_admin::set_dirty_share(self.parts(), name, pct)
     }
 
     /// The size of volume `volume` in bytes.
@@ -718,7 +661,8 @@ impl Engine {
         mode: CacheMode,
         progress: impl FnMut(&WritebackProgress),
     ) -> EngineResult<WritebackProgress> {
-        self.set_mode_of(self.volume_id(name)?, mode, progress)
+        let id = volume_admin::id_of(&self.state.unchecked().volumes, name)?;
+        self.set_mode_of(id, mode, progress)
     }
 
     fn set_mode_of(
@@ -739,7 +683,8 @@ impl Engine {
             self.flush_internal()?;
             {
                 let mut st = self.state.normal(&self.env)?;
-                let table = self.changed_volume(&st.volumes, id, |v| v.mode = mode.code())?;
+                let table =
+                    volume_admin::changed(&self.env, &st.volumes, id, |v| v.mode = mode.code())?;
                 st.write_volume_table(&self.env, table)?;
                 // Under the engine lock, after the table: a volume removed
                 // meanwhile is refused above and keeps its slot's mode.
@@ -770,7 +715,7 @@ impl Engine {
     /// degraded cache takes no writes: refused, like a mode change.
     pub fn store_settings(&self, settings: StoredSettings) -> EngineResult<()> {
         let mut st = self.state.normal(&self.env)?;
-        let table = self.changed_volume(&st.volumes, 0, |v| v.settings = settings)?;
+        let table = volume_admin::changed(&self.env, &st.volumes, 0, |v| v.settings = settings)?;
         st.write_volume_table(&self.env, table)
     }
 

@@ -3,6 +3,8 @@
 
 use cairn_format::VolumeEntry;
 
+use crate::parts::Parts;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeStatus {
     pub entry: VolumeEntry,
@@ -20,4 +22,30 @@ pub struct VolumeStatus {
     /// The most dirty blocks it may hold now (`None`: no limit, as no
     /// other volume holds anything in the cache).
     pub dirty_limit_blocks: Option<u64>,
+}
+
+/// Every volume with its blocks in the cache, in table order.
+pub(crate) fn statuses(p: Parts<'_>) -> Vec<VolumeStatus> {
+    let st = p.state.unchecked();
+    st.volumes
+        .volumes()
+        .iter()
+        .map(|entry| {
+            let blocks = st.index.volume_blocks(entry.id);
+            VolumeStatus {
+                entry: entry.clone(),
+                dirty_blocks: blocks.dirty,
+                clean_blocks: blocks.clean,
+                writeback_offset: st
+                    .log
+                    .volume_writeback_position(entry.id)
+                    .unwrap_or_else(|| st.log.writeback_position()),
+                origin_error: p.writeback.volume_origin_error(entry.id),
+                dirty_share_pct: entry.dirty_share_pct.unwrap_or_else(|| {
+                    crate::write::default_dirty_share_pct(st.volumes.volumes().len())
+                }),
+                dirty_limit_blocks: crate::write::dirty_limit_blocks(&st, entry.id),
+            }
+        })
+        .collect()
 }

@@ -69,6 +69,15 @@ fn open_all(cache: &SimDevice, origins: &[SimDevice]) -> Result<Engine, EngineEr
 impl Volumes {
     /// A cache formatted on the first origin, with the other two added.
     fn new(cache_bytes: u64) -> Volumes {
+        Volumes::new_with(cache_bytes, |_, origin| Arc::new(origin.clone()))
+    }
+
+    /// [`Volumes::new`], each added volume's origin device made by
+    /// `device_of(id, origin)` (a wrapper that holds or slows it).
+    fn new_with(
+        cache_bytes: u64,
+        device_of: impl Fn(usize, &SimDevice) -> Arc<dyn Device>,
+    ) -> Volumes {
         let cache = SimDevice::new("cache", cache_bytes);
         let origins: Vec<SimDevice> = SIZES
             .iter()
@@ -85,7 +94,7 @@ impl Volumes {
         for (i, origin) in origins.iter().enumerate().skip(1) {
             let entry = engine
                 .add_volume(
-                    Arc::new(origin.clone()),
+                    device_of(i, origin),
                     &new_volume(&format!("vol{i}"), MODES[i]),
                 )
                 .expect("add");
@@ -1112,33 +1121,23 @@ fn a_slow_origin_holds_back_only_its_own_volume() {
     use std::sync::mpsc;
     use std::time::Duration;
 
-    let cache = SimDevice::new("cache", cache_bytes_small());
-    let origins: Vec<SimDevice> = SIZES
-        .iter()
-        .enumerate()
-        .map(|(i, &blocks)| SimDevice::new(&format!("origin{i}"), blocks * BS))
-        .collect();
-    Engine::format(
-        Arc::new(cache.clone()),
-        Arc::new(origins[0].clone()),
-        &FormatOptions::default(),
-    )
-    .expect("format");
-    let e = open_all(&cache, &origins[..1]).expect("open");
-    let slow = Arc::new(GatedOrigin::new(origins[1].clone(), Hold::Write));
-    e.add_volume(slow.clone(), &new_volume("vol1", CacheMode::WriteBack))
-        .expect("add vol1");
-    e.add_volume(
-        Arc::new(origins[2].clone()),
-        &new_volume("vol2", CacheMode::WriteThrough),
-    )
-    .expect("add vol2");
+    let gated = std::cell::OnceCell::new();
+    let vols = Volumes::new_with(cache_bytes_small(), |i, origin| {
+        if i == 1 {
+            gated
+                .get_or_init(|| Arc::new(GatedOrigin::new(origin.clone(), Hold::Write)))
+                .clone() as Arc<dyn Device>
+        } else {
+            Arc::new(origin.clone())
+        }
+    });
+    let slow = gated.get().expect("volume 1's origin is gated");
+    let (e, origins) = (vols.engine(), &vols.origins);
     let mut models = models();
-    fill(&e, 1, &mut models[1], 24, 300);
+    fill(e, 1, &mut models[1], 24, 300);
     e.flush().expect("flush");
     slow.gate.arm(None);
     let limit = Duration::from_secs(30);
-    let e = &e;
     std::thread::scope(|s| {
         let held = s.spawn(|| {
             for _ in 0..1000 {

@@ -8,6 +8,11 @@
 //! leaves the cache as it was; nothing of the new volume is in the log
 //! until requests reach it, which they do only once the call returns.
 
+mod entry_change;
+
+pub(crate) use entry_change::{changed, check_dirty_share, id_of, set_dirty_share};
+use entry_change::{entry_of, next_table};
+
 use std::sync::Arc;
 
 use cairn_device::Device;
@@ -16,7 +21,6 @@ use cairn_format::{
     VolumeTable,
 };
 
-use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::parts::Parts;
 use crate::policy::CacheMode;
@@ -33,20 +37,6 @@ pub struct NewVolume {
     /// the cache (1..=100); `None` for the default (half with two
     /// volumes, less with more: see `write/dirty_share.rs`).
     pub dirty_share_pct: Option<u8>,
-}
-
-/// A dirty share a volume may have: 1 to 100 percent of the log, or none
-/// (the default).
-pub(crate) fn check_dirty_share(env: &Env, pct: Option<u8>) -> EngineResult<()> {
-    match pct {
-        Some(pct) if !(1..=100).contains(&pct) => Err(EngineError::InvalidVolume {
-            device: env.cache.name().to_string(),
-            detail: format!(
-                "a dirty share of {pct}% is out of range: give 1 to 100 percent of the log"
-            ),
-        }),
-        _ => Ok(()),
-    }
 }
 
 /// Add a volume on `origin`. Returns its entry as written.
@@ -164,10 +154,7 @@ pub(crate) fn close(p: Parts<'_>, name: &str) -> EngineResult<VolumeEntry> {
 
 /// Volume `name` of `table`, if it may be removed (the first volume stays).
 pub(crate) fn removable(table: &VolumeTable, name: &str) -> EngineResult<VolumeEntry> {
-    let entry = table
-        .by_name(name)
-        .cloned()
-        .ok_or_else(|| EngineError::VolumeNotFound { name: name.into() })?;
+    let entry = entry_of(table, name)?;
     if entry.id == 0 {
         return Err(EngineError::FirstVolumeKept { name: name.into() });
     }
@@ -223,12 +210,7 @@ pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
         .filter(|v| v.id != entry.id)
         .cloned()
         .collect();
-    let next = VolumeTable::new(st.volumes.sequence, st.volumes.uuid, volumes).map_err(|e| {
-        EngineError::InvalidVolume {
-            device: env.cache.name().to_string(),
-            detail: e.to_string(),
-        }
-    })?;
+    let next = next_table(env, &st.volumes, volumes)?;
     let SuperblockVolumes::V2 { positions, .. } = &mut st.superblock.volumes else {
         unreachable!("a cache taking writes is format 2");
     };
