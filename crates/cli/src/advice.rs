@@ -34,6 +34,15 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::VolumeExists { name } => Some(format!(
             "pick another name; `cairn volume list --cache CACHE` shows the volumes (the name {name:?} is taken)"
         )),
+        EngineError::Layout {
+            layout: cairn_format::LayoutError::CacheTooSmallForTags { .. },
+            ..
+        } => Some(
+            "format without --integrity, with a smaller --integrity-reserve, or with a larger --block-size (one tag per block)".into(),
+        ),
+        EngineError::NoTagRoom { .. } => Some(
+            "add the volume without --integrity, remove a volume with integrity to free its pages, or format the cache with a larger --integrity-reserve (which erases it: flush and drain first)".into(),
+        ),
         EngineError::OriginInUse { name, .. } => Some(format!(
             "each origin belongs to one volume; volume {name:?} serves it already"
         )),

@@ -31,11 +31,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         Some((i, 'K' | 'k')) => (&t[..i], 10),
         Some((i, 'M' | 'm')) => (&t[..i], 20),
         Some((i, 'G' | 'g')) => (&t[..i], 30),
+        Some((i, 'T' | 't')) => (&t[..i], 40),
         _ => (t, 0),
     };
     let v: u64 = num
         .parse()
-        .map_err(|_| format!("{s:?} is not a size; use e.g. 4096, 64K, 4M or 1G"))?;
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 4096, 64K, 4M, 1G or 2T"))?;
     v.checked_mul(1u64 << shift)
         .ok_or_else(|| format!("{s:?} is too large"))
 }

@@ -233,8 +233,9 @@ impl Workers {
                 })
             })?;
 
-        // Integrity recalculation over data that predates the format: one
-        // bounded step at a time, resuming where it stopped.
+        // Integrity recalculation over data that predates the format (or
+        // the volume's add): one bounded step at a time, resuming where it
+        // stopped, and waiting for volumes added later with integrity.
         let recalc = if engine.integrity() {
             let r_engine = engine.clone();
             let r_stop = stop.clone();
@@ -287,12 +288,22 @@ impl Workers {
 
 /// Recalculate integrity tags until done or stopped. Origin errors back
 /// off and retry: tags not yet computed only mean unverified reads.
+/// How often an idle recalculation looks for a volume added with integrity.
+const RECALC_IDLE_POLL: Duration = Duration::from_secs(1);
+
 fn recalc_loop(engine: &Engine, stop: &AtomicBool) {
     let mut backoff_ms = 100u64;
     let mut announced = false;
     while !stop.load(Ordering::SeqCst) {
         match engine.recalc_step() {
-            Ok(p) if p.done() => return,
+            Ok(p) if p.done() => {
+                // Finished until a volume with integrity is added.
+                announced = false;
+                let deadline = std::time::Instant::now() + RECALC_IDLE_POLL;
+                while std::time::Instant::now() < deadline && !stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
             Ok(p) => {
                 if !announced {
                     tracing::info!(

@@ -24,6 +24,9 @@ pub fn volumes_json(
             let mode = CacheMode::name_of_code(e.mode);
             m.insert("mode".into(), json!(mode));
             m.insert("integrity".into(), json!(e.integrity));
+            if let Some(at) = v.recalc_position_blocks {
+                m.insert("recalc_position_blocks".into(), json!(at));
+            }
             let state = match e.state {
                 VolumeState::Active => "active",
                 VolumeState::Removing => "removing",
@@ -174,6 +177,14 @@ fn insert_integrity(m: &mut Map<String, Value>, s: &StatsSnapshot) {
     );
     m.insert("tag_pages_dirty".into(), json!(s.tag_pages_dirty));
     m.insert("tag_memory_bytes".into(), json!(s.tag_memory_bytes));
+    m.insert("tag_area_pages".into(), json!(s.tag_area_pages));
+    m.insert("tag_area_free_pages".into(), json!(s.tag_area_free_pages));
+    // What the free pages can still cover, in origin bytes.
+    let free_blocks = s.tag_area_free_pages * cairn_format::TAGS_PER_PAGE as u64;
+    m.insert(
+        "tag_area_free_origin_bytes".into(),
+        json!(free_blocks * s.block_size_bytes),
+    );
 }
 
 /// The NBD server's counters and the latencies (online), the settings in
@@ -295,14 +306,17 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
     if v.get("integrity").and_then(|x| x.as_bool()) == Some(true) {
         writeln!(
             out,
-            "  integrity: on ({}), recalculation {} ({} of {} blocks), origin mismatches {}, origin repairs {}, unverified reads {}",
+            "  integrity: on ({}), recalculation {} ({} of {} blocks), origin mismatches {}, origin repairs {}, unverified reads {}; tag area {} pages, {} free (room for {} bytes of origin)",
             get("tag_algorithm"),
             get("recalc_state"),
             get("recalc_position_blocks"),
             get("recalc_total_blocks"),
             get("origin_mismatches"),
             get("origin_repairs"),
-            get("origin_unverified_reads")
+            get("origin_unverified_reads"),
+            get("tag_area_pages"),
+            get("tag_area_free_pages"),
+            get("tag_area_free_origin_bytes")
         )?;
     } else {
         writeln!(out, "  integrity: off (only cached blocks are checksummed)")?;

@@ -847,25 +847,25 @@ impl Engine {
         self.env.integrity
     }
 
-    /// One step of background recalculation of origin tags.
+    /// One step of background recalculation of origin tags (of the first
+    /// volume, by id, whose recalculation is not finished).
     pub fn recalc_step(&self) -> EngineResult<RecalcProgress> {
-        let total = self.env.volume_blocks;
         self.with_degrade(|degraded| {
             if degraded {
                 // A degraded cache keeps no tags: nothing to recalculate.
-                return Ok(RecalcProgress {
-                    position_blocks: total,
-                    total_blocks: total,
-                    blocks_tagged: 0,
-                });
+                return Ok(RecalcProgress::default());
             }
             integrity::recalc_step(self.parts())
         })
     }
 
-    /// Recalculate until every origin block has a tag (tests, offline use).
+    /// Recalculate until every origin block of every volume with tags has
+    /// a tag (tests, offline use).
     pub fn recalc_all(&self, mut progress: impl FnMut(&RecalcProgress)) -> EngineResult<()> {
-        let steps_max = self.env.volume_blocks + 1;
+        // A step covers at least one block, and a volume's last step may
+        // find it moved on (one more).
+        let origins = self.env.origins.all();
+        let steps_max = origins.iter().map(|v| v.blocks + 1).sum::<u64>() + 1;
         for _ in 0..steps_max {
             let p = self.recalc_step()?;
             progress(&p);
@@ -976,10 +976,19 @@ impl Engine {
         s.integrity = env.integrity && st.tags.is_some();
         if let Some(tags) = &st.tags {
             s.tag_algorithm = "crc32c(lba_le64 || block)";
-            s.recalc_position_blocks = tags.recalc_pos;
-            s.recalc_total_blocks = tags.origin_blocks();
+            let recalc = integrity::progress_of(&st.tags);
+            s.recalc_position_blocks = recalc.position_blocks;
+            s.recalc_total_blocks = recalc.total_blocks;
             s.tag_pages_dirty = tags.dirty_pages();
             s.tag_memory_bytes = tags.memory_bytes() as u64;
+            if let Ok(area) = cairn_format::TagArea::of(
+                st.superblock.features,
+                &st.volumes,
+                env.block_size_bytes as u32,
+            ) {
+                s.tag_area_pages = area.pages();
+                s.tag_area_free_pages = area.free_pages();
+            }
         }
         s.degraded = env.health.is_degraded();
         s.degrading = env.health.is_degrade_pending();

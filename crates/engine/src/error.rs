@@ -74,6 +74,12 @@ pub enum EngineError {
     VolumeExists { name: String },
     #[error("origin {origin} is volume {name:?}'s already: two volumes writing back to one origin would overwrite each other")]
     OriginInUse { origin: String, name: String },
+    #[error("the cache's integrity tag area has no room for this origin's tags: they take {needed_pages} pages, and {free_pages} of the area's {area_pages} are free (the largest free run is what counts)")]
+    NoTagRoom {
+        needed_pages: u64,
+        free_pages: u64,
+        area_pages: u64,
+    },
     #[error("the cache serves {max} volumes already, the most it can")]
     TooManyVolumes { max: usize },
     #[error("volume {volume_id} is not served by this cache (it was removed, or never added)")]
@@ -97,8 +103,12 @@ pub enum EngineError {
         cairn_format::key_volume(*lba)
     )]
     DirtyBlockCorrupt { lba: u64 },
-    #[error("origin block {lba} (byte offset {offset_bytes}) does not match its integrity tag: the origin returned corrupt or misplaced data")]
-    OriginCorrupt { lba: u64, offset_bytes: u64 },
+    #[error("origin block {lba} (byte offset {offset_bytes}) of volume {volume_id} does not match its integrity tag: the origin returned corrupt or misplaced data")]
+    OriginCorrupt {
+        volume_id: u16,
+        lba: u64,
+        offset_bytes: u64,
+    },
     #[error("request at offset {offset} length {length_bytes} is past the end of the {size_bytes}-byte volume")]
     OutOfRange {
         offset: u64,

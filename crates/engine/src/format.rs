@@ -4,8 +4,9 @@ use std::sync::Arc;
 
 use cairn_device::Device;
 use cairn_format::{
-    origin_identity_for_superblock, CheckpointHeader, Layout, Superblock, SuperblockVolumes,
-    VolumeEntry, VolumePosition, VolumeState, VolumeTable, ORIGIN_BLOCKS_MAX,
+    origin_identity_for_superblock, tag_pages_for, CheckpointHeader, Layout, Superblock,
+    SuperblockVolumes, TagExtent, VolumeEntry, VolumePosition, VolumeState, VolumeTable,
+    ORIGIN_BLOCKS_MAX,
 };
 
 use crate::env::chain_seed;
@@ -14,6 +15,7 @@ use crate::options::FormatOptions;
 use crate::stats::Counters;
 use crate::superblocks;
 use crate::tags::TagTable;
+use crate::volume_tags::VolumeTags;
 
 /// Format `cache` for `origin`. Refuses to overwrite an existing cairn
 /// cache unless `opts.force`.
@@ -38,25 +40,46 @@ pub(crate) fn format(
     let block_bytes = opts.block_size_bytes;
     check_origin_size(origin.as_ref(), block_bytes)?;
     let origin_blocks = origin.size_bytes() / block_bytes as u64;
-    let layout = Layout::compute_with_tags(
+    let first_pages = if opts.integrity {
+        tag_pages_for(origin_blocks)
+    } else {
+        0
+    };
+    let reserve_pages = tag_pages_for(opts.integrity_reserve_bytes / block_bytes as u64);
+    let layout = Layout::compute_with_tag_pages(
         cache.size_bytes(),
         block_bytes,
-        opts.integrity.then_some(origin_blocks),
+        first_pages + reserve_pages,
     )
     .map_err(|layout| EngineError::Layout {
         device: cache.name().to_string(),
         layout,
     })?;
     let uuid: [u8; 16] = rand::random();
+    // With a reserve the area is shared out in extents, the first
+    // volume's (if any) from page 0.
+    let extents = reserve_pages > 0;
+    let tag_area_pages = if extents { layout.tag_pages } else { 0 };
     if opts.integrity {
         // Every tag starts unset; recalculation fills them in from the
         // origin's present contents.
-        let mut tags = TagTable::new_unset(origin_blocks, layout.tag_pages, chain_seed(&uuid));
-        tags.write_all(cache.as_ref(), &layout, &Counters::default())
+        let extent = TagExtent {
+            volume_id: 0,
+            first_page: 0,
+            pages: first_pages,
+        };
+        TagTable::empty(chain_seed(&uuid))
+            .add_fresh(
+                cache.as_ref(),
+                &layout,
+                VolumeTags::new_unset(extent, origin_blocks),
+                &[0],
+                &Counters::default(),
+            )
             .map_err(EngineError::Cache)?;
     }
     write_empty_checkpoint(cache.as_ref(), &layout, &uuid)?;
-    let table = first_volume_table(cache.as_ref(), origin.as_ref(), opts, uuid)?;
+    let table = first_volume_table(cache.as_ref(), origin.as_ref(), opts, uuid, tag_area_pages)?;
     superblocks::write_table(cache.as_ref(), &table).map_err(EngineError::Cache)?;
     let mut superblock = Superblock {
         sequence: 1,
@@ -69,10 +92,10 @@ pub(crate) fn format(
         active_checkpoint: 0,
         checkpoint_sequence: 1,
         writeback_offset: 0,
-        features: if opts.integrity {
-            cairn_format::FEATURE_INTEGRITY
-        } else {
-            0
+        features: match (layout.tag_pages > 0, extents) {
+            (false, _) => 0,
+            (true, false) => cairn_format::FEATURE_INTEGRITY,
+            (true, true) => cairn_format::FEATURE_INTEGRITY | cairn_format::FEATURE_TAG_EXTENTS,
         },
         volumes: SuperblockVolumes::V2 {
             table_sequence: table.sequence,
@@ -94,6 +117,7 @@ fn first_volume_table(
     origin: &dyn Device,
     opts: &FormatOptions,
     uuid: [u8; 16],
+    tag_area_pages: u64,
 ) -> EngineResult<VolumeTable> {
     let volume = VolumeEntry {
         id: 0,
@@ -106,10 +130,13 @@ fn first_volume_table(
         integrity: opts.integrity,
         dirty_share_pct: None,
         settings: Default::default(),
+        tag_first_page: 0,
     };
-    VolumeTable::new(1, uuid, vec![volume]).map_err(|e| EngineError::InvalidVolume {
-        device: cache.name().to_string(),
-        detail: e.to_string(),
+    VolumeTable::new_with_tag_area(1, uuid, tag_area_pages, vec![volume]).map_err(|e| {
+        EngineError::InvalidVolume {
+            device: cache.name().to_string(),
+            detail: e.to_string(),
+        }
     })
 }
 

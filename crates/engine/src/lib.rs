@@ -56,6 +56,7 @@ mod volume_admin;
 mod volume_origin;
 mod volume_set;
 mod volume_status;
+mod volume_tags;
 mod write;
 mod write_lane;
 mod writeback;

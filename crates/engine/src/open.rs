@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use cairn_device::Device;
 use cairn_format::{
-    origin_identity_for_superblock, Layout, Superblock, SuperblockVolumes, VolumeEntry, VolumeTable,
+    origin_identity_for_superblock, Layout, Superblock, SuperblockVolumes, TagArea, VolumeEntry,
+    VolumeTable,
 };
 
 use crate::env::Env;
@@ -45,7 +46,7 @@ pub(crate) fn open(
     let superblock = superblocks::read_newest(cache.as_ref())?;
     let volumes = superblocks::read_table(cache.as_ref(), &superblock)?;
     let first = first_volume(cache.as_ref(), &volumes)?.clone();
-    let layout = check_cache(cache.as_ref(), &superblock, &first)?;
+    let layout = check_cache(cache.as_ref(), &superblock, &volumes)?;
     let mut origins = Vec::with_capacity(volumes.volumes().len());
     let mut modes = Vec::with_capacity(volumes.volumes().len());
     for volume in volumes.volumes() {
@@ -115,12 +116,13 @@ fn record_new_identity(env: &Env, state: &mut State, id: u16) -> EngineResult<()
         return Ok(());
     }
     let table =
-        VolumeTable::new(state.volumes.sequence, state.superblock.uuid, volumes).map_err(|e| {
-            EngineError::SuperblockInvalid {
+        state
+            .volumes
+            .with_volumes(volumes)
+            .map_err(|e| EngineError::SuperblockInvalid {
                 device: env.cache.name().to_string(),
                 detail: format!("the volume table with the new origin: {e}"),
-            }
-        })?;
+            })?;
     state.write_volume_table(env, table)
 }
 
@@ -177,19 +179,13 @@ fn check_origin(
     crate::format::check_origin_size(origin, superblock.block_size_bytes)
 }
 
-/// The cache must be laid out as the superblock says, with the first
-/// volume's integrity tags where the layout puts them. Returns the layout.
+/// The cache must be laid out as the superblock says, with a tag area
+/// that holds the tags of the volumes with integrity. Returns the layout.
 fn check_cache(
     cache: &dyn Device,
     superblock: &Superblock,
-    volume: &VolumeEntry,
+    volumes: &VolumeTable,
 ) -> EngineResult<Layout> {
-    if volume.integrity != (superblock.features & cairn_format::FEATURE_INTEGRITY != 0) {
-        return Err(EngineError::SuperblockInvalid {
-            device: cache.name().to_string(),
-            detail: "the volume's integrity flag differs from the cache's".into(),
-        });
-    }
     if cache.size_bytes() < superblock.cache_size_bytes {
         return Err(EngineError::CacheShrunk {
             device: cache.name().to_string(),
@@ -213,17 +209,13 @@ fn check_cache(
             });
         }
     }
-    let integrity = superblock.features & cairn_format::FEATURE_INTEGRITY != 0;
-    let volume_blocks = volume.origin_size_bytes / block_bytes as u64;
-    let layout = Layout::compute_with_tags(
-        superblock.cache_size_bytes,
-        block_bytes,
-        integrity.then_some(volume_blocks),
-    )
-    .map_err(|layout| EngineError::Layout {
-        device: cache.name().to_string(),
-        layout,
-    })?;
+    let area = tag_area(cache, superblock, volumes)?;
+    let layout =
+        Layout::compute_with_tag_pages(superblock.cache_size_bytes, block_bytes, area.pages())
+            .map_err(|layout| EngineError::Layout {
+                device: cache.name().to_string(),
+                layout,
+            })?;
     if layout.log_blocks != superblock.log_blocks
         || layout.checkpoint_slot_bytes != superblock.checkpoint_slot_bytes
     {
@@ -284,24 +276,36 @@ fn open_degraded(
 /// Load every integrity tag. Pages unreadable in both copies are
 /// recalculated from the origin rather than refusing the whole cache.
 fn load_tags(env: &Env, state: &mut State) -> EngineResult<TagTable> {
-    let (mut tags, lost_pages) = TagTable::load(
+    let area = tag_area(env.cache.as_ref(), &state.superblock, &state.volumes)?;
+    let block_bytes = env.block_size_bytes as u64;
+    let table = &state.volumes;
+    let superblock = &state.superblock;
+    let (mut tags, lost) = TagTable::load(
         env.cache.as_ref(),
         &env.layout,
-        env.volume_blocks,
+        &area,
         env.format_tag,
-        superblocks::recalc_position(&state.superblock),
+        |id| {
+            table
+                .by_id(id)
+                .map_or(0, |v| v.origin_size_bytes / block_bytes)
+        },
+        |id| superblocks::recalc_position(superblock, id),
     )
     .map_err(EngineError::Cache)?;
-    if let Some(&first) = lost_pages.first() {
-        let from = first * cairn_format::TAGS_PER_PAGE as u64;
+    for pages in lost {
+        let from = pages.first_page * cairn_format::TAGS_PER_PAGE as u64;
         tracing::error!(
-            pages = lost_pages.len(),
+            volume_id = pages.volume_id,
+            pages = pages.count,
             first_block = from,
             "integrity tag pages unreadable in both copies; their blocks are recalculated from the origin"
         );
-        Counters::add(&env.counters.tag_pages_lost, lost_pages.len() as u64);
-        tags.recalc_pos = tags.recalc_pos.min(from);
-        superblocks::set_recalc_position(&mut state.superblock, tags.recalc_pos);
+        Counters::add(&env.counters.tag_pages_lost, pages.count);
+        let volume = tags.volume_mut(pages.volume_id).expect("loaded volume");
+        volume.recalc_pos = volume.recalc_pos.min(from);
+        let at = volume.recalc_pos;
+        superblocks::set_recalc_position(&mut state.superblock, pages.volume_id, at);
     }
     let healed = tags.heal_from_clean_copies(state.index.clean_copies(), env.block_size_bytes);
     if healed > 0 {
@@ -311,4 +315,19 @@ fn load_tags(env: &Env, state: &mut State) -> EngineResult<TagTable> {
         );
     }
     Ok(tags)
+}
+
+/// The tag area the superblock and the table describe, checked (both are
+/// device contents).
+fn tag_area(
+    cache: &dyn Device,
+    superblock: &Superblock,
+    volumes: &VolumeTable,
+) -> EngineResult<TagArea> {
+    TagArea::of(superblock.features, volumes, superblock.block_size_bytes).map_err(|e| {
+        EngineError::SuperblockInvalid {
+            device: cache.name().to_string(),
+            detail: format!("the integrity tag area does not fit the volume table: {e}"),
+        }
+    })
 }

@@ -8,6 +8,10 @@ pub struct FormatOptions {
     pub force: bool,
     /// Keep an integrity tag for every origin block (`FEATURE_INTEGRITY`).
     pub integrity: bool,
+    /// Origin bytes' worth of tag pages to reserve for volumes added later
+    /// with integrity (0: none; the tag area is then the first volume's
+    /// alone, as format 1 had it).
+    pub integrity_reserve_bytes: u64,
     /// The first volume's name: its NBD export name. `""` (the default) is
     /// what clients that name no export ask for.
     pub volume_name: String,
@@ -19,6 +23,7 @@ impl Default for FormatOptions {
             block_size_bytes: 4096,
             force: false,
             integrity: false,
+            integrity_reserve_bytes: 0,
             volume_name: String::new(),
         }
     }

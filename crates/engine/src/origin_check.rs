@@ -1,6 +1,6 @@
 //! Judging a block read from the origin against its integrity tag.
 
-use cairn_format::{tag_matches, TAG_UNSET};
+use cairn_format::{key_lba, key_volume, tag_matches, TAG_UNSET};
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
@@ -37,8 +37,9 @@ pub(crate) fn judge(env: &Env, lba: u64, block: &[u8], tag: Option<u32>) -> Engi
             Ok(())
         }
         Some(false) => Err(EngineError::OriginCorrupt {
-            lba,
-            offset_bytes: lba * env.block_size_bytes as u64,
+            volume_id: key_volume(lba),
+            lba: key_lba(lba),
+            offset_bytes: key_lba(lba) * env.block_size_bytes as u64,
         }),
     }
 }
@@ -46,8 +47,9 @@ pub(crate) fn judge(env: &Env, lba: u64, block: &[u8], tag: Option<u32>) -> Engi
 pub(crate) fn report_mismatch(env: &Env, lba: u64) {
     Counters::add(&env.counters.origin_mismatches, 1);
     tracing::error!(
-        lba,
-        offset_bytes = lba * env.block_size_bytes as u64,
+        volume_id = key_volume(lba),
+        lba = key_lba(lba),
+        offset_bytes = key_lba(lba) * env.block_size_bytes as u64,
         "origin block does not match its integrity tag; returning EIO"
     );
 }

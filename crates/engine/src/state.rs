@@ -52,7 +52,10 @@ impl State {
                 env.health
                     .cache_write_failed("writing integrity tag pages", e)
             })?;
-            superblocks::set_recalc_position(&mut self.superblock, tags.recalc_pos);
+            for volume in tags.volumes() {
+                let (id, at) = (volume.volume_id, volume.recalc_pos);
+                superblocks::set_recalc_position(&mut self.superblock, id, at);
+            }
         }
         // Every superblock carries each volume's write-back position as
         // memory has it: each is true (its groups are on the origin,

@@ -52,6 +52,10 @@ macro_rules! counters {
             pub recalc_total_blocks: u64,
             pub tag_pages_dirty: u64,
             pub tag_memory_bytes: u64,
+            /// Pages (per copy) of the tag area, and those no volume holds:
+            /// what `volume add --integrity` can still take.
+            pub tag_area_pages: u64,
+            pub tag_area_free_pages: u64,
             /// Origin reads of misses allowed in flight at once.
             pub origin_queue_depth: u64,
             /// Origin reads of misses in flight now.

@@ -125,6 +125,7 @@ pub(crate) fn table_of_v1(
         integrity: superblock.features & cairn_format::FEATURE_INTEGRITY != 0,
         dirty_share_pct: None,
         settings: origin.settings,
+        tag_first_page: 0,
     };
     VolumeTable::new(sequence, superblock.uuid, vec![volume]).map_err(|e| {
         EngineError::SuperblockInvalid {
@@ -172,25 +173,26 @@ pub(crate) fn set_writeback_positions(superblock: &mut Superblock, cursors: &Wri
     }
 }
 
-/// Where integrity recalculation of the volume stands (the engine's one
-/// volume, id 0).
-pub(crate) fn recalc_position(superblock: &Superblock) -> u64 {
+/// Where integrity recalculation of volume `id` stands.
+pub(crate) fn recalc_position(superblock: &Superblock, id: u16) -> u64 {
     match &superblock.volumes {
-        SuperblockVolumes::V1(origin) => origin.recalc_position_blocks,
+        SuperblockVolumes::V1(origin) if id == 0 => origin.recalc_position_blocks,
+        SuperblockVolumes::V1(_) => 0,
         SuperblockVolumes::V2 { positions, .. } => positions
             .iter()
-            .find(|p| p.id == 0)
+            .find(|p| p.id == id)
             .map_or(0, |p| p.recalc_position_blocks),
     }
 }
 
-/// Record that every integrity tag of the volume is computed below
-/// `blocks` (the engine's one volume, id 0).
-pub(crate) fn set_recalc_position(superblock: &mut Superblock, blocks: u64) {
+/// Record that every integrity tag of volume `id` is computed below
+/// `blocks`.
+pub(crate) fn set_recalc_position(superblock: &mut Superblock, id: u16, blocks: u64) {
     match &mut superblock.volumes {
-        SuperblockVolumes::V1(origin) => origin.recalc_position_blocks = blocks,
+        SuperblockVolumes::V1(origin) if id == 0 => origin.recalc_position_blocks = blocks,
+        SuperblockVolumes::V1(_) => {}
         SuperblockVolumes::V2 { positions, .. } => {
-            for p in positions.iter_mut().filter(|p| p.id == 0) {
+            for p in positions.iter_mut().filter(|p| p.id == id) {
                 p.recalc_position_blocks = blocks;
             }
         }

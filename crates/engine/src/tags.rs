@@ -9,13 +9,17 @@
 //! after the origin was flushed, so a tag on the device never describes
 //! data the origin may not have; blocks whose write-back is redone after a
 //! crash are dirty again and exempt until the redo sets their tag again.
+//!
+//! Tags are kept per volume ([`VolumeTags`]), each in its extent of the tag
+//! area (`cairn_format::TagArea`); a block is named by its key, and a key
+//! of a volume without tags has none.
 
 use cairn_device::{Device, DeviceError};
-use cairn_format::{
-    block_checksum, Layout, RangeKind, TagPage, TAGS_PER_PAGE, TAG_PAGE_BYTES, TAG_UNSET,
-};
+use cairn_format::TAG_PAGE_BYTES;
+use cairn_format::{block_checksum, key_lba, key_volume, Layout, RangeKind, TagArea, TagPage};
 
 use crate::stats::Counters;
+use crate::volume_tags::VolumeTags;
 
 /// Tag pages are read and written in batches of at most this many bytes.
 const TAG_IO_CHUNK_BYTES: usize = 1 << 20;
@@ -24,107 +28,81 @@ const PAGES_PER_CHUNK: u64 = (TAG_IO_CHUNK_BYTES / TAG_PAGE_BYTES) as u64;
 const TAG_SEQUENCE_LIMIT: u64 = crate::superblocks::LOG_COUNTER_LIMIT;
 
 pub(crate) struct TagTable {
-    tags: Vec<u32>,
-    /// Per page: the copy (0 or 1) that holds its newest valid version.
-    current_copy: Vec<u8>,
-    /// Bitmap of pages changed in memory since they were last written.
-    dirty: Vec<u64>,
-    dirty_pages: u64,
+    /// The volumes with tags, by id.
+    volumes: Vec<VolumeTags>,
     /// Stamped on the next batch of page writes; higher wins at load.
     next_sequence: u64,
     format_tag: u32,
-    /// Tags below this block were computed by recalculation (or set by
-    /// write-back); at and above it, unset tags are still expected.
-    pub recalc_pos: u64,
 }
 
 impl TagTable {
-    /// A table of unset tags for a fresh format.
-    pub fn new_unset(origin_blocks: u64, pages: u64, format_tag: u32) -> TagTable {
-        assert_eq!(pages, cairn_format::tag_pages_for(origin_blocks));
+    /// A table with no volume yet.
+    pub fn empty(format_tag: u32) -> TagTable {
         TagTable {
-            tags: vec![TAG_UNSET; origin_blocks as usize],
-            current_copy: vec![1; pages as usize],
-            dirty: vec![0; (pages as usize).div_ceil(64)],
-            dirty_pages: 0,
+            volumes: Vec::new(),
             next_sequence: 1,
             format_tag,
-            recalc_pos: 0,
         }
     }
 
-    pub fn origin_blocks(&self) -> u64 {
-        self.tags.len() as u64
+    pub fn volumes(&self) -> &[VolumeTags] {
+        &self.volumes
     }
 
-    pub fn pages(&self) -> u64 {
-        self.current_copy.len() as u64
+    pub fn volume(&self, id: u16) -> Option<&VolumeTags> {
+        self.volumes.iter().find(|v| v.volume_id == id)
+    }
+
+    pub fn volume_mut(&mut self, id: u16) -> Option<&mut VolumeTags> {
+        self.volumes.iter_mut().find(|v| v.volume_id == id)
     }
 
     pub fn dirty_pages(&self) -> u64 {
-        self.dirty_pages
+        self.volumes.iter().map(|v| v.dirty_pages()).sum()
     }
 
     pub fn memory_bytes(&self) -> usize {
-        self.tags.len() * 4 + self.current_copy.len() + self.dirty.len() * 8
+        self.volumes.iter().map(|v| v.memory_bytes()).sum()
     }
 
-    pub fn get(&self, lba: u64) -> u32 {
-        self.tags[lba as usize]
-    }
-
-    /// The tag of the block named by `key`, if the table covers it: tags
-    /// are kept for the first volume only (its keys are its addresses), so
-    /// any other volume's block has none.
+    /// The tag of the block named by `key`, if its volume keeps tags.
     pub fn tag_of(&self, key: u64) -> Option<u32> {
-        (key < self.origin_blocks()).then(|| self.get(key))
+        let v = self.volume(key_volume(key))?;
+        let lba = key_lba(key);
+        (lba < v.blocks()).then(|| v.get(lba))
     }
 
-    pub fn set(&mut self, lba: u64, tag: u32) {
-        let cell = &mut self.tags[lba as usize];
-        if *cell != tag {
-            *cell = tag;
-            self.mark_dirty(lba / TAGS_PER_PAGE as u64);
-        }
-    }
-
-    /// Set `count` tags from `lba` to one value (zero or discard ranges).
-    pub fn set_range(&mut self, lba: u64, count: u64, tag: u32) {
-        let end = lba + count;
-        assert!(end <= self.origin_blocks());
-        let mut at = lba;
-        // Page by page, so only pages that change are marked.
-        while at < end {
-            let page = at / TAGS_PER_PAGE as u64;
-            let page_end = ((page + 1) * TAGS_PER_PAGE as u64).min(end);
-            let cells = &mut self.tags[at as usize..page_end as usize];
-            if cells.iter().any(|&t| t != tag) {
-                cells.fill(tag);
-                self.mark_dirty(page);
-            }
-            at = page_end;
-        }
+    /// Set the tag of a block whose volume keeps tags.
+    pub fn set_key(&mut self, key: u64, tag: u32) {
+        let v = self
+            .volume_mut(key_volume(key))
+            .expect("the block's volume keeps tags");
+        v.set(key_lba(key), tag);
     }
 
     /// Write-back put these ranges, then these blocks (with their verified
     /// checksums), on the origin and flushed it: their tags follow, in that
-    /// order.
+    /// order. Blocks of volumes without tags are passed over.
     pub fn record_origin_writes(
         &mut self,
         ranges: &[(RangeKind, u64, u64)],
         blocks: &[(u64, u32)],
     ) {
-        // Tags cover the first volume only; a range never crosses volumes.
-        let covered = self.origin_blocks();
-        for &(kind, lba, count) in ranges.iter().filter(|r| r.1 < covered) {
+        // A range never crosses volumes.
+        for &(kind, key, count) in ranges {
+            let Some(v) = self.volume_mut(key_volume(key)) else {
+                continue;
+            };
             let tag = match kind {
                 RangeKind::Zero => cairn_format::TAG_ZERO,
                 RangeKind::Discard => cairn_format::TAG_DISCARDED,
             };
-            self.set_range(lba, count, tag);
+            v.set_range(key_lba(key), count, tag);
         }
-        for &(lba, crc) in blocks.iter().filter(|b| b.0 < covered) {
-            self.set(lba, cairn_format::fold_tag(crc));
+        for &(key, crc) in blocks {
+            if let Some(v) = self.volume_mut(key_volume(key)) {
+                v.set(key_lba(key), cairn_format::fold_tag(crc));
+            }
         }
     }
 
@@ -144,139 +122,107 @@ impl TagTable {
     ) -> u64 {
         let zeroes = vec![0u8; block_size_bytes];
         let mut healed = 0u64;
-        let covered = self.origin_blocks();
-        for (lba, crc) in copies.filter(|c| c.0 < covered) {
+        for (key, crc) in copies {
+            let Some(tag) = self.tag_of(key) else {
+                continue;
+            };
             let expected = cairn_format::fold_tag(crc);
-            let tag = self.get(lba);
             let agrees = tag == expected
-                || (tag == cairn_format::TAG_ZERO && block_checksum(lba, &zeroes) == crc);
+                || (tag == cairn_format::TAG_ZERO && block_checksum(key, &zeroes) == crc);
             if !agrees {
-                self.set(lba, expected);
+                self.set_key(key, expected);
                 healed += 1;
             }
         }
         healed
     }
 
-    fn mark_dirty(&mut self, page: u64) {
-        let (word, bit) = ((page / 64) as usize, page % 64);
-        if self.dirty[word] & (1 << bit) == 0 {
-            self.dirty[word] |= 1 << bit;
-            self.dirty_pages += 1;
-        }
-    }
-
-    fn page_tags(&self, page: u64) -> Vec<u32> {
-        let start = (page * TAGS_PER_PAGE as u64) as usize;
-        let end = (start + TAGS_PER_PAGE).min(self.tags.len());
-        let mut tags = self.tags[start..end].to_vec();
-        // The last page is padded with unset tags.
-        tags.resize(TAGS_PER_PAGE, TAG_UNSET);
-        tags
-    }
-
-    /// Write every page to copy 0 (format). Copy 1 may hold anything: pages
-    /// of an earlier format carry another format tag and never count.
-    pub fn write_all(
+    /// Take on a volume whose tags are all unset, writing every page of its
+    /// extent to each of `copies` first, then a barrier (format).
+    pub fn add_fresh(
         &mut self,
         cache: &dyn Device,
         layout: &Layout,
+        volume: VolumeTags,
+        copies: &[u8],
         counters: &Counters,
     ) -> Result<(), DeviceError> {
-        let pages = self.pages();
-        let mut buf = vec![0u8; TAG_IO_CHUNK_BYTES];
-        let mut page = 0u64;
-        while page < pages {
-            let count = PAGES_PER_CHUNK.min(pages - page);
-            for k in 0..count {
-                let at = k as usize * TAG_PAGE_BYTES;
-                self.encode_page(page + k, &mut buf[at..at + TAG_PAGE_BYTES]);
-            }
-            let len = count as usize * TAG_PAGE_BYTES;
-            cache.write_at(layout.tag_page_offset_bytes(page, 0), &buf[..len])?;
-            Counters::add(&counters.tag_pages_written, count);
-            Counters::add(&counters.cache_bytes_written, len as u64);
-            page += count;
-        }
-        cache.flush()?;
-        self.current_copy.fill(0);
-        self.dirty.fill(0);
-        self.dirty_pages = 0;
-        self.next_sequence += 1;
+        let stamp = self.stamp();
+        write_fresh(cache, layout, &volume, copies, stamp, counters)?;
+        self.insert_fresh(volume, copies[0]);
         Ok(())
     }
 
-    fn encode_page(&self, page: u64, out: &mut [u8]) {
-        TagPage {
-            page_index: page,
+    /// What pages written now must carry: this table's next sequence and
+    /// format tag.
+    pub fn stamp(&self) -> TagStamp {
+        TagStamp {
             sequence: self.next_sequence,
             format_tag: self.format_tag,
-            tags: self.page_tags(page),
         }
-        .encode_into(out);
     }
 
-    /// Load every page, picking the newest valid copy of each. Returns the
-    /// table and the pages whose both copies were unreadable (their tags are
-    /// unset and they are queued for rewriting; the caller moves the
-    /// recalculation position back so they are recomputed).
+    /// Take on a volume whose extent [`write_fresh`] wrote, newest in
+    /// `copy`.
+    pub fn insert_fresh(&mut self, mut volume: VolumeTags, copy: u8) {
+        assert!(self.volume(volume.volume_id).is_none());
+        volume.all_written_to(copy);
+        self.next_sequence += 1;
+        let at = self
+            .volumes
+            .partition_point(|v| v.volume_id < volume.volume_id);
+        self.volumes.insert(at, volume);
+    }
+
+    /// Forget a removed volume's tags (its pages are left as they are: an
+    /// extent is written whole before it is used again).
+    pub fn remove_volume(&mut self, id: u16) {
+        self.volumes.retain(|v| v.volume_id != id);
+    }
+
+    fn encode_page(&self, volume: &VolumeTags, page: u64, out: &mut [u8]) {
+        encode_page(self.stamp(), volume, page, out);
+    }
+
+    /// Load the tags of every volume the area gives an extent, picking the
+    /// newest valid copy of each page. `blocks_of` and `recalc_of` give a
+    /// volume's size in blocks and its recalculation position. Returns the
+    /// table and, per volume, the first page whose both copies were
+    /// unreadable, with how many were (their tags are unset and they are
+    /// queued for rewriting; the caller moves that volume's recalculation
+    /// position back so they are recomputed).
     pub fn load(
         cache: &dyn Device,
         layout: &Layout,
-        origin_blocks: u64,
+        area: &TagArea,
         format_tag: u32,
-        recalc_pos: u64,
-    ) -> Result<(TagTable, Vec<u64>), DeviceError> {
-        let pages = layout.tag_pages;
-        let mut table = TagTable::new_unset(origin_blocks, pages, format_tag);
-        table.recalc_pos = recalc_pos.min(origin_blocks);
-        let mut best: Vec<Option<(u64, u8)>> = vec![None; pages as usize];
-        let mut buf = vec![0u8; TAG_IO_CHUNK_BYTES];
-        let mut max_sequence = 0u64;
-        for copy in 0..2u8 {
-            let mut page = 0u64;
-            while page < pages {
-                let count = PAGES_PER_CHUNK.min(pages - page);
-                let len = count as usize * TAG_PAGE_BYTES;
-                cache.read_at(layout.tag_page_offset_bytes(page, copy), &mut buf[..len])?;
-                for k in 0..count {
-                    let at = k as usize * TAG_PAGE_BYTES;
-                    let Ok(decoded) = TagPage::decode(&buf[at..at + TAG_PAGE_BYTES]) else {
-                        continue;
-                    };
-                    let index = page + k;
-                    // A sequence near the top of the range is damage (pages
-                    // count up from 1 by one per batch): such a copy is not
-                    // trusted, so the next sequence cannot overflow.
-                    if decoded.page_index != index
-                        || decoded.format_tag != format_tag
-                        || decoded.sequence >= TAG_SEQUENCE_LIMIT
-                    {
-                        continue;
-                    }
-                    let slot = &mut best[index as usize];
-                    if slot.is_none_or(|(seq, _)| decoded.sequence > seq) {
-                        *slot = Some((decoded.sequence, copy));
-                        max_sequence = max_sequence.max(decoded.sequence);
-                        let start = (index * TAGS_PER_PAGE as u64) as usize;
-                        let end = (start + TAGS_PER_PAGE).min(origin_blocks as usize);
-                        table.tags[start..end].copy_from_slice(&decoded.tags[..end - start]);
-                    }
-                }
-                page += count;
-            }
-        }
+        blocks_of: impl Fn(u16) -> u64,
+        recalc_of: impl Fn(u16) -> u64,
+    ) -> Result<(TagTable, Vec<LostPages>), DeviceError> {
+        let mut table = TagTable::empty(format_tag);
         let mut lost = Vec::new();
-        for (index, choice) in best.iter().enumerate() {
-            match choice {
-                Some((_, copy)) => table.current_copy[index] = *copy,
-                None => {
-                    lost.push(index as u64);
-                    table.current_copy[index] = 0;
-                    table.mark_dirty(index as u64);
-                }
+        let mut max_sequence = 0u64;
+        for &extent in area.extents() {
+            let blocks = blocks_of(extent.volume_id);
+            let mut volume = VolumeTags::new_unset(extent, blocks);
+            volume.recalc_pos = recalc_of(extent.volume_id).min(blocks);
+            let best = load_extent(cache, layout, &mut volume, format_tag, &mut max_sequence)?;
+            let missing: Vec<u64> = (0..volume.pages())
+                .filter(|&page| best[page as usize].is_none())
+                .collect();
+            for &page in &missing {
+                volume.lose_page(page);
             }
+            if let Some(&first_page) = missing.first() {
+                lost.push(LostPages {
+                    volume_id: extent.volume_id,
+                    first_page,
+                    count: missing.len() as u64,
+                });
+            }
+            table.volumes.push(volume);
         }
+        table.volumes.sort_by_key(|v| v.volume_id);
         table.next_sequence = max_sequence + 1;
         Ok((table, lost))
     }
@@ -289,24 +235,20 @@ impl TagTable {
         layout: &Layout,
         counters: &Counters,
     ) -> Result<(), DeviceError> {
-        if self.dirty_pages == 0 {
+        if self.dirty_pages() == 0 {
             return Ok(());
         }
-        let mut written: Vec<u64> = Vec::with_capacity(self.dirty_pages as usize);
         let mut bufs: Vec<(u64, Vec<u8>)> = Vec::new();
         let mut pending_bytes = 0usize;
-        let pages = self.pages();
-        for word in 0..self.dirty.len() {
-            let mut bits = self.dirty[word];
-            while bits != 0 {
-                let bit = bits.trailing_zeros() as u64;
-                bits &= bits - 1;
-                let page = word as u64 * 64 + bit;
-                assert!(page < pages);
-                let target = 1 - self.current_copy[page as usize];
-                let at = layout.tag_page_offset_bytes(page, target);
+        let mut written_total = 0u64;
+        let dirty: Vec<Vec<u64>> = self.volumes.iter().map(|v| v.dirty_list()).collect();
+        for (volume, pages) in self.volumes.iter().zip(&dirty) {
+            for &page in pages {
+                assert!(page < volume.pages());
+                let global = volume.first_page + page;
+                let at = layout.tag_page_offset_bytes(global, volume.target_copy(page));
                 let mut out = vec![0u8; TAG_PAGE_BYTES];
-                self.encode_page(page, &mut out);
+                self.encode_page(volume, page, &mut out);
                 // Neighbouring pages going to the same copy merge into one I/O.
                 match bufs.last_mut() {
                     Some((start, buf))
@@ -317,7 +259,7 @@ impl TagTable {
                     _ => bufs.push((at, out)),
                 }
                 pending_bytes += TAG_PAGE_BYTES;
-                written.push(page);
+                written_total += 1;
                 if pending_bytes >= TAG_IO_CHUNK_BYTES {
                     write_batch(cache, &bufs)?;
                     Counters::add(&counters.cache_bytes_written, pending_bytes as u64);
@@ -332,17 +274,127 @@ impl TagTable {
         }
         cache.flush()?;
         Counters::add(&counters.cache_barriers, 1);
-        Counters::add(&counters.tag_pages_written, written.len() as u64);
-        assert_eq!(written.len() as u64, self.dirty_pages);
-        for page in written {
-            let copy = &mut self.current_copy[page as usize];
-            *copy = 1 - *copy;
+        Counters::add(&counters.tag_pages_written, written_total);
+        for (volume, pages) in self.volumes.iter_mut().zip(&dirty) {
+            volume.written(pages);
         }
-        self.dirty.fill(0);
-        self.dirty_pages = 0;
         self.next_sequence += 1;
         Ok(())
     }
+}
+
+/// The sequence and format tag a batch of page writes carries.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TagStamp {
+    sequence: u64,
+    format_tag: u32,
+}
+
+fn encode_page(stamp: TagStamp, volume: &VolumeTags, page: u64, out: &mut [u8]) {
+    TagPage {
+        page_index: volume.first_page + page,
+        sequence: stamp.sequence,
+        format_tag: stamp.format_tag,
+        tags: volume.page_tags(page),
+    }
+    .encode_into(out);
+}
+
+/// Write every page of a fresh volume's extent (its tags, all unset) to
+/// each of `copies`, then a barrier. Format writes copy 0 only: pages of an
+/// earlier format carry another format tag and never count. A volume
+/// added later writes both, since its extent may hold pages of a removed
+/// volume with this format's tag. Needs no lock: nothing reads an extent
+/// no table names.
+pub(crate) fn write_fresh(
+    cache: &dyn Device,
+    layout: &Layout,
+    volume: &VolumeTags,
+    copies: &[u8],
+    stamp: TagStamp,
+    counters: &Counters,
+) -> Result<(), DeviceError> {
+    assert!(!copies.is_empty() && copies.iter().all(|&c| c < 2));
+    let pages = volume.pages();
+    let mut buf = vec![0u8; TAG_IO_CHUNK_BYTES];
+    for &copy in copies {
+        let mut page = 0u64;
+        // Bounded: each round writes up to a chunk of the extent.
+        while page < pages {
+            let count = PAGES_PER_CHUNK.min(pages - page);
+            for k in 0..count {
+                let at = k as usize * TAG_PAGE_BYTES;
+                encode_page(stamp, volume, page + k, &mut buf[at..at + TAG_PAGE_BYTES]);
+            }
+            let len = count as usize * TAG_PAGE_BYTES;
+            let global = volume.first_page + page;
+            cache.write_at(layout.tag_page_offset_bytes(global, copy), &buf[..len])?;
+            Counters::add(&counters.tag_pages_written, count);
+            Counters::add(&counters.cache_bytes_written, len as u64);
+            page += count;
+        }
+    }
+    cache.flush()?;
+    Counters::add(&counters.cache_barriers, 1);
+    Ok(())
+}
+
+/// Tag pages of one volume with no valid copy at open.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LostPages {
+    pub volume_id: u16,
+    /// The first such page of the volume's extent.
+    pub first_page: u64,
+    pub count: u64,
+}
+
+/// Read both copies of a volume's extent into `volume`, keeping the newest
+/// valid copy of each page. Returns, per page of the extent, the sequence
+/// and copy chosen (`None`: neither copy was valid).
+fn load_extent(
+    cache: &dyn Device,
+    layout: &Layout,
+    volume: &mut VolumeTags,
+    format_tag: u32,
+    max_sequence: &mut u64,
+) -> Result<Vec<Option<(u64, u8)>>, DeviceError> {
+    let pages = volume.pages();
+    let mut best: Vec<Option<(u64, u8)>> = vec![None; pages as usize];
+    let mut buf = vec![0u8; TAG_IO_CHUNK_BYTES];
+    for copy in 0..2u8 {
+        let mut page = 0u64;
+        // Bounded: each round reads up to a chunk of the extent.
+        while page < pages {
+            let count = PAGES_PER_CHUNK.min(pages - page);
+            let len = count as usize * TAG_PAGE_BYTES;
+            let global = volume.first_page + page;
+            cache.read_at(layout.tag_page_offset_bytes(global, copy), &mut buf[..len])?;
+            for k in 0..count {
+                let at = k as usize * TAG_PAGE_BYTES;
+                let Ok(decoded) = TagPage::decode(&buf[at..at + TAG_PAGE_BYTES]) else {
+                    continue;
+                };
+                // A sequence near the top of the range is damage (pages
+                // count up from 1 by one per batch): such a copy is not
+                // trusted, so the next sequence cannot overflow.
+                if decoded.page_index != global + k
+                    || decoded.format_tag != format_tag
+                    || decoded.sequence >= TAG_SEQUENCE_LIMIT
+                {
+                    continue;
+                }
+                let index = page + k;
+                let slot = &mut best[index as usize];
+                if slot.is_none_or(|(seq, _)| decoded.sequence > seq) {
+                    *slot = Some((decoded.sequence, copy));
+                    *max_sequence = (*max_sequence).max(decoded.sequence);
+                    volume.load_page(index, copy, &decoded.tags);
+                }
+            }
+            page += count;
+        }
+    }
+    Ok(best)
 }
 
 fn write_batch(cache: &dyn Device, bufs: &[(u64, Vec<u8>)]) -> Result<(), DeviceError> {

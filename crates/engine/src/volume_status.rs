@@ -22,6 +22,9 @@ pub struct VolumeStatus {
     /// The most dirty blocks it may hold now (`None`: no limit, as no
     /// other volume holds anything in the cache).
     pub dirty_limit_blocks: Option<u64>,
+    /// With integrity: tags are computed (or set by write-back) for every
+    /// origin block below this one (`None`: the volume keeps no tags).
+    pub recalc_position_blocks: Option<u64>,
 }
 
 /// Every volume with its blocks in the cache, in table order.
@@ -45,6 +48,11 @@ pub(crate) fn statuses(p: Parts<'_>) -> Vec<VolumeStatus> {
                     crate::write::default_dirty_share_pct(st.volumes.volumes().len())
                 }),
                 dirty_limit_blocks: crate::write::dirty_limit_blocks(&st, entry.id),
+                recalc_position_blocks: st
+                    .tags
+                    .as_ref()
+                    .and_then(|t| t.volume(entry.id))
+                    .map(|v| v.recalc_pos.min(v.blocks())),
             }
         })
         .collect()

@@ -90,8 +90,7 @@ impl Formatted {
         let table = Engine::read_volume_table(&self.cache).expect("the volume table");
         let mut volumes = table.volumes().to_vec();
         change(&mut volumes[0]);
-        let table = cairn_format::VolumeTable::new(table.sequence, table.uuid, volumes)
-            .expect("a valid table");
+        let table = table.with_volumes(volumes).expect("a valid table");
         let copy = cairn_format::VolumeTable::copy_for(table.sequence);
         self.write(cairn_format::VOLUME_TABLE_OFFSETS[copy], &table.encode());
     }

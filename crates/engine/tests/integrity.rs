@@ -311,7 +311,7 @@ fn format_refuses_a_cache_too_small_for_the_tag_area() {
         "{msg}"
     );
     assert!(
-        msg.contains("tag area") && msg.contains("--integrity"),
+        msg.contains("tag area") && msg.contains("fewer origin bytes"),
         "{msg}"
     );
     // Without integrity the same cache is fine.

@@ -9,7 +9,8 @@
 //! - crash states of a workload over three volumes: each block holds its
 //!   last durably acknowledged value or a later one;
 //! - the errors a user can cause: a name or an origin twice, integrity on
-//!   an added volume, an unknown volume, a request past a volume's end.
+//!   an added volume without room for its tags, an unknown volume, a
+//!   request past a volume's end.
 
 mod common;
 use common::*;
@@ -359,8 +360,16 @@ fn a_user_cannot_add_a_volume_twice_or_reach_one_that_is_not_there() {
             ..new_volume("tagged", CacheMode::WriteBack)
         },
     );
+    // Formatted without a tag area: no room for its tags.
     assert!(
-        matches!(tagged, Err(EngineError::InvalidVolume { .. })),
+        matches!(
+            tagged,
+            Err(EngineError::NoTagRoom {
+                free_pages: 0,
+                area_pages: 0,
+                ..
+            })
+        ),
         "{tagged:?}"
     );
     let long_name = e.add_volume(

@@ -30,7 +30,7 @@ pub enum LayoutError {
         block_size_bytes: u32,
     },
     #[error(
-        "cache device is too small for origin integrity: {size_bytes} bytes, but the tag area for this origin takes {tag_area_bytes} bytes and the cache needs at least {min_bytes} bytes in all. Use a larger cache, a larger block size, or format without --integrity"
+        "cache device is too small for origin integrity: {size_bytes} bytes, but the integrity tag area takes {tag_area_bytes} bytes and the cache needs at least {min_bytes} bytes in all. Use a larger cache, a larger block size, or tags for fewer origin bytes"
     )]
     CacheTooSmallForTags {
         size_bytes: u64,
@@ -95,10 +95,20 @@ impl Layout {
         block_size_bytes: u32,
         integrity_origin_blocks: Option<u64>,
     ) -> Result<Layout, LayoutError> {
+        let tag_pages = integrity_origin_blocks.map_or(0, tag_pages_for);
+        Self::compute_with_tag_pages(cache_size_bytes, block_size_bytes, tag_pages)
+    }
+
+    /// The largest log that fits a cache of `cache_size_bytes`, after a tag
+    /// area of `tag_pages` pages per copy.
+    pub fn compute_with_tag_pages(
+        cache_size_bytes: u64,
+        block_size_bytes: u32,
+        tag_pages: u64,
+    ) -> Result<Layout, LayoutError> {
         if !block_size_valid(block_size_bytes) {
             return Err(LayoutError::BadBlockSize(block_size_bytes));
         }
-        let tag_pages = integrity_origin_blocks.map_or(0, tag_pages_for);
         let tag_area_bytes = Self::tag_area_bytes_for_pages(tag_pages, block_size_bytes);
         let min_bytes = Self::bytes_needed(
             Self::log_blocks_min(block_size_bytes),

@@ -26,6 +26,7 @@ mod records;
 mod settings;
 mod superblock;
 mod superblock_volumes;
+mod tag_area;
 mod tags;
 mod volume_entry;
 mod volume_position;
@@ -45,6 +46,7 @@ pub use records::{
 pub use settings::{StoredSettings, SETTINGS_COUNT, STORED_SETTINGS_BYTES};
 pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY_MAX_BYTES};
 pub use superblock_volumes::SuperblockVolumes;
+pub use tag_area::{TagArea, TagExtent};
 pub use tags::{
     fold_tag, origin_tag, tag_area_bytes_for, tag_matches, tag_pages_for, TagPage, TAGS_PER_PAGE,
     TAG_DISCARDED, TAG_PAGE_BYTES, TAG_PAGE_HEADER_BYTES, TAG_RESERVED_MAX, TAG_UNSET, TAG_ZERO,
@@ -82,11 +84,18 @@ pub const FEATURE_INTEGRITY: u32 = 1;
 /// copies, checkpoints, tags) may be stale and must never be served or
 /// replayed. Set once, cleared only by formatting again.
 pub const FEATURE_DEGRADED: u32 = 2;
+/// Superblock feature (format 2): the tag area is shared out in extents,
+/// one per volume with integrity, so volumes added later can keep tags
+/// too. The volume table's header holds the area's size and each entry its
+/// first page (see `tag_area`). Without it the tag area, if any, is the
+/// first volume's alone. A build that predates it refuses such a cache
+/// instead of misreading the tags of a volume it thinks has none.
+pub const FEATURE_TAG_EXTENTS: u32 = 4;
 /// Every feature bit this build understands. A superblock with any other
 /// bit set is refused, so an older build never misreads a newer cache (and
 /// a build older than `FEATURE_DEGRADED` refuses a degraded cache instead
 /// of serving stale data from it).
-pub const FEATURES_KNOWN: u32 = FEATURE_INTEGRITY | FEATURE_DEGRADED;
+pub const FEATURES_KNOWN: u32 = FEATURE_INTEGRITY | FEATURE_DEGRADED | FEATURE_TAG_EXTENTS;
 
 /// Each superblock copy occupies this many bytes.
 pub const SUPERBLOCK_BYTES: usize = 4096;

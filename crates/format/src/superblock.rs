@@ -542,8 +542,8 @@ mod tests {
 
     #[test]
     fn unknown_feature_bits_are_refused() {
-        // Bits 0 (integrity) and 1 (degraded) are known.
-        for bit in 2..32 {
+        // Bits 0 (integrity), 1 (degraded) and 2 (tag extents) are known.
+        for bit in 3..32 {
             let mut sb = sample();
             sb.features = 1 << bit;
             assert_eq!(

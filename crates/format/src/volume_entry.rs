@@ -14,7 +14,9 @@
 //! 136  identity_len u16, then origin identity (ORIGIN_IDENTITY_MAX_BYTES)
 //! 650  origin_size_bytes u64
 //! 658  stored settings (STORED_SETTINGS_BYTES)
-//! 718  reserved, zero
+//! 718  tag_first_page u64  with integrity and tag extents: the volume's
+//!                          first page in the tag area (else zero)
+//! 726  reserved, zero
 //! ```
 
 use crate::codec::{Reader, Writer};
@@ -32,7 +34,8 @@ const NAME_OFFSET: usize = 6;
 const IDENTITY_OFFSET: usize = NAME_OFFSET + 2 + VOLUME_NAME_MAX_BYTES;
 const ORIGIN_SIZE_OFFSET: usize = IDENTITY_OFFSET + 2 + ORIGIN_IDENTITY_MAX_BYTES;
 const SETTINGS_OFFSET: usize = ORIGIN_SIZE_OFFSET + 8;
-const RESERVED_OFFSET: usize = SETTINGS_OFFSET + STORED_SETTINGS_BYTES;
+const TAG_FIRST_PAGE_OFFSET: usize = SETTINGS_OFFSET + STORED_SETTINGS_BYTES;
+const RESERVED_OFFSET: usize = TAG_FIRST_PAGE_OFFSET + 8;
 const _: () = assert!(RESERVED_OFFSET <= VOLUME_ENTRY_BYTES);
 
 /// Where a volume is in its life.
@@ -79,6 +82,11 @@ pub struct VolumeEntry {
     /// (`None`: the engine's default for the number of volumes).
     pub dirty_share_pct: Option<u8>,
     pub settings: StoredSettings,
+    /// With integrity on a cache whose tag area is shared out in extents
+    /// (`FEATURE_TAG_EXTENTS`): the first tag page of this volume's
+    /// extent. Zero otherwise (the first volume of a cache without extents
+    /// starts at page 0 by the layout).
+    pub tag_first_page: u64,
 }
 
 impl VolumeEntry {
@@ -113,6 +121,12 @@ impl VolumeEntry {
                 });
             }
         }
+        if !self.integrity && self.tag_first_page != 0 {
+            return Err(DecodeError::OutOfRange {
+                field: "volume_tag_first_page",
+                value: self.tag_first_page,
+            });
+        }
         Ok(())
     }
 
@@ -138,6 +152,8 @@ impl VolumeEntry {
         debug_assert_eq!(w.position(), ORIGIN_SIZE_OFFSET);
         w.u64(self.origin_size_bytes);
         self.settings.encode(&mut w);
+        debug_assert_eq!(w.position(), TAG_FIRST_PAGE_OFFSET);
+        w.u64(self.tag_first_page);
         debug_assert_eq!(w.position(), RESERVED_OFFSET);
     }
 
@@ -166,6 +182,7 @@ impl VolumeEntry {
             padded_text(&mut r, ORIGIN_IDENTITY_MAX_BYTES, "volume_origin_identity")?;
         let origin_size_bytes = r.u64()?;
         let settings = StoredSettings::decode(&mut r)?;
+        let tag_first_page = r.u64()?;
         if buf[RESERVED_OFFSET..].iter().any(|&b| b != 0) {
             return Err(DecodeError::OutOfRange {
                 field: "volume_entry_reserved",
@@ -182,6 +199,7 @@ impl VolumeEntry {
             integrity: flags & FLAG_INTEGRITY != 0,
             dirty_share_pct: (share != 0).then_some(share),
             settings,
+            tag_first_page,
         };
         entry.check()?;
         Ok(entry)
@@ -229,6 +247,7 @@ pub(crate) mod tests {
                 writeback_high_pct: Some(70),
                 ..Default::default()
             },
+            tag_first_page: if id % 2 == 1 { 3 * id as u64 } else { 0 },
         }
     }
 
@@ -282,6 +301,10 @@ pub(crate) mod tests {
         assert!(e.check().is_err());
         e = sample(0, "");
         e.dirty_share_pct = Some(0);
+        assert!(e.check().is_err());
+        // A tag extent without integrity is impossible.
+        e = sample(0, "");
+        e.tag_first_page = 1;
         assert!(e.check().is_err());
         assert!(sample(0, "").check().is_ok());
         assert!(sample(crate::VOLUMES_MAX as u16 - 1, "").check().is_ok());

@@ -20,7 +20,10 @@
 //! 16   sequence u64
 //! 24   uuid [16]  the cache's (the superblock's): a table left by an
 //!                 earlier format of the device never matches
-//! 40   reserved, zero, up to 64
+//! 40   tag_area_pages u64  with `FEATURE_TAG_EXTENTS`: tag pages (per copy)
+//!                          the area holds, shared out among the volumes
+//!                          with integrity; zero otherwise
+//! 48   reserved, zero, up to 64
 //! 64   volume_count entries of VOLUME_ENTRY_BYTES, then zeroes
 //! end-4 crc32c of the copy with this field zeroed
 //! ```
@@ -51,6 +54,9 @@ const _: () =
 pub struct VolumeTable {
     pub sequence: u64,
     pub uuid: [u8; 16],
+    /// Tag pages per copy of a tag area shared out in extents (zero when
+    /// the cache has none: its tag area, if any, is the first volume's).
+    pub tag_area_pages: u64,
     volumes: Vec<VolumeEntry>,
 }
 
@@ -67,6 +73,22 @@ impl VolumeTable {
     pub fn new(
         sequence: u64,
         uuid: [u8; 16],
+        volumes: Vec<VolumeEntry>,
+    ) -> Result<VolumeTable, DecodeError> {
+        Self::new_with_tag_area(sequence, uuid, 0, volumes)
+    }
+
+    /// This table with other volumes (same sequence, cache and tag area),
+    /// checked as [`VolumeTable::new`] checks.
+    pub fn with_volumes(&self, volumes: Vec<VolumeEntry>) -> Result<VolumeTable, DecodeError> {
+        Self::new_with_tag_area(self.sequence, self.uuid, self.tag_area_pages, volumes)
+    }
+
+    /// A table whose volumes share a tag area of `tag_area_pages` pages.
+    pub fn new_with_tag_area(
+        sequence: u64,
+        uuid: [u8; 16],
+        tag_area_pages: u64,
         volumes: Vec<VolumeEntry>,
     ) -> Result<VolumeTable, DecodeError> {
         if volumes.len() > VOLUMES_MAX {
@@ -95,6 +117,7 @@ impl VolumeTable {
         Ok(VolumeTable {
             sequence,
             uuid,
+            tag_area_pages,
             volumes,
         })
     }
@@ -130,6 +153,7 @@ impl VolumeTable {
         w.u32(self.volumes.len() as u32);
         w.u64(self.sequence);
         w.bytes(&self.uuid);
+        w.u64(self.tag_area_pages);
         for (i, v) in self.volumes.iter().enumerate() {
             let at = HEADER_BYTES + i * VOLUME_ENTRY_BYTES;
             v.encode(&mut buf[at..at + VOLUME_ENTRY_BYTES]);
@@ -174,6 +198,7 @@ impl VolumeTable {
                 value: 0,
             });
         }
+        let tag_area_pages = r.u64()?;
         let entries_end = HEADER_BYTES + count * VOLUME_ENTRY_BYTES;
         let zero_outside = buf[r.position()..HEADER_BYTES]
             .iter()
@@ -189,7 +214,7 @@ impl VolumeTable {
             .chunks_exact(VOLUME_ENTRY_BYTES)
             .map(VolumeEntry::decode)
             .collect::<Result<Vec<_>, _>>()?;
-        VolumeTable::new(sequence, uuid, volumes)
+        VolumeTable::new_with_tag_area(sequence, uuid, tag_area_pages, volumes)
     }
 }
 
@@ -234,6 +259,13 @@ mod tests {
             let t = table(count);
             assert_eq!(VolumeTable::decode(&t.encode(), expect(5)), Ok(t));
         }
+        let shared = VolumeTable::new_with_tag_area(5, UUID, 777, vec![entry(0), entry(1)])
+            .expect("valid table");
+        let decoded = VolumeTable::decode(&shared.encode(), expect(5)).expect("decodes");
+        assert_eq!(decoded.tag_area_pages, 777);
+        // A table made from it keeps its tag area.
+        let next = decoded.with_volumes(vec![entry(0)]).expect("valid table");
+        assert_eq!((next.tag_area_pages, next.sequence), (777, 5));
     }
 
     #[test]
@@ -266,7 +298,7 @@ mod tests {
 
     #[test]
     fn a_nonzero_byte_outside_the_entries_is_damage_even_with_a_good_crc() {
-        for at in [40, HEADER_BYTES + 2 * VOLUME_ENTRY_BYTES, CRC_OFFSET - 1] {
+        for at in [48, HEADER_BYTES + 2 * VOLUME_ENTRY_BYTES, CRC_OFFSET - 1] {
             let mut bytes = table(2).encode();
             bytes[at] = 1;
             let crc = crc_with_hole(&bytes, CRC_OFFSET);

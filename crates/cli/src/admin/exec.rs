@@ -327,16 +327,29 @@ fn check_origin(
     let mut progress = Throttle::default();
     let report = engine.scrub_origin(&opts, |done, total| progress.step(done, total, emit))?;
     let bs = engine.block_size_bytes() as u64;
-    for &lba in &report.mismatches {
+    // The report names blocks by key: the volume and its address.
+    let table = engine.volume_table();
+    let place = |key: u64| {
+        let volume = table
+            .by_id(cairn_format::key_volume(key))
+            .map_or_else(String::new, |v| v.name.clone());
+        let lba = cairn_format::key_lba(key);
+        (volume, lba, lba * bs)
+    };
+    for &key in &report.mismatches {
+        let (volume, lba, offset_bytes) = place(key);
         emit(AdminReply::OriginMismatch {
+            volume,
             lba,
-            offset_bytes: lba * bs,
+            offset_bytes,
         });
     }
-    for &lba in &report.repaired {
+    for &key in &report.repaired {
+        let (volume, lba, offset_bytes) = place(key);
         emit(AdminReply::OriginRepaired {
+            volume,
             lba,
-            offset_bytes: lba * bs,
+            offset_bytes,
         });
     }
     emit(AdminReply::Scrubbed {

@@ -143,9 +143,21 @@ pub enum AdminReply {
     BadBlock { lba: u64, offset_bytes: u64 },
     /// `check_origin`: an origin block that does not match its tag and had
     /// no clean cached copy to repair it from.
-    OriginMismatch { lba: u64, offset_bytes: u64 },
+    /// `volume` names the volume (absent from daemons that predate it: the
+    /// first volume).
+    OriginMismatch {
+        #[serde(default)]
+        volume: String,
+        lba: u64,
+        offset_bytes: u64,
+    },
     /// `check_origin`: an origin block rewritten from its clean cached copy.
-    OriginRepaired { lba: u64, offset_bytes: u64 },
+    OriginRepaired {
+        #[serde(default)]
+        volume: String,
+        lba: u64,
+        offset_bytes: u64,
+    },
     /// `set`: the settings now (`settings` as in status), and those stored
     /// that take effect only at the next start.
     SettingsStored {
@@ -439,10 +451,12 @@ mod tests {
                 offset_bytes: 12288,
             },
             AdminReply::OriginMismatch {
+                volume: "db".into(),
                 lba: 1,
                 offset_bytes: 4096,
             },
             AdminReply::OriginRepaired {
+                volume: String::new(),
                 lba: 1,
                 offset_bytes: 4096,
             },

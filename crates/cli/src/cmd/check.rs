@@ -12,6 +12,8 @@ use crate::admin::{AdminReply, AdminRequest};
 /// An address as the replies give it: (block, byte offset). Only the
 /// engine knows the block size, so the byte offset comes with it.
 type Address = (u64, u64);
+/// A volume's name, an origin block of it and its byte offset.
+type VolumeAddress = (String, u64, u64);
 
 pub fn run(cache: &Path) -> Result<ExitCode> {
     let mut bad: Vec<Address> = Vec::new();
@@ -38,8 +40,8 @@ pub fn run(cache: &Path) -> Result<ExitCode> {
 /// What a scrub found.
 #[derive(Default)]
 struct Scrub {
-    mismatches: Vec<Address>,
-    repaired: Vec<Address>,
+    mismatches: Vec<VolumeAddress>,
+    repaired: Vec<VolumeAddress>,
     /// Checked, verified, not yet tagged, skipped (dirty).
     totals: Option<[u64; 4]>,
 }
@@ -54,12 +56,16 @@ pub fn run_origin(cache: &Path, rate_bytes_per_s: u64, repair: bool) -> Result<E
         };
         super::run_request(cache, &request, |reply| match reply {
             AdminReply::Progress { done, total } => pb.set(done, total),
-            AdminReply::OriginMismatch { lba, offset_bytes } => {
-                scrub.mismatches.push((lba, offset_bytes))
-            }
-            AdminReply::OriginRepaired { lba, offset_bytes } => {
-                scrub.repaired.push((lba, offset_bytes))
-            }
+            AdminReply::OriginMismatch {
+                volume,
+                lba,
+                offset_bytes,
+            } => scrub.mismatches.push((volume, lba, offset_bytes)),
+            AdminReply::OriginRepaired {
+                volume,
+                lba,
+                offset_bytes,
+            } => scrub.repaired.push((volume, lba, offset_bytes)),
             AdminReply::Scrubbed {
                 blocks_checked,
                 blocks_verified,
@@ -83,11 +89,11 @@ fn report_scrub(scrub: &Scrub) -> Result<ExitCode> {
     let [checked, verified, unverified, skipped] = scrub
         .totals
         .context("the daemon answered without scrub totals")?;
-    for (lba, offset) in &scrub.repaired {
-        say!("repaired: origin block {lba} (byte offset {offset}) rewritten from its clean cached copy")?;
+    for (volume, lba, offset) in &scrub.repaired {
+        say!("repaired: volume {volume:?} origin block {lba} (byte offset {offset}) rewritten from its clean cached copy")?;
     }
-    for (lba, offset) in &scrub.mismatches {
-        say!("origin mismatch: origin block {lba} (byte offset {offset}) does not match its tag")?;
+    for (volume, lba, offset) in &scrub.mismatches {
+        say!("origin mismatch: volume {volume:?} origin block {lba} (byte offset {offset}) does not match its tag")?;
     }
     let bad = scrub.mismatches.len();
     say!(

@@ -34,6 +34,15 @@ pub struct FormatArgs {
     /// origin data is tagged by a background recalculation while serving.
     #[arg(long)]
     pub integrity: bool,
+    /// Room in the tag area for volumes added later with
+    /// `cairn volume add --integrity`, as the origin bytes their tags will
+    /// cover in all (suffixes K, M, G, T; e.g. 8T). The area is sized now
+    /// and cannot grow, so reserve for the origins you expect to attach.
+    /// Costs 2 bytes of cache device per 1 KiB of origin at 4K blocks
+    /// (16 GiB for 8 TiB), and RAM only once a volume uses its share.
+    /// Without it, only the first volume can keep tags.
+    #[arg(long = "integrity-reserve", value_name = "SIZE", default_value = "0", value_parser = crate::args::parse_size)]
+    pub integrity_reserve_bytes: u64,
 }
 
 pub fn run(args: &FormatArgs) -> Result<()> {
@@ -46,6 +55,7 @@ pub fn run(args: &FormatArgs) -> Result<()> {
             block_size_bytes: args.block_size_bytes,
             force: args.force,
             integrity: args.integrity,
+            integrity_reserve_bytes: args.integrity_reserve_bytes,
             volume_name: args.name.clone(),
         },
     )?;
@@ -69,6 +79,14 @@ pub fn run(args: &FormatArgs) -> Result<()> {
             "integrity on: {} tag bytes on the cache, {} bytes of RAM for tags; `cairn serve` tags the origin's existing data in the background (see `cairn status`)",
             cairn_format::tag_area_bytes_for(origin_blocks),
             origin_blocks * 4
+        )?;
+    }
+    if args.integrity_reserve_bytes > 0 {
+        let reserve_blocks = args.integrity_reserve_bytes / sb.block_size_bytes as u64;
+        say!(
+            "integrity reserve: {} tag bytes on the cache for volumes added later with --integrity, covering {} bytes of origin",
+            cairn_format::tag_area_bytes_for(reserve_blocks),
+            reserve_blocks * sb.block_size_bytes as u64
         )?;
     }
     Ok(())

@@ -34,8 +34,11 @@ pub enum VolumeCommand {
         origin: String,
         #[arg(long, value_enum, default_value = "writeback")]
         mode: Mode,
-        /// Keep integrity tags for this origin (only the first volume can:
-        /// its tag area is sized when the cache is formatted).
+        /// Keep integrity tags for this origin: origin blocks that rot, tear
+        /// or land in the wrong place read as EIO. Its tags take pages of
+        /// the tag area reserved at format (`cairn format
+        /// --integrity-reserve`); `cairn status` shows what is free. Its
+        /// existing data is tagged by a background recalculation.
         #[arg(long)]
         integrity: bool,
         /// The most of the cache's log this volume's dirty data may hold

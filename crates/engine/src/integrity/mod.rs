@@ -10,8 +10,8 @@
 mod recalc;
 mod scrub;
 
-pub(crate) use recalc::recalc_step;
 pub use recalc::RecalcProgress;
+pub(crate) use recalc::{progress_of, recalc_step};
 pub(crate) use scrub::scrub_origin;
 pub use scrub::{ScrubOptions, ScrubReport};
 

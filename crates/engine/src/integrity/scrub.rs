@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use cairn_format::{block_checksum, tag_matches, TAG_UNSET};
+use cairn_format::{block_checksum, block_key, tag_matches, TAG_UNSET};
 
 use super::INTEGRITY_STEP_BYTES;
 use crate::error::EngineResult;
@@ -28,13 +28,15 @@ pub struct ScrubReport {
     /// Dirty, pending or lost blocks: the cache holds their truth and the
     /// origin copy is about to be replaced, so it is not judged.
     pub blocks_skipped: u64,
-    /// Origin addresses (in blocks) that failed and could not be repaired.
+    /// Blocks (their keys: `cairn_format::key_volume` and `key_lba` give
+    /// the volume and the address) that failed and could not be repaired.
     pub mismatches: Vec<u64>,
-    /// Origin addresses rewritten from a verified clean cached copy.
+    /// Blocks (keys) rewritten from a verified clean cached copy.
     pub repaired: Vec<u64>,
 }
 
-/// Verify every origin block against its tag, with an optional rate limit.
+/// Verify every origin block of every volume with tags against its tag,
+/// with an optional rate limit.
 /// Mismatching blocks with a clean, verified cached copy are rewritten from
 /// it when `opts.repair`. Safe while serving.
 pub(crate) fn scrub_origin(
@@ -48,30 +50,51 @@ pub(crate) fn scrub_origin(
         return Ok(report);
     }
     let block_bytes = env.block_size_bytes as u64;
-    let total = env.volume_blocks;
+    // The volumes as they are now; one added meanwhile waits for the next
+    // scrub, one removed meanwhile ends its part early.
+    let volumes: Vec<(u16, u64)> = {
+        let st = p.state.normal(env)?;
+        let tags = st.tags.as_ref().map_or(&[][..], |t| t.volumes());
+        tags.iter().map(|v| (v.volume_id, v.blocks())).collect()
+    };
+    let total: u64 = volumes.iter().map(|v| v.1).sum();
     let step = (INTEGRITY_STEP_BYTES / block_bytes).max(1);
     let started = Instant::now();
     let mut buf = vec![0u8; (step * block_bytes) as usize];
-    let mut position = 0u64;
-    // Bounded: each round covers `step` blocks.
-    while position < total {
-        let count = step.min(total - position);
-        let chunk = &mut buf[..(count * block_bytes) as usize];
-        {
-            let _serial = p.writeback.lock();
-            env.read_origin(position, chunk)?;
-            for (k, block) in chunk.chunks(block_bytes as usize).enumerate() {
-                scrub_block(p, position + k as u64, block, opts, &mut report)?;
+    let mut done = 0u64;
+    for (id, blocks) in volumes {
+        let mut position = 0u64;
+        // Bounded: each round covers `step` blocks.
+        while position < blocks {
+            let count = step.min(blocks - position);
+            let chunk = &mut buf[..(count * block_bytes) as usize];
+            {
+                let _serial = p.writeback.lock();
+                if p.state
+                    .normal(env)?
+                    .tags
+                    .as_ref()
+                    .and_then(|t| t.volume(id))
+                    .is_none()
+                {
+                    break;
+                }
+                env.read_origin(block_key(id, position), chunk)?;
+                for (k, block) in chunk.chunks(block_bytes as usize).enumerate() {
+                    let key = block_key(id, position + k as u64);
+                    scrub_block(p, key, block, opts, &mut report)?;
+                }
             }
-        }
-        Counters::add(&env.counters.scrub_blocks, count);
-        position += count;
-        progress(position, total);
-        if let Some(rate) = opts.rate_bytes_per_s.filter(|&r| r > 0) {
-            // Sleep until the bytes read so far fit the rate.
-            let due = Duration::from_secs_f64((position * block_bytes) as f64 / rate as f64);
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                std::thread::sleep(wait);
+            Counters::add(&env.counters.scrub_blocks, count);
+            position += count;
+            done += count;
+            progress(done, total);
+            if let Some(rate) = opts.rate_bytes_per_s.filter(|&r| r > 0) {
+                // Sleep until the bytes read so far fit the rate.
+                let due = Duration::from_secs_f64((done * block_bytes) as f64 / rate as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
             }
         }
     }
@@ -96,7 +119,10 @@ fn scrub_block(
             report.blocks_skipped += 1;
             return Ok(());
         }
-        st.tags.as_ref().map_or(TAG_UNSET, |t| t.get(lba))
+        st.tags
+            .as_ref()
+            .and_then(|t| t.tag_of(lba))
+            .unwrap_or(TAG_UNSET)
     };
     match tag_matches(tag, lba, block) {
         None => {
@@ -121,18 +147,18 @@ fn scrub_block(
     // origin.
     if let Some(copy) = copy.filter(|c| tag_matches(tag, lba, c) == Some(true)) {
         let block_bytes = env.block_size_bytes as u64;
-        // Tags, and so scrubbing, cover the first volume only.
-        let first = env.origins.first();
-        let origin = first.device();
+        let (volume, address) = env.origins.of_key(lba)?;
+        let origin = volume.device();
         match origin
-            .write_at(lba * block_bytes, &copy)
+            .write_at(address * block_bytes, &copy)
             .and_then(|()| origin.flush())
         {
             Ok(()) => {
                 Counters::add(&env.counters.origin_repairs, 1);
                 tracing::warn!(
-                    lba,
-                    offset_bytes = lba * block_bytes,
+                    volume_id = volume.id,
+                    lba = address,
+                    offset_bytes = address * block_bytes,
                     "origin block repaired from its clean cached copy"
                 );
                 report.repaired.push(lba);

@@ -21,16 +21,19 @@ pub(crate) fn id_of(table: &VolumeTable, name: &str) -> EngineResult<u16> {
     entry_of(table, name).map(|v| v.id)
 }
 
-/// `volumes` as the table after `table` (same sequence and cache).
+/// `volumes` as the table after `table` (same sequence, cache and tag
+/// area).
 pub(crate) fn next_table(
     env: &Env,
     table: &VolumeTable,
     volumes: Vec<VolumeEntry>,
 ) -> EngineResult<VolumeTable> {
-    VolumeTable::new(table.sequence, table.uuid, volumes).map_err(|e| EngineError::InvalidVolume {
-        device: env.cache.name().to_string(),
-        detail: e.to_string(),
-    })
+    table
+        .with_volumes(volumes)
+        .map_err(|e| EngineError::InvalidVolume {
+            device: env.cache.name().to_string(),
+            detail: e.to_string(),
+        })
 }
 
 /// `table` with volume `id` changed by `change`, as the next table.

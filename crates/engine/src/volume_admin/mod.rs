@@ -9,6 +9,7 @@
 //! until requests reach it, which they do only once the call returns.
 
 mod entry_change;
+mod tag_extent;
 
 pub(crate) use entry_change::{changed, check_dirty_share, id_of, set_dirty_share};
 use entry_change::{entry_of, next_table};
@@ -50,14 +51,14 @@ pub(crate) fn add(
         device: env.cache.name().to_string(),
         detail,
     };
-    if new.integrity {
-        // The tag area was sized at format for the first volume's origin.
-        return Err(invalid(
-            "integrity tags are kept for the first volume only (its tag area was sized when the cache was formatted); add this volume without integrity".into(),
-        ));
-    }
     check_dirty_share(env, new.dirty_share_pct)?;
     crate::format::check_origin_size(origin.as_ref(), env.block_size_bytes as u32)?;
+    let blocks = origin.size_bytes() / env.block_size_bytes as u64;
+    // Its tag pages are written before the lock is taken (see `tag_extent`).
+    let mut tags = match new.integrity {
+        true => Some(tag_extent::fresh_tags(p, blocks)?),
+        false => None,
+    };
     let identity = origin_identity_for_superblock(&origin.identity()).to_string();
     let mut st = p.state.normal(env)?;
     let table = &st.volumes;
@@ -87,13 +88,19 @@ pub(crate) fn add(
         origin_identity: identity,
         origin_size_bytes: origin.size_bytes(),
         mode: new.mode.code(),
-        integrity: false,
+        integrity: tags.is_some(),
         dirty_share_pct: new.dirty_share_pct,
         settings: Default::default(),
+        tag_first_page: tags.as_ref().map_or(0, |t| t.first_page),
     };
+    if let Some(tags) = tags.as_mut() {
+        tag_extent::claim(p, st.superblock.features, table, tags)?;
+        tags.volume_id = id;
+    }
     let mut volumes = table.volumes().to_vec();
     volumes.push(entry.clone());
-    let next = VolumeTable::new(table.sequence, table.uuid, volumes)
+    let next = table
+        .with_volumes(volumes)
         .map_err(|e| invalid(e.to_string()))?;
     // The volume has nothing in the log yet: its write-back starts at the
     // last durable epoch end, past every record of a removed volume that
@@ -115,6 +122,10 @@ pub(crate) fn add(
         }
         st.log.remove_volume(id);
         return Err(e);
+    }
+    if let (Some(table), Some(volume)) = (st.tags.as_mut(), tags) {
+        // Both copies were written: copy 0 is as new as copy 1.
+        table.insert_fresh(volume, 0);
     }
     p.writeback.forget_volume(id);
     p.policy.set_mode_of(id, new.mode);
@@ -227,6 +238,11 @@ pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
         return Err(e);
     }
     st.log.remove_volume(entry.id);
+    if let Some(tags) = st.tags.as_mut() {
+        // Its extent is free in the new table; the pages stay as they are
+        // until an add writes them whole again.
+        tags.remove_volume(entry.id);
+    }
     p.writeback.forget_volume(entry.id);
     env.origins.remove(entry.id);
     p.policy.set_mode_of(entry.id, CacheMode::WriteBack);

@@ -1,0 +1,353 @@
+//! Integrity tags for volumes added to a cache (issue 16): a cache
+//! formatted with a reserve shares its tag area out in extents, one per
+//! volume with integrity.
+//!
+//! - an added volume's origin is judged against its own tags: a corrupt
+//!   block reads as EIO naming the volume, a scrub lists it and repairs
+//!   another from its clean cached copy on that volume's origin, tags
+//!   follow write-back and survive a reopen; the first volume, without
+//!   integrity, is never judged;
+//! - a removed volume's extent is given to the next volume, whose tags
+//!   start unset: the pages the removed one left are never trusted;
+//! - no room in the area is an error naming the pages needed and free;
+//! - adding a volume with integrity cut after every device write: every
+//!   crash state opens with or without it, and with it its tags are unset
+//!   and recalculate cleanly.
+
+mod common;
+use common::*;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cairn_device::{Device, Journal, SimDevice};
+use cairn_engine::{
+    CacheMode, Engine, EngineError, FormatOptions, NewVolume, ScrubOptions, VolumeEntry,
+};
+use cairn_format::{block_key, tag_pages_for};
+use common::crash_check::{check_tags, Shadow};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+/// Blocks of an origin whose tags take two pages.
+const TAGGED_BLOCKS: u64 = 2000;
+
+fn cache_bytes() -> u64 {
+    cache_bytes_small() + 2 * 4096 * 8 + 64 * BS
+}
+
+fn origin_pattern(seed: u64, lba: u64) -> Vec<u8> {
+    pattern(seed * 0x1_0000 + lba, BS as usize)
+}
+
+/// An origin of `blocks` blocks that held data before cairn saw it.
+fn prefilled_origin(name: &str, seed: u64, blocks: u64) -> SimDevice {
+    let origin = SimDevice::new(name, blocks * BS);
+    for lba in 0..blocks {
+        origin
+            .write_at(lba * BS, &origin_pattern(seed, lba))
+            .unwrap();
+    }
+    origin.flush().unwrap();
+    origin
+}
+
+fn format(cache: &SimDevice, first: &SimDevice, integrity: bool, reserve_blocks: u64) {
+    Engine::format(
+        Arc::new(cache.clone()),
+        Arc::new(first.clone()),
+        &FormatOptions {
+            integrity,
+            integrity_reserve_bytes: reserve_blocks * BS,
+            ..Default::default()
+        },
+    )
+    .expect("format");
+}
+
+/// Open `cache`, each volume on the origin of `origins` with its identity.
+fn open_all(cache: &SimDevice, origins: &[&SimDevice]) -> Result<Engine, EngineError> {
+    let by_identity: HashMap<String, SimDevice> = origins
+        .iter()
+        .map(|o| (o.identity(), (*o).clone()))
+        .collect();
+    Engine::open_volumes(
+        Arc::new(cache.clone()),
+        &mut |v: &VolumeEntry| {
+            by_identity
+                .get(&v.origin_identity)
+                .map(|o| Arc::new(o.clone()) as Arc<dyn Device>)
+                .ok_or_else(|| EngineError::VolumeOriginMissing {
+                    name: v.name.clone(),
+                    origin: v.origin_identity.clone(),
+                })
+        },
+        &open_opts(),
+    )
+}
+
+fn tagged(name: &str) -> NewVolume {
+    NewVolume {
+        name: name.into(),
+        mode: CacheMode::WriteBack,
+        integrity: true,
+        dirty_share_pct: None,
+    }
+}
+
+fn add(engine: &Engine, origin: &SimDevice, new: &NewVolume) -> Result<VolumeEntry, EngineError> {
+    engine.add_volume(Arc::new(origin.clone()) as Arc<dyn Device>, new)
+}
+
+fn read_block(engine: &Engine, volume: u16, lba: u64) -> Result<Vec<u8>, EngineError> {
+    let mut buf = vec![0u8; BS as usize];
+    engine.read_in(volume, lba * BS, &mut buf)?;
+    Ok(buf)
+}
+
+fn corrupt_block(origin: &SimDevice, lba: u64) {
+    let mut b = [0u8; 1];
+    origin.read_at(lba * BS + 77, &mut b).unwrap();
+    b[0] ^= 0x5a;
+    origin.write_at(lba * BS + 77, &b).unwrap();
+    origin.flush().unwrap();
+}
+
+fn scrub(engine: &Engine) -> cairn_engine::ScrubReport {
+    let opts = ScrubOptions {
+        repair: true,
+        rate_bytes_per_s: None,
+    };
+    engine.scrub_origin(&opts, |_, _| {}).expect("scrub")
+}
+
+fn free_pages(engine: &Engine) -> (u64, u64) {
+    let s = engine.stats();
+    (s.tag_area_free_pages, s.tag_area_pages)
+}
+
+#[test]
+fn an_added_volume_is_judged_against_its_own_tags() {
+    let cache = SimDevice::new("cache", cache_bytes());
+    let first = prefilled_origin("first", 1, 64);
+    let second = prefilled_origin("second", 2, TAGGED_BLOCKS);
+    format(&cache, &first, false, 2 * TAGGED_BLOCKS);
+    let engine = open_all(&cache, &[&first]).expect("open");
+    assert_eq!(free_pages(&engine), (4, 4), "the reserve, all free");
+    let entry = add(&engine, &second, &tagged("second")).expect("add");
+    assert!(entry.integrity && entry.tag_first_page == 0, "{entry:?}");
+    assert_eq!(free_pages(&engine), (2, 4));
+    assert_eq!(engine.volumes_status()[1].recalc_position_blocks, Some(0));
+    assert_eq!(engine.volumes_status()[0].recalc_position_blocks, None);
+    // Before recalculation its blocks are served unverified.
+    assert_eq!(read_block(&engine, 1, 5).unwrap(), origin_pattern(2, 5));
+    assert!(engine.stats().origin_unverified_reads > 0);
+    engine.recalc_all(|_| {}).expect("recalculation");
+    let s = engine.stats();
+    assert_eq!(
+        (s.recalc_position_blocks, s.recalc_total_blocks),
+        (TAGGED_BLOCKS, TAGGED_BLOCKS)
+    );
+
+    // A corrupt block of its origin reads as EIO, naming the volume.
+    corrupt_block(&second, 10);
+    match read_block(&engine, 1, 10) {
+        Err(EngineError::OriginCorrupt {
+            volume_id: 1,
+            lba: 10,
+            ..
+        }) => {}
+        other => panic!("expected EIO for volume 1's block 10, got {other:?}"),
+    }
+    // The first volume keeps no tags: its origin is never judged.
+    corrupt_block(&first, 10);
+    read_block(&engine, 0, 10).expect("volume 0 is not judged");
+
+    // A write reaches the origin through write-back and its tag follows;
+    // damage behind it is repaired from the clean cached copy, on the
+    // volume's own origin.
+    let data = pattern(99, BS as usize);
+    engine.write_in(1, 30 * BS, &data, false).expect("write");
+    engine.drain().expect("drain");
+    engine.checkpoint().expect("checkpoint");
+    corrupt_block(&second, 30);
+    let report = scrub(&engine);
+    assert_eq!(report.mismatches, vec![block_key(1, 10)]);
+    assert_eq!(report.repaired, vec![block_key(1, 30)]);
+    let mut on_origin = vec![0u8; BS as usize];
+    second.read_at(30 * BS, &mut on_origin).unwrap();
+    assert!(on_origin == data, "volume 1's origin repaired");
+    first.read_at(30 * BS, &mut on_origin).unwrap();
+    assert_eq!(
+        on_origin,
+        origin_pattern(1, 30),
+        "the first origin untouched"
+    );
+
+    // The tags survive a reopen.
+    engine.close().expect("close");
+    drop(engine);
+    let engine = open_all(&cache, &[&first, &second]).expect("reopen");
+    assert!(matches!(
+        read_block(&engine, 1, 10),
+        Err(EngineError::OriginCorrupt { volume_id: 1, .. })
+    ));
+    assert_eq!(
+        engine.volumes_status()[1].recalc_position_blocks,
+        Some(TAGGED_BLOCKS)
+    );
+    report!("added volume with integrity: EIO on a corrupt block, scrub repaired one from its clean copy, tags kept over a reopen");
+}
+
+#[test]
+fn a_removed_volumes_pages_are_never_trusted_by_the_next() {
+    let cache = SimDevice::new("cache", cache_bytes());
+    let first = SimDevice::new("first", 64 * BS);
+    let second = prefilled_origin("second", 2, TAGGED_BLOCKS);
+    let third = prefilled_origin("third", 3, TAGGED_BLOCKS);
+    format(&cache, &first, true, TAGGED_BLOCKS);
+    let engine = open_all(&cache, &[&first]).expect("open");
+    add(&engine, &second, &tagged("second")).expect("add");
+    engine.recalc_all(|_| {}).expect("recalculation");
+    // Its pages on the device now hold tags of the second origin.
+    engine.checkpoint().expect("checkpoint");
+    engine.remove_volume("second").expect("remove");
+    assert_eq!(free_pages(&engine), (2, 3));
+    let entry = add(&engine, &third, &tagged("third")).expect("add again");
+    assert_eq!(entry.tag_first_page, 1, "the freed extent");
+    // Every block reads: none is judged by the removed volume's tags, in
+    // memory or as loaded from the device.
+    let read_everything = |engine: &Engine| {
+        for lba in 0..TAGGED_BLOCKS {
+            let got = read_block(engine, 1, lba).expect("fresh tags are unset");
+            assert_eq!(got, origin_pattern(3, lba), "block {lba}");
+        }
+        assert_eq!(engine.stats().origin_mismatches, 0);
+    };
+    read_everything(&engine);
+    engine.close().expect("close");
+    drop(engine);
+    let engine = open_all(&cache, &[&first, &third]).expect("reopen");
+    read_everything(&engine);
+    engine.recalc_all(|_| {}).expect("recalculation");
+    let report = scrub(&engine);
+    assert!(report.mismatches.is_empty(), "{report:?}");
+    assert_eq!(report.blocks_unverified, 0);
+    assert_eq!(report.blocks_verified, 64 + TAGGED_BLOCKS, "both volumes");
+    report!("a volume given a removed volume's tag extent reads every block unjudged until recalculated");
+}
+
+#[test]
+fn a_volume_without_room_for_its_tags_is_refused() {
+    let cache = SimDevice::new("cache", cache_bytes());
+    let first = SimDevice::new("first", 64 * BS);
+    format(&cache, &first, false, 1000);
+    let engine = open_all(&cache, &[&first]).expect("open");
+    let big = SimDevice::new("big", TAGGED_BLOCKS * BS);
+    let err = add(&engine, &big, &tagged("big")).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::NoTagRoom {
+                needed_pages: 2,
+                free_pages: 1,
+                area_pages: 1
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("tag area"), "{err}");
+    // Nothing of the refused volume was kept.
+    assert_eq!(engine.volume_table().volumes().len(), 1);
+    let small = SimDevice::new("small", 500 * BS);
+    add(&engine, &small, &tagged("small")).expect("fits");
+    let other = SimDevice::new("other", 500 * BS);
+    assert!(matches!(
+        add(&engine, &other, &tagged("other")),
+        Err(EngineError::NoTagRoom { free_pages: 0, .. })
+    ));
+    // Without integrity it is added all the same.
+    let untagged = NewVolume {
+        integrity: false,
+        ..tagged("other")
+    };
+    add(&engine, &other, &untagged).expect("add without integrity");
+
+    // A cache formatted with integrity but no reserve: the area is the
+    // first volume's alone.
+    let cache = SimDevice::new("cache2", cache_bytes());
+    format(&cache, &first, true, 0);
+    let engine = open_all(&cache, &[&first]).expect("open");
+    let err = add(&engine, &small, &tagged("small")).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::NoTagRoom {
+                free_pages: 0,
+                area_pages: 1,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn adding_a_volume_with_integrity_cut_at_any_write_keeps_every_volume() {
+    let cache = SimDevice::new("cache", cache_bytes());
+    let first = SimDevice::new("first", 64 * BS);
+    let second = prefilled_origin("second", 2, TAGGED_BLOCKS);
+    format(&cache, &first, true, TAGGED_BLOCKS);
+    let engine = open_all(&cache, &[&first]).expect("open");
+    engine.recalc_all(|_| {}).expect("recalculation");
+    let data = pattern(7, 16 * BS as usize);
+    engine.write(8 * BS, &data, false).expect("write");
+    engine.flush().expect("flush");
+    let mut replay = Shadow::of(&cache);
+    let journal = Journal::default();
+    cache.attach_journal(&journal, 0);
+    add(&engine, &second, &tagged("second")).expect("add");
+    let events = journal.since(0);
+    assert!(events.len() >= 6, "the add wrote: {events:?}");
+    drop(engine);
+    let expected_pages = tag_pages_for(TAGGED_BLOCKS);
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let (mut with, mut without) = (0u32, 0u32);
+    for (cut, event) in events.iter().enumerate() {
+        replay.apply(event);
+        for (plan, image) in replay.crash_images(4, &mut rng) {
+            let crashed = SimDevice::from_image("cache", image);
+            let ctx = format!("cut {cut} of {} ({plan:?})", events.len());
+            let engine =
+                open_all(&crashed, &[&first, &second]).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            let (free, area) = free_pages(&engine);
+            match engine.volume_table().volumes().len() {
+                1 => {
+                    without += 1;
+                    assert_eq!(free, area - 1, "{ctx}: only the first volume's pages");
+                }
+                2 => {
+                    with += 1;
+                    assert_eq!(free, area - 1 - expected_pages, "{ctx}");
+                    engine.recalc_all(|_| {}).expect(&ctx);
+                    for lba in (0..TAGGED_BLOCKS).step_by(97) {
+                        let got = read_block(&engine, 1, lba).expect(&ctx);
+                        assert_eq!(got, origin_pattern(2, lba), "{ctx}: block {lba}");
+                    }
+                    check_tags(&ctx, &engine, "after recalculating the new volume");
+                }
+                n => panic!("{ctx}: {n} volumes"),
+            }
+            let mut got = vec![0u8; data.len()];
+            engine.read(8 * BS, &mut got).expect(&ctx);
+            assert!(got == data, "{ctx}: the first volume's flushed data");
+        }
+    }
+    report!(
+        "volume add with integrity: {} cut points, {} crash states with the new volume, {} without",
+        events.len(),
+        with,
+        without
+    );
+    assert!(with > 0 && without > 0, "both sides of the add were cut");
+}
