@@ -79,26 +79,46 @@ impl Volumes {
         cache_bytes: u64,
         device_of: impl Fn(usize, &SimDevice) -> Arc<dyn Device>,
     ) -> Volumes {
+        Volumes::build(cache_bytes, false, device_of)
+    }
+
+    /// [`Volumes::new`] with integrity tags on volumes 0 and 1 (the cache
+    /// formatted with a reserve for volume 1's), every tag recalculated.
+    fn new_tagged(cache_bytes: u64) -> Volumes {
+        let vols = Volumes::build(cache_bytes, true, |_, origin| Arc::new(origin.clone()));
+        vols.engine().recalc_all(|_| {}).expect("recalculation");
+        vols
+    }
+
+    fn build(
+        cache_bytes: u64,
+        tagged: bool,
+        device_of: impl Fn(usize, &SimDevice) -> Arc<dyn Device>,
+    ) -> Volumes {
         let cache = SimDevice::new("cache", cache_bytes);
         let origins: Vec<SimDevice> = SIZES
             .iter()
             .enumerate()
             .map(|(i, &blocks)| SimDevice::new(&format!("origin{i}"), blocks * BS))
             .collect();
+        let format = FormatOptions {
+            integrity: tagged,
+            integrity_reserve_bytes: if tagged { SIZES[1] * BS } else { 0 },
+            ..Default::default()
+        };
         Engine::format(
             Arc::new(cache.clone()),
             Arc::new(origins[0].clone()),
-            &FormatOptions::default(),
+            &format,
         )
         .expect("format");
         let engine = open_all(&cache, &origins[..1]).expect("open");
         for (i, origin) in origins.iter().enumerate().skip(1) {
-            let entry = engine
-                .add_volume(
-                    device_of(i, origin),
-                    &new_volume(&format!("vol{i}"), MODES[i]),
-                )
-                .expect("add");
+            let new = NewVolume {
+                integrity: tagged && i == 1,
+                ..new_volume(&format!("vol{i}"), MODES[i])
+            };
+            let entry = engine.add_volume(device_of(i, origin), &new).expect("add");
             assert_eq!(entry.id as usize, i);
         }
         Volumes {
@@ -491,7 +511,9 @@ fn crash_harness(failing: Option<std::ops::Range<usize>>) -> (u64, u64) {
     // Crash states that recovered with volume 1 behind volume 0.
     let mut diverged = 0u64;
     for seed in seeds(3) {
-        let mut vols = Volumes::new(cache_bytes_small());
+        // Volumes 0 and 1 keep integrity tags: every crash state's origins
+        // must match them wherever the cache holds nothing newer.
+        let mut vols = Volumes::new_tagged(cache_bytes_small());
         let journal = Journal::default();
         vols.cache.attach_journal(&journal, 0);
         for (i, o) in vols.origins.iter().enumerate() {
@@ -573,6 +595,7 @@ fn crash_harness(failing: Option<std::ops::Range<usize>>) -> (u64, u64) {
                     let engine =
                         open_all(&crashed, &origins).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                     allowed.check(&ctx, &engine);
+                    common::crash_check::check_tags(&ctx, &engine, "after recovery");
                     let status = engine.volumes_status();
                     if status[1].writeback_offset < status[0].writeback_offset {
                         diverged += 1;
