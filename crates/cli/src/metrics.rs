@@ -65,6 +65,11 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
         ),
         // Only while another volume holds blocks: alone, no limit.
         ("dirty_limit_blocks", Box::new(|v| v.dirty_limit_blocks)),
+        // Only for volumes with integrity tags.
+        (
+            "recalc_position_blocks",
+            Box::new(|v| v.recalc_position_blocks),
+        ),
     ];
     if exports.is_some() {
         gauges.push((
@@ -154,6 +159,8 @@ pub fn render_metrics(
         ("integrity_recalc_position_blocks", s.recalc_position_blocks),
         ("integrity_recalc_total_blocks", s.recalc_total_blocks),
         ("integrity_tag_memory_bytes", s.tag_memory_bytes),
+        ("integrity_tag_area_pages", s.tag_area_pages),
+        ("integrity_tag_area_free_pages", s.tag_area_free_pages),
         ("cache_degraded", s.degraded as u64),
         ("cache_degrading", s.degrading as u64),
         ("cache_failed", s.failed as u64),

@@ -241,6 +241,27 @@ pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 16] {
 
 /// The human table. A closed stdout (`cairn status | head -1`) is an
 /// error for the caller, not a panic.
+/// The integrity part of the human status.
+fn integrity_line(v: &Value) -> String {
+    let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
+    if v.get("integrity").and_then(|x| x.as_bool()) != Some(true) {
+        return "off (only cached blocks are checksummed)".into();
+    }
+    format!(
+        "on ({}), recalculation {} ({} of {} blocks), origin mismatches {}, origin repairs {}, unverified reads {}; tag area {} pages, {} free (room for {} bytes of origin)",
+        get("tag_algorithm"),
+        get("recalc_state"),
+        get("recalc_position_blocks"),
+        get("recalc_total_blocks"),
+        get("origin_mismatches"),
+        get("origin_repairs"),
+        get("origin_unverified_reads"),
+        get("tag_area_pages"),
+        get("tag_area_free_pages"),
+        get("tag_area_free_origin_bytes")
+    )
+}
+
 pub fn print_human(v: &Value) -> std::io::Result<()> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
@@ -303,24 +324,7 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("origin_queue_in_flight"),
         get("origin_queue_waits")
     )?;
-    if v.get("integrity").and_then(|x| x.as_bool()) == Some(true) {
-        writeln!(
-            out,
-            "  integrity: on ({}), recalculation {} ({} of {} blocks), origin mismatches {}, origin repairs {}, unverified reads {}; tag area {} pages, {} free (room for {} bytes of origin)",
-            get("tag_algorithm"),
-            get("recalc_state"),
-            get("recalc_position_blocks"),
-            get("recalc_total_blocks"),
-            get("origin_mismatches"),
-            get("origin_repairs"),
-            get("origin_unverified_reads"),
-            get("tag_area_pages"),
-            get("tag_area_free_pages"),
-            get("tag_area_free_origin_bytes")
-        )?;
-    } else {
-        writeln!(out, "  integrity: off (only cached blocks are checksummed)")?;
-    }
+    writeln!(out, "  integrity: {}", integrity_line(v))?;
     writeln!(
         out,
         "  device errors: cache read {} write {}, origin read {} write {}",

@@ -243,3 +243,97 @@ fn sequential_writes_read_nothing_for_tags() {
     assert!(stdout(&out).contains("0 bad"), "{}", describe(&out));
     assert!(server.terminate().success());
 }
+
+/// `cairn format --integrity-reserve`, then `cairn volume add --integrity`
+/// while serving: the added volume's existing data is tagged in the
+/// background, a block rotten behind cairn's back reads as EIO over its
+/// NBD export and `check --origin` names the volume; a volume whose tags
+/// do not fit the rest of the reserve is refused with the fix.
+#[test]
+fn a_volume_added_with_integrity_has_its_origin_checked() {
+    if !require_tools("integrity_added_volume", &["qemu-io"]) {
+        return;
+    }
+    let ctx = Ctx::new("integrity_added_volume");
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let first = ctx.file("first.img", 8 * MIB);
+    let second = ctx.file("second.img", 16 * MIB);
+    let original = pattern(0x0418, (16 * MIB) as usize);
+    write_origin(&second, 0, &original);
+    let c = cache.to_string_lossy().to_string();
+    let out = ctx.cairn_ok(&[
+        "format",
+        "--cache",
+        &c,
+        "--origin",
+        &first.to_string_lossy(),
+        "--integrity-reserve",
+        "24M",
+    ]);
+    assert!(
+        stdout(&out).contains("integrity reserve"),
+        "{}",
+        describe(&out)
+    );
+    let socket = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &socket, &[]);
+    let status = ctx.status(&cache);
+    assert_eq!(status["tag_area_pages"], 7, "24 MiB of origin: {status}");
+    assert_eq!(status["tag_area_free_pages"], 7, "{status}");
+    ctx.cairn_ok(&[
+        "volume",
+        "add",
+        "--cache",
+        &c,
+        "--name",
+        "second",
+        "--origin",
+        &second.to_string_lossy(),
+        "--integrity",
+    ]);
+    let status = wait_recalc_complete(&ctx, &cache);
+    assert_eq!(status["recalc_total_blocks"], 4096, "{status}");
+    assert_eq!(status["tag_area_free_pages"], 2, "{status}");
+    let out = ctx.cairn_ok(&["volume", "list", "--cache", &c, "--json"]);
+    let list: serde_json::Value = serde_json::from_str(&stdout(&out))
+        .unwrap_or_else(|e| panic!("volume list --json ({e}): {}", describe(&out)));
+    let added = &list[1];
+    assert_eq!(added["integrity"], true, "{list}");
+    assert_eq!(added["recalc_position_blocks"], 4096, "{list}");
+
+    let uri = format!("nbd+unix:///second?socket={}", socket.display());
+    // Block 50 reads (and is cached); block 100 is left uncached.
+    let (ok, text) = qemu_io_text(&uri, &["read 204800 4096"]);
+    assert!(ok && !text.contains("error"), "{text}");
+    let mut byte = [original[(100 * BS + 9) as usize]];
+    byte[0] ^= 0x10;
+    write_origin(&second, 100 * BS + 9, &byte);
+    let (_, text) = qemu_io_text(&uri, &[&format!("read {} 4096", 100 * BS)]);
+    assert!(
+        text.contains("Input/output error"),
+        "a corrupt block of the added volume was returned: {text}"
+    );
+    let out = ctx.cairn(&["check", "--cache", &c, "--origin"]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(
+        stdout(&out).contains("origin block 100 (byte offset 409600) of volume \"second\""),
+        "check --origin does not name the volume: {}",
+        describe(&out)
+    );
+
+    // 12 MiB more would need 4 pages; 2 are left.
+    let third = ctx.file("third.img", 12 * MIB);
+    let out = ctx.cairn(&[
+        "volume",
+        "add",
+        "--cache",
+        &c,
+        "--name",
+        "third",
+        "--origin",
+        &third.to_string_lossy(),
+        "--integrity",
+    ]);
+    assert_clean_failure(&out, &["tag area", "--integrity-reserve"]);
+    assert!(server.terminate().success());
+}

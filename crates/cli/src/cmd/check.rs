@@ -90,10 +90,10 @@ fn report_scrub(scrub: &Scrub) -> Result<ExitCode> {
         .totals
         .context("the daemon answered without scrub totals")?;
     for (volume, lba, offset) in &scrub.repaired {
-        say!("repaired: volume {volume:?} origin block {lba} (byte offset {offset}) rewritten from its clean cached copy")?;
+        say!("repaired: origin block {lba} (byte offset {offset}) of volume {volume:?} rewritten from its clean cached copy")?;
     }
     for (volume, lba, offset) in &scrub.mismatches {
-        say!("origin mismatch: volume {volume:?} origin block {lba} (byte offset {offset}) does not match its tag")?;
+        say!("origin mismatch: origin block {lba} (byte offset {offset}) of volume {volume:?} does not match its tag")?;
     }
     let bad = scrub.mismatches.len();
     say!(

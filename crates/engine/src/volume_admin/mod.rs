@@ -62,22 +62,7 @@ pub(crate) fn add(
     let identity = origin_identity_for_superblock(&origin.identity()).to_string();
     let mut st = p.state.normal(env)?;
     let table = &st.volumes;
-    if let Some(existing) = table.by_name(&new.name) {
-        return Err(EngineError::VolumeExists {
-            name: existing.name.clone(),
-        });
-    }
-    // Two volumes writing back to one origin would overwrite each other.
-    if let Some(existing) = table
-        .volumes()
-        .iter()
-        .find(|v| v.origin_identity == identity)
-    {
-        return Err(EngineError::OriginInUse {
-            origin: identity,
-            name: existing.name.clone(),
-        });
-    }
+    check_unique(table, &new.name, &identity)?;
     let id = table.free_id().ok_or(EngineError::TooManyVolumes {
         max: cairn_format::VOLUMES_MAX,
     })?;
@@ -141,6 +126,27 @@ pub(crate) fn add(
         "volume added"
     );
     Ok(entry)
+}
+
+/// A new volume's name and origin must be no other volume's: two volumes
+/// writing back to one origin would overwrite each other.
+fn check_unique(table: &VolumeTable, name: &str, identity: &str) -> EngineResult<()> {
+    if let Some(existing) = table.by_name(name) {
+        return Err(EngineError::VolumeExists {
+            name: existing.name.clone(),
+        });
+    }
+    if let Some(existing) = table
+        .volumes()
+        .iter()
+        .find(|v| v.origin_identity == identity)
+    {
+        return Err(EngineError::OriginInUse {
+            origin: identity.to_string(),
+            name: existing.name.clone(),
+        });
+    }
+    Ok(())
 }
 
 /// First step of removing volume `name`: take no new request for it and
