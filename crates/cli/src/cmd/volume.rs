@@ -126,8 +126,13 @@ pub fn run(command: VolumeCommand) -> Result<()> {
                 .as_array()
                 .and_then(|list| list.iter().find(|v| v["name"] == name.as_str()))
                 .context("the new volume is not in the list")?;
+            let tags = if added["integrity"] == true {
+                ", integrity on (its existing data is tagged in the background while serving)"
+            } else {
+                ""
+            };
             say!(
-                "added volume {:?} (id {}) over {}, {} bytes, mode {}",
+                "added volume {:?} (id {}) over {}, {} bytes, mode {}{tags}",
                 name,
                 added["id"],
                 added["origin"].as_str().unwrap_or(&origin),
