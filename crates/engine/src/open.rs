@@ -324,10 +324,25 @@ fn tag_area(
     superblock: &Superblock,
     volumes: &VolumeTable,
 ) -> EngineResult<TagArea> {
-    TagArea::of(superblock.features, volumes, superblock.block_size_bytes).map_err(|e| {
-        EngineError::SuperblockInvalid {
-            device: cache.name().to_string(),
-            detail: format!("the integrity tag area does not fit the volume table: {e}"),
-        }
-    })
+    let invalid = |detail: String| EngineError::SuperblockInvalid {
+        device: cache.name().to_string(),
+        detail,
+    };
+    let area =
+        TagArea::of(superblock.features, volumes, superblock.block_size_bytes).map_err(|e| {
+            invalid(format!(
+                "the integrity tag area does not fit the volume table: {e}"
+            ))
+        })?;
+    // Both copies must fit the cache: a larger count is damage (and the
+    // layout's sums must not be fed one).
+    let pages_max = superblock.cache_size_bytes / (2 * cairn_format::TAG_PAGE_BYTES as u64);
+    if area.pages() > pages_max {
+        return Err(invalid(format!(
+            "a tag area of {} pages does not fit a cache of {} bytes",
+            area.pages(),
+            superblock.cache_size_bytes
+        )));
+    }
+    Ok(area)
 }

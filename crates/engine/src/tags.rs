@@ -16,7 +16,9 @@
 
 use cairn_device::{Device, DeviceError};
 use cairn_format::TAG_PAGE_BYTES;
-use cairn_format::{block_checksum, key_lba, key_volume, Layout, RangeKind, TagArea, TagPage};
+use cairn_format::{
+    block_checksum, key_lba, key_volume, Layout, RangeKind, TagArea, TagExtent, TagPage,
+};
 
 use crate::stats::Counters;
 use crate::volume_tags::VolumeTags;
@@ -30,6 +32,11 @@ const TAG_SEQUENCE_LIMIT: u64 = crate::superblocks::LOG_COUNTER_LIMIT;
 pub(crate) struct TagTable {
     /// The volumes with tags, by id.
     volumes: Vec<VolumeTags>,
+    /// Extents being written for volumes still being added: no table
+    /// names them yet, but no other add may place its pages there.
+    reserved: Vec<TagExtent>,
+    /// Given to the next volume taken on (`VolumeTags::serial`).
+    next_serial: u64,
     /// Stamped on the next batch of page writes; higher wins at load.
     next_sequence: u64,
     format_tag: u32,
@@ -40,6 +47,8 @@ impl TagTable {
     pub fn empty(format_tag: u32) -> TagTable {
         TagTable {
             volumes: Vec::new(),
+            reserved: Vec::new(),
+            next_serial: 1,
             next_sequence: 1,
             format_tag,
         }
@@ -162,11 +171,30 @@ impl TagTable {
         }
     }
 
+    /// Extents reserved by adds still writing them.
+    pub fn reserved(&self) -> &[TagExtent] {
+        &self.reserved
+    }
+
+    pub fn reserve(&mut self, extent: TagExtent) {
+        assert!(self
+            .reserved
+            .iter()
+            .all(|r| r.first_page != extent.first_page));
+        self.reserved.push(extent);
+    }
+
+    pub fn unreserve(&mut self, first_page: u64) {
+        self.reserved.retain(|r| r.first_page != first_page);
+    }
+
     /// Take on a volume whose extent [`write_fresh`] wrote, newest in
     /// `copy`.
     pub fn insert_fresh(&mut self, mut volume: VolumeTags, copy: u8) {
         assert!(self.volume(volume.volume_id).is_none());
         volume.all_written_to(copy);
+        volume.serial = self.next_serial;
+        self.next_serial += 1;
         self.next_sequence += 1;
         let at = self
             .volumes
@@ -206,6 +234,8 @@ impl TagTable {
             let blocks = blocks_of(extent.volume_id);
             let mut volume = VolumeTags::new_unset(extent, blocks);
             volume.recalc_pos = recalc_of(extent.volume_id).min(blocks);
+            volume.serial = table.next_serial;
+            table.next_serial += 1;
             let best = load_extent(cache, layout, &mut volume, format_tag, &mut max_sequence)?;
             let missing: Vec<u64> = (0..volume.pages())
                 .filter(|&page| best[page as usize].is_none())

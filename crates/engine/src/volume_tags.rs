@@ -6,6 +6,11 @@ use cairn_format::{TagExtent, TAGS_PER_PAGE, TAG_UNSET};
 
 pub(crate) struct VolumeTags {
     pub volume_id: u16,
+    /// Told apart from an earlier volume with the same id (and maybe the
+    /// same extent): set by the table when it takes the volume on, so a
+    /// step that read the origin without the lock can see the volume it
+    /// read for was removed meanwhile.
+    pub serial: u64,
     /// The extent's first page in the tag area.
     pub first_page: u64,
     tags: Vec<u32>,
@@ -27,6 +32,7 @@ impl VolumeTags {
         let pages = extent.pages as usize;
         VolumeTags {
             volume_id: extent.volume_id,
+            serial: 0,
             first_page: extent.first_page,
             tags: vec![TAG_UNSET; blocks as usize],
             current_copy: vec![1; pages],

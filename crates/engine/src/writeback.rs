@@ -92,13 +92,6 @@ impl Writeback {
         &self.lanes[id as usize]
     }
 
-    /// Hold volume `id`'s lane (waiting for a running step of it to
-    /// end): no write-back step of the volume runs until it drops. Taken
-    /// before the engine lock, as a step takes them.
-    pub(crate) fn hold_lane(&self, id: u16) -> LaneTaken<'_> {
-        self.lane(id).take()
-    }
-
     pub(crate) fn set_paused(&self, paused: bool) {
         self.paused.store(paused, Ordering::Relaxed);
     }

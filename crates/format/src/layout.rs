@@ -61,18 +61,21 @@ impl Layout {
 
     /// Bytes of the tag area (both copies), padded to a whole block so the
     /// checkpoint slots and the log stay block aligned.
+    /// Saturates: a page count from a user or a device too large for any
+    /// cache gives `u64::MAX` bytes, which no cache has room for.
     pub fn tag_area_bytes_for_pages(tag_pages: u64, block_size_bytes: u32) -> u64 {
-        align_up(
-            2 * tag_pages * TAG_PAGE_BYTES as u64,
-            block_size_bytes as u64,
-        )
+        let bytes = tag_pages.saturating_mul(2 * TAG_PAGE_BYTES as u64);
+        if bytes > u64::MAX - block_size_bytes as u64 {
+            return u64::MAX;
+        }
+        align_up(bytes, block_size_bytes as u64)
     }
 
     fn bytes_needed(log_blocks: u64, block_size_bytes: u32, tag_pages: u64) -> u64 {
         METADATA_AREA_OFFSET
-            + Self::tag_area_bytes_for_pages(tag_pages, block_size_bytes)
-            + 2 * Self::checkpoint_slot_bytes_for(log_blocks, block_size_bytes)
-            + log_blocks * block_size_bytes as u64
+            .saturating_add(Self::tag_area_bytes_for_pages(tag_pages, block_size_bytes))
+            .saturating_add(2 * Self::checkpoint_slot_bytes_for(log_blocks, block_size_bytes))
+            .saturating_add(log_blocks * block_size_bytes as u64)
     }
 
     pub fn log_blocks_min(block_size_bytes: u32) -> u64 {
@@ -221,6 +224,16 @@ mod tests {
         // 64 KiB blocks: the checkpoint slots stay block aligned.
         let big = Layout::compute_with_tags(1 << 30, 65536, Some(12345)).unwrap();
         assert_eq!(big.checkpoint_offset_bytes(0) % 65536, 0);
+    }
+
+    #[test]
+    fn a_tag_area_too_large_for_any_cache_is_an_error_not_an_overflow() {
+        for pages in [u64::MAX, u64::MAX / 8192 + 1, 1 << 52] {
+            assert!(matches!(
+                Layout::compute_with_tag_pages(1 << 40, 4096, pages),
+                Err(LayoutError::CacheTooSmallForTags { .. })
+            ));
+        }
     }
 
     #[test]

@@ -116,6 +116,19 @@ impl TagArea {
         area
     }
 
+    /// This area with `extra` extents taken too (pages being written for
+    /// volumes not yet in the table). Each must be free.
+    pub fn with_taken(&self, extra: &[TagExtent]) -> Option<TagArea> {
+        let mut area = self.clone();
+        for e in extra {
+            if !area.fits(e.first_page, e.pages) {
+                return None;
+            }
+            area.insert(*e);
+        }
+        Some(area)
+    }
+
     /// Pages per copy.
     pub fn pages(&self) -> u64 {
         self.pages
@@ -259,5 +272,14 @@ mod tests {
             pages: 5,
         });
         assert_eq!((area.free_pages(), area.place(1)), (0, None));
+        let area = TagArea::new(8, Vec::new());
+        let taken = TagExtent {
+            volume_id: 0,
+            first_page: 2,
+            pages: 3,
+        };
+        let busy = area.with_taken(&[taken]).expect("free");
+        assert_eq!((busy.place(2), busy.place(3)), (Some(0), Some(5)));
+        assert!(busy.with_taken(&[taken]).is_none(), "taken twice");
     }
 }

@@ -8,6 +8,7 @@ use crate::error::EngineResult;
 use crate::parts::Parts;
 use crate::stats::Counters;
 use crate::tags::TagTable;
+use crate::volume_tags::VolumeTags;
 
 /// Recalculation persists its position at least this often (in blocks
 /// covered), so a restart redoes little.
@@ -52,12 +53,12 @@ pub(crate) fn recalc_step(p: Parts<'_>) -> EngineResult<RecalcProgress> {
         return Ok(RecalcProgress::finished(total));
     };
     let _serial = p.writeback.lock();
-    let blocks = {
+    let (blocks, serial) = {
         let st = p.state.normal(env)?;
         let volume = st.tags.as_ref().and_then(|t| t.volume(id));
         match volume {
             // Removed, or moved on, meanwhile: the next call looks again.
-            Some(v) if v.recalc_pos == position => v.blocks(),
+            Some(v) if v.recalc_pos == position => (v.blocks(), v.serial),
             _ => return Ok(progress_of(&st.tags)),
         }
     };
@@ -66,14 +67,16 @@ pub(crate) fn recalc_step(p: Parts<'_>) -> EngineResult<RecalcProgress> {
         .min(blocks - position);
     let mut buf = vec![0u8; (count * block_bytes) as usize];
     // The origin cannot change under this read: every origin writer holds
-    // the write-back lock (or a lane of it) that we hold exclusively.
-    env.read_origin(block_key(id, position), &mut buf)?;
+    // the write-back lock (or a lane of it) that we hold exclusively. The
+    // volume can be removed meanwhile (removal holds only its lane), and
+    // its id given to a new one: then what was read is not its origin's.
+    let read = env.read_origin(block_key(id, position), &mut buf);
     let mut st = p.state.normal(env)?;
-    let volume = st
-        .tags
-        .as_mut()
-        .and_then(|t| t.volume_mut(id))
-        .expect("a volume is removed only under its lane");
+    let same = |v: &&mut VolumeTags| v.serial == serial;
+    let Some(volume) = st.tags.as_mut().and_then(|t| t.volume_mut(id)).filter(same) else {
+        return Ok(progress_of(&st.tags));
+    };
+    read?;
     assert_eq!(volume.recalc_pos, position, "recalculation is serialized");
     let mut tagged = 0;
     for (k, block) in buf.chunks(block_bytes as usize).enumerate() {

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use cairn_format::{block_checksum, block_key, tag_matches, TAG_UNSET};
+use cairn_format::{block_checksum, block_key, key_volume, tag_matches, TAG_UNSET};
 
 use super::INTEGRITY_STEP_BYTES;
 use crate::error::EngineResult;
@@ -52,17 +52,19 @@ pub(crate) fn scrub_origin(
     let block_bytes = env.block_size_bytes as u64;
     // The volumes as they are now; one added meanwhile waits for the next
     // scrub, one removed meanwhile ends its part early.
-    let volumes: Vec<(u16, u64)> = {
+    let volumes: Vec<(u16, u64, u64)> = {
         let st = p.state.normal(env)?;
         let tags = st.tags.as_ref().map_or(&[][..], |t| t.volumes());
-        tags.iter().map(|v| (v.volume_id, v.blocks())).collect()
+        tags.iter()
+            .map(|v| (v.volume_id, v.blocks(), v.serial))
+            .collect()
     };
     let total: u64 = volumes.iter().map(|v| v.1).sum();
     let step = (INTEGRITY_STEP_BYTES / block_bytes).max(1);
     let started = Instant::now();
     let mut buf = vec![0u8; (step * block_bytes) as usize];
     let mut done = 0u64;
-    for (id, blocks) in volumes {
+    for (id, blocks, serial) in volumes {
         let mut position = 0u64;
         // Bounded: each round covers `step` blocks.
         while position < blocks {
@@ -70,19 +72,20 @@ pub(crate) fn scrub_origin(
             let chunk = &mut buf[..(count * block_bytes) as usize];
             {
                 let _serial = p.writeback.lock();
-                if p.state
-                    .normal(env)?
-                    .tags
-                    .as_ref()
-                    .and_then(|t| t.volume(id))
-                    .is_none()
-                {
-                    break;
-                }
                 env.read_origin(block_key(id, position), chunk)?;
+                // Each block is judged only while the volume read for is
+                // still served: removal holds only its lane, and its id may
+                // be given again meanwhile. If gone, its part ends.
+                let mut gone = false;
                 for (k, block) in chunk.chunks(block_bytes as usize).enumerate() {
                     let key = block_key(id, position + k as u64);
-                    scrub_block(p, key, block, opts, &mut report)?;
+                    if !scrub_block(p, (key, serial), block, opts, &mut report)? {
+                        gone = true;
+                        break;
+                    }
+                }
+                if gone {
+                    break;
                 }
             }
             Counters::add(&env.counters.scrub_blocks, count);
@@ -101,23 +104,29 @@ pub(crate) fn scrub_origin(
     Ok(report)
 }
 
-/// Judge one origin block during a scrub; the write-back lock is held.
+/// Judge one origin block (its key, and the serial of the volume it was
+/// read for) during a scrub; the write-back lock is held. `false`: that
+/// volume is no longer served, nothing was judged.
 fn scrub_block(
     p: Parts<'_>,
-    lba: u64,
+    (lba, serial): (u64, u64),
     block: &[u8],
     opts: &ScrubOptions,
     report: &mut ScrubReport,
-) -> EngineResult<()> {
+) -> EngineResult<bool> {
     let env = p.env;
-    report.blocks_checked += 1;
     let tag = {
         let st = p.state.normal(env)?;
+        let volume = st.tags.as_ref().and_then(|t| t.volume(key_volume(lba)));
+        if volume.is_none_or(|v| v.serial != serial) {
+            return Ok(false);
+        }
+        report.blocks_checked += 1;
         let pending = st.index.range_covering(lba).is_some() || st.index.is_lost(lba);
         let dirty = st.index.lookup(lba).is_some_and(|s| st.index.is_dirty(s));
         if pending || dirty {
             report.blocks_skipped += 1;
-            return Ok(());
+            return Ok(true);
         }
         st.tags
             .as_ref()
@@ -129,11 +138,11 @@ fn scrub_block(
             if tag == TAG_UNSET {
                 report.blocks_unverified += 1;
             }
-            return Ok(());
+            return Ok(true);
         }
         Some(true) => {
             report.blocks_verified += 1;
-            return Ok(());
+            return Ok(true);
         }
         Some(false) => {}
     }
@@ -162,7 +171,7 @@ fn scrub_block(
                     "origin block repaired from its clean cached copy"
                 );
                 report.repaired.push(lba);
-                return Ok(());
+                return Ok(true);
             }
             Err(e) => {
                 Counters::add(&env.counters.origin_write_errors, 1);
@@ -171,7 +180,7 @@ fn scrub_block(
         }
     }
     report.mismatches.push(lba);
-    Ok(())
+    Ok(true)
 }
 
 /// The clean cached copy of `lba`, checked against its checksum after

@@ -54,12 +54,18 @@ pub(crate) fn add(
     check_dirty_share(env, new.dirty_share_pct)?;
     crate::format::check_origin_size(origin.as_ref(), env.block_size_bytes as u32)?;
     let blocks = origin.size_bytes() / env.block_size_bytes as u64;
-    // Its tag pages are written before the lock is taken (see `tag_extent`).
-    let mut tags = match new.integrity {
-        true => Some(tag_extent::fresh_tags(p, blocks)?),
-        false => None,
-    };
     let identity = origin_identity_for_superblock(&origin.identity()).to_string();
+    // What can be refused at once is, before any tag page is written.
+    check_unique(&p.state.normal(env)?.volumes, &new.name, &identity)?;
+    // Its tag pages are written without the lock (see `tag_extent`); the
+    // reservation is released when it drops, after `st` (declared later).
+    let (mut tags, reserved) = match new.integrity {
+        true => {
+            let (tags, reserved) = tag_extent::fresh_tags(p, blocks)?;
+            (Some(tags), Some(reserved))
+        }
+        false => (None, None),
+    };
     let mut st = p.state.normal(env)?;
     let table = &st.volumes;
     check_unique(table, &new.name, &identity)?;
@@ -111,6 +117,9 @@ pub(crate) fn add(
     if let (Some(table), Some(volume)) = (st.tags.as_mut(), tags) {
         // Both copies were written: copy 0 is as new as copy 1.
         table.insert_fresh(volume, 0);
+    }
+    if let Some(reserved) = reserved {
+        reserved.release(&mut st);
     }
     p.writeback.forget_volume(id);
     p.policy.set_mode_of(id, new.mode);
@@ -192,9 +201,11 @@ pub(crate) fn reopen(p: Parts<'_>, entry: &VolumeEntry) {
 pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
     let env = p.env;
     // A background step of the volume may still run (the durable log grew
-    // since the drain, so it looked behind): it must end before its
-    // position, its origin and, once reused, its id go.
-    let _lane = p.writeback.hold_lane(entry.id);
+    // since the drain, so it looked behind), and so may a recalculation or
+    // scrub step that read its origin: each must end before its position,
+    // its origin, its tags and, once reused, its id go. The exclusive lock
+    // waits for all of them (a step of any volume holds it shared).
+    let _exclusive = p.writeback.lock();
     let mut st = p.state.normal(env)?;
     let st = &mut *st;
     let blocks = st.index.volume_blocks(entry.id);
