@@ -593,3 +593,59 @@ fn adding_and_removing_under_a_running_recalculation_keeps_tags_right() {
     );
     assert_eq!(report.blocks_unverified, 0);
 }
+
+/// A volume table (valid checksum) whose tag area or extent the cache
+/// cannot hold: an error at open naming the damage, never a panic or an
+/// overflowing sum (found by review: a count 2^52 pages over the real one
+/// wrapped to the same layout, and extents past the area overlapped the
+/// checkpoints and the log).
+#[test]
+fn a_tag_area_or_extent_the_cache_cannot_hold_is_refused_at_open() {
+    let cache = SimDevice::new("cache", cache_bytes());
+    let first = SimDevice::new("first", 64 * BS);
+    let second = SimDevice::new("second", TAGGED_BLOCKS * BS);
+    format(&cache, &first, true, TAGGED_BLOCKS);
+    let engine = open_all(&cache, &[&first]).expect("open");
+    add(&engine, &second, &tagged("second")).expect("add");
+    engine.close().expect("close");
+    drop(engine);
+    let good = Engine::read_volume_table(&cache).expect("the table");
+    let rewrite = |table: &cairn_format::VolumeTable| {
+        let copy = cairn_format::VolumeTable::copy_for(table.sequence);
+        cache
+            .write_at(cairn_format::VOLUME_TABLE_OFFSETS[copy], &table.encode())
+            .unwrap();
+        cache.flush().unwrap();
+    };
+    let with_area = |pages: u64, volumes: Vec<VolumeEntry>| {
+        cairn_format::VolumeTable::new_with_tag_area(good.sequence, good.uuid, pages, volumes)
+            .expect("a table that decodes")
+    };
+    let mut outside = good.volumes().to_vec();
+    outside[1].tag_first_page = good.tag_area_pages;
+    for (what, table) in [
+        (
+            "2^52 pages more",
+            with_area(good.tag_area_pages + (1 << 52), good.volumes().to_vec()),
+        ),
+        (
+            "u64::MAX pages",
+            with_area(u64::MAX, good.volumes().to_vec()),
+        ),
+        (
+            "an extent past the area",
+            with_area(good.tag_area_pages, outside),
+        ),
+    ] {
+        rewrite(&table);
+        match open_all(&cache, &[&first, &second]) {
+            Err(EngineError::SuperblockInvalid { detail, .. }) => {
+                assert!(detail.contains("tag"), "{what}: {detail}")
+            }
+            Err(e) => panic!("{what}: refused for another reason: {e}"),
+            Ok(_) => panic!("{what}: opened"),
+        }
+    }
+    rewrite(&good);
+    open_all(&cache, &[&first, &second]).expect("the real table opens again");
+}
