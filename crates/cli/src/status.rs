@@ -247,6 +247,15 @@ fn integrity_line(v: &Value) -> String {
     if v.get("integrity").and_then(|x| x.as_bool()) != Some(true) {
         return "off (only cached blocks are checksummed)".into();
     }
+    if v.get("recalc_total_blocks").and_then(|x| x.as_u64()) == Some(0) {
+        // A reserve made at format, which no volume uses yet.
+        return format!(
+            "no volume keeps tags yet; tag area {} pages, {} free (room for {} bytes of origin, for `volume add --integrity`)",
+            get("tag_area_pages"),
+            get("tag_area_free_pages"),
+            get("tag_area_free_origin_bytes")
+        );
+    }
     format!(
         "on ({}), recalculation {} ({} of {} blocks), origin mismatches {}, origin repairs {}, unverified reads {}; tag area {} pages, {} free (room for {} bytes of origin)",
         get("tag_algorithm"),
