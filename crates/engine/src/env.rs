@@ -37,8 +37,7 @@ pub(crate) struct Env {
     /// The counters' totals from earlier runs (the checkpoint's).
     pub(crate) lifetime: LifetimeBase,
     pub(crate) block_size_bytes: usize,
-    /// The first volume's size in blocks (the single-volume entry points',
-    /// and the integrity tags').
+    /// The first volume's size in blocks (the single-volume entry points').
     pub(crate) volume_blocks: u64,
     pub(crate) config: EngineConfig,
     /// Most data blocks in one log record.
@@ -47,8 +46,8 @@ pub(crate) struct Env {
     pub(crate) record_entries_max: usize,
     /// `chain_seed(uuid)`: stamped on every record of this format.
     pub(crate) format_tag: u32,
-    /// Origin integrity tags are kept (`State::tags` is `Some` until a
-    /// degrade drops them).
+    /// The cache has a tag area (`State::tags` is `Some` until a degrade
+    /// drops them), whether or not a volume keeps tags in it yet.
     pub(crate) integrity: bool,
     pub(crate) health: Health,
     /// Where barriers wait for sealed records written outside the lock.

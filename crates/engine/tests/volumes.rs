@@ -15,11 +15,10 @@
 mod common;
 use common::*;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use cairn_device::{Device, Journal, SimDevice};
-use cairn_engine::{CacheMode, Engine, EngineError, FormatOptions, NewVolume, VolumeEntry};
+use cairn_engine::{CacheMode, Engine, EngineError, FormatOptions, NewVolume};
 use common::crash_check::{event_device, Shadow};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -50,21 +49,7 @@ fn new_volume(name: &str, mode: CacheMode) -> NewVolume {
 
 /// Open `cache`, each volume on the origin of `origins` with its identity.
 fn open_all(cache: &SimDevice, origins: &[SimDevice]) -> Result<Engine, EngineError> {
-    let by_identity: HashMap<String, SimDevice> =
-        origins.iter().map(|o| (o.identity(), o.clone())).collect();
-    Engine::open_volumes(
-        Arc::new(cache.clone()),
-        &mut |v: &VolumeEntry| {
-            by_identity
-                .get(&v.origin_identity)
-                .map(|o| Arc::new(o.clone()) as Arc<dyn Device>)
-                .ok_or_else(|| EngineError::VolumeOriginMissing {
-                    name: v.name.clone(),
-                    origin: v.origin_identity.clone(),
-                })
-        },
-        &open_opts(),
-    )
+    open_by_identity(cache, &origins.iter().collect::<Vec<_>>())
 }
 
 impl Volumes {

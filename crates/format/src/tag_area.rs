@@ -102,20 +102,6 @@ impl TagArea {
         })
     }
 
-    /// A tag area of `pages` pages shared out in extents, none taken yet
-    /// (`format` with a reserve), or the first volume's alone.
-    pub fn new(pages: u64, extents: Vec<TagExtent>) -> TagArea {
-        let mut area = TagArea {
-            pages,
-            extents: Vec::new(),
-        };
-        for e in extents {
-            assert!(area.fits(e.first_page, e.pages), "extent {e:?} overlaps");
-            area.insert(e);
-        }
-        area
-    }
-
     /// This area with `extra` extents taken too (pages being written for
     /// volumes not yet in the table). Each must be free.
     pub fn with_taken(&self, extra: &[TagExtent]) -> Option<TagArea> {
@@ -136,13 +122,6 @@ impl TagArea {
 
     pub fn extents(&self) -> &[TagExtent] {
         &self.extents
-    }
-
-    pub fn extent_of(&self, volume_id: u16) -> Option<TagExtent> {
-        self.extents
-            .iter()
-            .copied()
-            .find(|e| e.volume_id == volume_id)
     }
 
     /// Pages no volume holds.
@@ -204,12 +183,29 @@ mod tests {
 
     const SHARED: u32 = FEATURE_INTEGRITY | FEATURE_TAG_EXTENTS;
 
+    /// An area of `pages` pages with `extents` taken.
+    fn area(pages: u64, extents: &[TagExtent]) -> TagArea {
+        TagArea {
+            pages,
+            extents: Vec::new(),
+        }
+        .with_taken(extents)
+        .expect("free extents")
+    }
+
+    fn extent_of(area: &TagArea, volume_id: u16) -> Option<TagExtent> {
+        area.extents()
+            .iter()
+            .copied()
+            .find(|e| e.volume_id == volume_id)
+    }
+
     #[test]
     fn a_cache_without_extents_has_the_first_volumes_tags_only() {
         let t = table(0, vec![volume(0, 5, Some(0)), volume(1, 3, None)]);
         let area = TagArea::of(FEATURE_INTEGRITY, &t, BLOCK).expect("valid");
         assert_eq!(area.pages(), 5);
-        assert_eq!(area.extent_of(0).map(|e| e.pages), Some(5));
+        assert_eq!(extent_of(&area, 0).map(|e| e.pages), Some(5));
         assert_eq!(area.place(1), None);
         // Without the feature bit, no tags at all.
         let plain = table(0, vec![volume(0, 5, None)]);
@@ -235,7 +231,7 @@ mod tests {
         );
         let area = TagArea::of(SHARED, &good, BLOCK).expect("valid");
         assert_eq!(area.free_pages(), 12);
-        assert_eq!(area.extent_of(2).map(|e| e.first_page), Some(2));
+        assert_eq!(extent_of(&area, 2).map(|e| e.first_page), Some(2));
         assert_eq!(area.place(2), Some(0));
         assert_eq!(area.place(3), Some(7));
         assert_eq!(area.place(4), Some(13));
@@ -256,23 +252,23 @@ mod tests {
 
     #[test]
     fn an_area_built_in_memory_places_the_same_way() {
-        let mut area = TagArea::new(
+        let mut full = area(
             8,
-            vec![TagExtent {
+            &[TagExtent {
                 volume_id: 0,
                 first_page: 0,
                 pages: 3,
             }],
         );
-        assert_eq!(area.place(5), Some(3));
-        assert_eq!(area.place(6), None);
-        area.insert(TagExtent {
+        assert_eq!(full.place(5), Some(3));
+        assert_eq!(full.place(6), None);
+        full.insert(TagExtent {
             volume_id: 4,
             first_page: 3,
             pages: 5,
         });
-        assert_eq!((area.free_pages(), area.place(1)), (0, None));
-        let area = TagArea::new(8, Vec::new());
+        assert_eq!((full.free_pages(), full.place(1)), (0, None));
+        let area = area(8, &[]);
         let taken = TagExtent {
             volume_id: 0,
             first_page: 2,

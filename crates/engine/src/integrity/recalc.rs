@@ -26,14 +26,6 @@ impl RecalcProgress {
     pub fn done(&self) -> bool {
         self.position_blocks >= self.total_blocks
     }
-
-    fn finished(total_blocks: u64) -> RecalcProgress {
-        RecalcProgress {
-            position_blocks: total_blocks,
-            total_blocks,
-            blocks_tagged: 0,
-        }
-    }
 }
 
 /// One step of recalculation: compute the tags of the next origin blocks
@@ -45,12 +37,17 @@ pub(crate) fn recalc_step(p: Parts<'_>) -> EngineResult<RecalcProgress> {
     let env = p.env;
     let block_bytes = env.block_size_bytes as u64;
     if !env.integrity {
-        return Ok(RecalcProgress::finished(0));
+        // No tag area: nothing to recalculate, ever.
+        return Ok(RecalcProgress::default());
     }
     // A look without the write-back lock first: most calls find nothing.
-    let Some((id, position)) = next_to_recalculate(&p.state.normal(env)?.tags) else {
-        let total = progress_of(&p.state.normal(env)?.tags).total_blocks;
-        return Ok(RecalcProgress::finished(total));
+    let next = {
+        let st = p.state.normal(env)?;
+        next_to_recalculate(&st.tags).ok_or_else(|| progress_of(&st.tags))
+    };
+    let (id, position) = match next {
+        Ok(next) => next,
+        Err(done) => return Ok(done),
     };
     let _serial = p.writeback.lock();
     let (blocks, serial) = {
@@ -67,9 +64,10 @@ pub(crate) fn recalc_step(p: Parts<'_>) -> EngineResult<RecalcProgress> {
         .min(blocks - position);
     let mut buf = vec![0u8; (count * block_bytes) as usize];
     // The origin cannot change under this read: every origin writer holds
-    // the write-back lock (or a lane of it) that we hold exclusively. The
-    // volume can be removed meanwhile (removal holds only its lane), and
-    // its id given to a new one: then what was read is not its origin's.
+    // the write-back lock (or a lane of it) that we hold exclusively, and
+    // so does a removal while it forgets a volume. The serial check below
+    // is defence in depth: a step never applies what it read to a volume
+    // other than the one it read for.
     let read = env.read_origin(block_key(id, position), &mut buf);
     let mut st = p.state.normal(env)?;
     let same = |v: &&mut VolumeTags| v.serial == serial;

@@ -74,8 +74,8 @@ pub(crate) fn scrub_origin(
                 let _serial = p.writeback.lock();
                 env.read_origin(block_key(id, position), chunk)?;
                 // Each block is judged only while the volume read for is
-                // still served: removal holds only its lane, and its id may
-                // be given again meanwhile. If gone, its part ends.
+                // still served (a removal waits for this lock, so this is
+                // defence in depth). If gone, its part ends.
                 let mut gone = false;
                 for (k, block) in chunk.chunks(block_bytes as usize).enumerate() {
                     let key = block_key(id, position + k as u64);

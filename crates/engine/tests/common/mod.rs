@@ -415,3 +415,29 @@ pub fn seeds(default_count: u64) -> Vec<u64> {
         .unwrap_or(default_count);
     (1..=count).collect()
 }
+
+/// Open `cache` with each volume on the one of `origins` whose identity
+/// its table entry records (a volume whose origin is not given is an
+/// error, as the daemon reports it).
+pub fn open_by_identity(
+    cache: &SimDevice,
+    origins: &[&SimDevice],
+) -> Result<Engine, cairn_engine::EngineError> {
+    let by_identity: std::collections::HashMap<String, SimDevice> = origins
+        .iter()
+        .map(|o| (o.identity(), (*o).clone()))
+        .collect();
+    Engine::open_volumes(
+        Arc::new(cache.clone()),
+        &mut |v: &cairn_engine::VolumeEntry| {
+            by_identity
+                .get(&v.origin_identity)
+                .map(|o| Arc::new(o.clone()) as Arc<dyn Device>)
+                .ok_or_else(|| cairn_engine::EngineError::VolumeOriginMissing {
+                    name: v.name.clone(),
+                    origin: v.origin_identity.clone(),
+                })
+        },
+        &open_opts(),
+    )
+}
