@@ -4,7 +4,9 @@
 //! (python3-libnbd) keeps writing, flushing and reading. The normal client
 //! never fails, a new client still gets in, and the daemon's RSS grows by
 //! less than 64 MiB. Also `--read-only`: advertised, and writes refused
-//! with EPERM. Needs python3-libnbd and nbdinfo; skips without them,
+//! with EPERM. A client that queues far more requests than
+//! `--max-in-flight-per-connection` is paused, not refused, and gets every
+//! reply right. Needs python3-libnbd and nbdinfo; skips without them,
 //! fails under CI=true.
 
 mod common;
@@ -154,6 +156,63 @@ fn hostile_clients_do_not_lock_out_a_normal_one() {
         .as_bytes(),
     );
     drop(hostile);
+}
+
+/// Writes 256 different 4 KiB blocks, then queues 256 reads of them at
+/// once (libnbd sends them all before it reads a reply) and checks every
+/// reply, however the server paused the connection meanwhile.
+const DEEP_QUEUE_CLIENT: &str = r#"
+import nbd, sys
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+blocks = 256
+for i in range(blocks):
+    h.pwrite(bytes([i % 251 + 1]) * 4096, i * 4096)
+h.flush()
+bufs = []
+for i in range(blocks):
+    buf = nbd.Buffer(4096)
+    h.aio_pread(buf, i * 4096)
+    bufs.append(buf)
+peak = h.aio_in_flight()
+while h.aio_in_flight() > 0:
+    h.poll(-1)
+bad = [i for i, b in enumerate(bufs) if b.to_bytearray() != bytes([i % 251 + 1]) * 4096]
+print("queued", peak, "bad", len(bad), flush=True)
+"#;
+
+#[test]
+fn a_client_queueing_past_the_in_flight_limit_is_paused_not_refused() {
+    if !require_python_nbd("deep_queue") {
+        return;
+    }
+    let ctx = Ctx::new("deep_queue");
+    let (cache, _origin) = ctx.setup(16 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let server = ctx.serve(&cache, &sock, &["--max-in-flight-per-connection", "4"]);
+    let out = run_ok(
+        std::process::Command::new(python())
+            .arg("-c")
+            .arg(DEEP_QUEUE_CLIENT)
+            .arg(server.uri()),
+        TOOL_TIMEOUT,
+    );
+    let line = stdout(&out);
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(words.first(), Some(&"queued"), "{}", describe(&out));
+    let queued: u64 = words[1].parse().expect("queued count");
+    assert!(
+        queued > 4,
+        "the client queued {queued} reads: not past the limit"
+    );
+    assert_eq!(words[3], "0", "replies with wrong data: {}", describe(&out));
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "nbd_max_in_flight_per_connection"), 4, "{st}");
+    assert!(
+        u64_of(&st, "nbd_in_flight_limit_waits") > 0,
+        "the reader never paused at the limit: {st}"
+    );
+    assert_eq!(u64_of(&st, "nbd_protocol_errors"), 0, "{st}");
 }
 
 #[test]

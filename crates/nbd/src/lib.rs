@@ -36,5 +36,5 @@ pub use export::{
 pub use server::{
     serve, serve_exports, ExportOptions, ExportStatus, Exports, ExportsError, Listener,
     RemovedExport, ServerConfig, ServerError, ServerHandle, ServerStats, ShutdownTrigger,
-    SocketAccess, StatsReader,
+    SocketAccess, StatsReader, DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION,
 };

@@ -14,6 +14,8 @@ const DEFAULT_MAX_CONNECTIONS: u32 = 32;
 const DEFAULT_MAX_HANDSHAKES: u32 = 64;
 const DEFAULT_MAX_HANDSHAKES_PER_PEER: u32 = 16;
 const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u32 = 5;
+const DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION: u32 =
+    cairn_nbd::DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION as u32;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ConnectionArgs {
@@ -35,6 +37,14 @@ pub struct ConnectionArgs {
     /// disconnected.
     #[arg(long, default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECS, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..=3600))]
     pub handshake_timeout_secs: u32,
+    /// Requests one client may have queued or running at once; beyond
+    /// this cairn stops reading that client's socket until one finishes
+    /// (counted as `in_flight_limit_waits`). Their payloads are bounded
+    /// apart from this, across all clients. Deeper queues let a fast cache
+    /// device serve more reads at once; a smaller one bounds what one
+    /// client can hold.
+    #[arg(long, default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_in_flight_per_connection: u32,
     /// Serve the volume read-only: clients see the read-only flag and every
     /// write, trim or zeroing is refused with EPERM. Write-back of data
     /// already in the cache goes on.
@@ -147,6 +157,7 @@ impl Default for ConnectionArgs {
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_peer: DEFAULT_MAX_HANDSHAKES_PER_PEER,
             handshake_timeout_secs: DEFAULT_HANDSHAKE_TIMEOUT_SECS,
+            max_in_flight_per_connection: DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION,
             read_only: false,
             socket_mode: None,
             socket_group: None,
@@ -170,6 +181,7 @@ impl ConnectionArgs {
         config.max_handshakes = self.max_handshakes as usize;
         config.max_handshakes_per_peer = self.max_handshakes_per_peer as usize;
         config.handshake_timeout_ms = u64::from(self.handshake_timeout_secs) * 1000;
+        config.max_in_flight_per_connection = self.max_in_flight_per_connection as usize;
         config.read_only = self.read_only;
         config.allow = self.allow.clone();
         Ok(())

@@ -43,6 +43,11 @@ use cairn_tls::TlsAcceptor;
 use catalog::ServerCatalog;
 use listener::Stream;
 
+/// Requests queued or running per connection by default: the Linux NBD
+/// driver's queue depth, so its queue never waits in the socket while the
+/// cache device has room for more.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION: usize = 128;
+
 /// Server limits and behaviour. `Default` suits a 2-core machine.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -121,7 +126,7 @@ impl Default for ServerConfig {
             tls: TlsPolicy::Off,
             tls_acceptor: None,
             allow: Vec::new(),
-            max_in_flight_per_connection: 32,
+            max_in_flight_per_connection: DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION,
             max_option_bytes: limits.max_option_bytes,
             max_name_bytes: limits.max_name_bytes,
             max_options_per_connection: limits.max_options,

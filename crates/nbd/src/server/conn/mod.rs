@@ -128,7 +128,7 @@ fn serve_transmission(
         // the socket itself).
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(None)?;
-        let reactor = Reactor::new(&ReactorOptions::default())?;
+        let reactor = Reactor::new(&ring_options(shared.config.max_in_flight_per_connection))?;
         Ok((stream, reactor))
     });
     let (stream, reactor) = match setup {
@@ -201,4 +201,17 @@ fn tls_refused(shared: &Shared, id: u64, peer: &str, why: &dyn std::fmt::Display
         .tls_handshake_failures
         .fetch_add(1, Ordering::Relaxed);
     tracing::warn!(conn = id, %peer, error = %why, "TLS refused; disconnecting client");
+}
+
+/// A ring with room for every request in flight to have a cache or origin
+/// read and its reply's send outstanding at once, besides the receive and
+/// the timers (more operations wait for room; they never fail).
+fn ring_options(max_in_flight: usize) -> ReactorOptions {
+    let wanted = max_in_flight.saturating_mul(2).saturating_add(16);
+    let defaults = ReactorOptions::default();
+    ReactorOptions {
+        ring_entries: u32::try_from(wanted)
+            .unwrap_or(u32::MAX)
+            .max(defaults.ring_entries),
+    }
 }
