@@ -238,8 +238,10 @@ pub fn writeback_loop(
             }
         }
         decide_and_step(engine, stop, &policy_now, &turns);
-        // The extra threads see `stop` too; the scope waits for them.
+        // The extra threads see `stop` too; the scope waits for them, so
+        // wake those asleep waiting for cleaning.
         turns.set_cleaning(false);
+        turns.wake_all();
     });
 }
 

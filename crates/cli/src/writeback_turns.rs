@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cairn_engine::Engine;
@@ -21,10 +21,18 @@ pub const WRITEBACK_THREADS_MAX: usize = 4;
 /// Steps kept for the loop to read (it reads every 20 ms or sooner).
 const STEPS_KEPT_MAX: usize = 1024;
 
+/// How long an extra thread sleeps while the loop says there is nothing to
+/// clean, unless the loop wakes it sooner. An idle daemon's extra threads
+/// wake once a second each instead of 50 times (they polled every 20 ms);
+/// the timeout only bounds a missed volume addition.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+
 /// What the loop and the extra threads share.
 pub struct Turns {
     /// The loop's last decision lets write-back run.
-    cleaning: AtomicBool,
+    cleaning: Mutex<bool>,
+    /// Signalled when cleaning starts and when write-back stops.
+    cleaning_changed: Condvar,
     /// Steps the extra threads ran since the loop last looked:
     /// (bytes written, time taken).
     steps: Mutex<VecDeque<(u64, Duration)>>,
@@ -35,7 +43,8 @@ pub struct Turns {
 impl Default for Turns {
     fn default() -> Self {
         Turns {
-            cleaning: AtomicBool::new(false),
+            cleaning: Mutex::new(false),
+            cleaning_changed: Condvar::new(),
             steps: Mutex::new(VecDeque::new()),
             budget: Mutex::new((Instant::now(), 0)),
         }
@@ -43,12 +52,44 @@ impl Default for Turns {
 }
 
 impl Turns {
+    fn cleaning_flag(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.cleaning.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The loop's decision; the extra threads wake when cleaning starts.
     pub fn set_cleaning(&self, cleaning: bool) {
-        self.cleaning.store(cleaning, Ordering::Relaxed);
+        let mut flag = self.cleaning_flag();
+        let starts = cleaning && !*flag;
+        *flag = cleaning;
+        if starts {
+            self.cleaning_changed.notify_all();
+        }
+    }
+
+    /// Wake every extra thread (write-back is stopping: they look at the
+    /// stop flag).
+    pub fn wake_all(&self) {
+        let _flag = self.cleaning_flag();
+        self.cleaning_changed.notify_all();
     }
 
     fn cleaning(&self) -> bool {
-        self.cleaning.load(Ordering::Relaxed)
+        *self.cleaning_flag()
+    }
+
+    /// Sleep until the loop says clean, `stop` is set (with a
+    /// [`Turns::wake_all`]), or `IDLE_WAIT` passes.
+    fn wait_for_cleaning(&self, stop: &AtomicBool) {
+        let flag = self.cleaning_flag();
+        if *flag || stop.load(Ordering::SeqCst) {
+            return;
+        }
+        // One wait: a spurious wake-up or the timeout just sends the
+        // caller round its loop again.
+        let _ = self
+            .cleaning_changed
+            .wait_timeout(flag, IDLE_WAIT)
+            .unwrap_or_else(|p| p.into_inner());
     }
 
     /// A step of an extra thread wrote `bytes` in `elapsed`.
@@ -101,10 +142,11 @@ pub fn extra_thread_loop(
     let block_bytes = engine.stats().block_size_bytes;
     let mut backoff_ms = 10u64;
     while !stop.load(Ordering::SeqCst) {
-        if !turns.cleaning()
-            || index >= engine.volume_count()
-            || !turns.budget_allows(rate_limit_now())
-        {
+        if !turns.cleaning() {
+            turns.wait_for_cleaning(stop);
+            continue;
+        }
+        if index >= engine.volume_count() || !turns.budget_allows(rate_limit_now()) {
             std::thread::sleep(Duration::from_millis(20));
             continue;
         }
@@ -150,6 +192,55 @@ mod tests {
         t.spend(1_000_000);
         assert!(!t.budget_allows(1_000), "a 1 MB step is far over 1 kB/s");
         assert!(t.budget_allows(0), "no limit");
+    }
+
+    #[test]
+    fn an_idle_extra_thread_wakes_when_cleaning_starts_or_write_back_stops() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Instant;
+        let t = Turns::default();
+        let stop = AtomicBool::new(false);
+        // Nothing to clean: the wait lasts until the timeout.
+        let started = Instant::now();
+        t.wait_for_cleaning(&stop);
+        assert!(
+            started.elapsed() >= super::IDLE_WAIT / 2,
+            "woke without a cause"
+        );
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let started = Instant::now();
+                t.wait_for_cleaning(&stop);
+                started.elapsed()
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            t.set_cleaning(true);
+            let waited = waiter.join().expect("waiter");
+            assert!(
+                waited < super::IDLE_WAIT,
+                "cleaning did not wake it ({waited:?})"
+            );
+        });
+        // Cleaning already: no wait at all.
+        let started = Instant::now();
+        t.wait_for_cleaning(&stop);
+        assert!(started.elapsed() < super::IDLE_WAIT / 2);
+        t.set_cleaning(false);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let started = Instant::now();
+                t.wait_for_cleaning(&stop);
+                started.elapsed()
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            stop.store(true, Ordering::SeqCst);
+            t.wake_all();
+            let waited = waiter.join().expect("waiter");
+            assert!(
+                waited < super::IDLE_WAIT,
+                "stopping did not wake it ({waited:?})"
+            );
+        });
     }
 
     #[test]
