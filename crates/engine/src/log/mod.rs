@@ -540,10 +540,11 @@ impl Log {
         self.sealed.prune(env)
     }
 
-    /// Take on the records sealed without a barrier, to be written by the
-    /// caller outside the lock.
-    pub(crate) fn claim_sealed(&mut self) -> Vec<Arc<SealedRecord>> {
-        self.sealed.claim()
+    /// Take on the records sealed because they were full (not the epoch
+    /// ends a flush sealed for its barrier), to be written by the caller
+    /// outside the lock.
+    pub(crate) fn claim_filled(&mut self) -> Vec<Arc<SealedRecord>> {
+        self.sealed.claim_filled()
     }
 
     // ------------------------------------------------------------ eviction

@@ -352,5 +352,5 @@ fn promote(
         // which takes its data from memory.
         return Ok(Vec::new());
     }
-    Ok(st.log.claim_sealed())
+    Ok(st.log.claim_filled())
 }

@@ -62,6 +62,28 @@ impl SealedQueue {
         claimed
     }
 
+    /// Take on the unclaimed records that were sealed because they were
+    /// full, leaving epoch ends to the barrier a flush sealed them for: its
+    /// leader writes them with the fdatasync, in its own thread, where a
+    /// write or read that took them on handed them to the record writers
+    /// (two thread switches) and, a write, waited for another client's
+    /// record. Past half the queue's bound unclaimed epoch ends are taken
+    /// too, so many flushing clients never fill the queue and make a seal
+    /// write records under the lock.
+    pub(crate) fn claim_filled(&mut self) -> Vec<Arc<SealedRecord>> {
+        let unclaimed = self.queued.iter().filter(|q| !q.claimed).count();
+        let take_epoch_ends = unclaimed > SEALED_RECORDS_MAX / 2;
+        let mut claimed = Vec::new();
+        for queued in self.queued.iter_mut().filter(|q| !q.claimed) {
+            if queued.record.header_fields.epoch_end() && !take_epoch_ends {
+                continue;
+            }
+            queued.claimed = true;
+            claimed.push(queued.record.clone());
+        }
+        claimed
+    }
+
     /// Records another call claimed and is still writing.
     pub(crate) fn in_flight(&self) -> Vec<Arc<SealedRecord>> {
         self.queued

@@ -73,7 +73,7 @@ pub(crate) fn write(
     }
     // Records this write filled are written outside the lock, so other
     // writers keep going and several records are in flight at once.
-    Ok(st.log.claim_sealed())
+    Ok(st.log.claim_filled())
 }
 
 /// Zero or discard a range. Whole blocks become a logged range (no data is
