@@ -13,8 +13,8 @@
 //! commands) write their records themselves, as before: their order of
 //! device events stays deterministic.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 
 use cairn_device::Device;
@@ -52,9 +52,74 @@ impl RecordJob {
     }
 }
 
+/// The jobs waiting for a writer; no bound of its own, since every job is
+/// a record the sealed queue holds until it is written (`SEALED_RECORDS_MAX`
+/// and the records calls have claimed). Each submit wakes one idle writer: with
+/// the receiver of a channel behind a mutex (as before), the writer that
+/// took a job woke the next one to wait in its place, a second thread
+/// switch per record.
+struct JobQueue<T> {
+    state: Mutex<QueueState<T>>,
+    ready: Condvar,
+}
+
+struct QueueState<T> {
+    jobs: VecDeque<T>,
+    /// No more jobs come: writers finish the queue and exit.
+    closed: bool,
+}
+
+impl<T> Default for JobQueue<T> {
+    fn default() -> Self {
+        JobQueue {
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
+        }
+    }
+}
+
+impl<T> JobQueue<T> {
+    fn lock(&self) -> MutexGuard<'_, QueueState<T>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queue `job`, or hand it back if the queue is closed.
+    fn push(&self, job: T) -> Result<(), T> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(job);
+        }
+        state.jobs.push_back(job);
+        drop(state);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next job; `None` once the queue is closed and empty.
+    fn pop(&self) -> Option<T> {
+        let mut state = self.lock();
+        loop {
+            if let Some(job) = state.jobs.pop_front() {
+                return Some(job);
+            }
+            if state.closed {
+                return None;
+            }
+            state = self.ready.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_all();
+    }
+}
+
 struct Pool {
-    /// `None` once the pool shuts down.
-    jobs: Mutex<Option<Sender<RecordJob>>>,
+    jobs: Arc<JobQueue<RecordJob>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -71,16 +136,10 @@ impl RecordWriters {
     pub(crate) fn submit(&self, job: RecordJob) {
         let pool = self.pool.get_or_init(start_pool);
         let job = match pool {
-            Ok(pool) => {
-                let jobs = pool.jobs.lock().unwrap_or_else(|p| p.into_inner());
-                match jobs.as_ref() {
-                    Some(tx) => match tx.send(job) {
-                        Ok(()) => return,
-                        Err(returned) => returned.0,
-                    },
-                    None => job,
-                }
-            }
+            Ok(pool) => match pool.jobs.push(job) {
+                Ok(()) => return,
+                Err(returned) => returned,
+            },
             Err(_) => job,
         };
         job.run();
@@ -88,14 +147,13 @@ impl RecordWriters {
 }
 
 fn start_pool() -> Result<Pool, String> {
-    let (tx, rx) = channel::<RecordJob>();
-    let rx = Arc::new(Mutex::new(rx));
+    let jobs = Arc::new(JobQueue::default());
     let mut threads = Vec::with_capacity(RECORD_WRITER_THREADS);
     for i in 0..RECORD_WRITER_THREADS {
-        let rx = rx.clone();
+        let queue = jobs.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("record-writer-{i}"))
-            .spawn(move || writer_loop(&rx));
+            .spawn(move || writer_loop(&queue));
         match spawned {
             Ok(handle) => threads.push(handle),
             Err(e) if threads.is_empty() => {
@@ -109,22 +167,15 @@ fn start_pool() -> Result<Pool, String> {
         }
     }
     Ok(Pool {
-        jobs: Mutex::new(Some(tx)),
+        jobs,
         threads: Mutex::new(threads),
     })
 }
 
-/// Take jobs until the pool's sender is dropped.
-fn writer_loop(rx: &Mutex<Receiver<RecordJob>>) {
-    loop {
-        let job = {
-            let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
-            rx.recv()
-        };
-        match job {
-            Ok(job) => job.run(),
-            Err(_) => return,
-        }
+/// Take jobs until the queue is closed and empty.
+fn writer_loop(queue: &JobQueue<RecordJob>) {
+    while let Some(job) = queue.pop() {
+        job.run();
     }
 }
 
@@ -134,15 +185,47 @@ impl Drop for RecordWriters {
         let Some(Ok(pool)) = self.pool.get_mut() else {
             return;
         };
-        drop(
-            pool.jobs
-                .get_mut()
-                .unwrap_or_else(|p| p.into_inner())
-                .take(),
-        );
+        pool.jobs.close();
         let threads = std::mem::take(pool.threads.get_mut().unwrap_or_else(|p| p.into_inner()));
         for t in threads {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::JobQueue;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[test]
+    fn each_job_is_taken_once_and_a_closed_queue_drains_then_ends() {
+        let queue = Arc::new(JobQueue::<u32>::default());
+        let takers: Vec<_> = (0..3)
+            .map(|_| {
+                let queue = queue.clone();
+                std::thread::spawn(move || {
+                    let mut taken = Vec::new();
+                    while let Some(job) = queue.pop() {
+                        taken.push(job);
+                    }
+                    taken
+                })
+            })
+            .collect();
+        for job in 0..1000 {
+            assert!(queue.push(job).is_ok());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        queue.close();
+        assert_eq!(queue.push(7), Err(7), "a closed queue hands the job back");
+        let mut all: Vec<u32> = takers
+            .into_iter()
+            .flat_map(|t| t.join().expect("taker"))
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..1000).collect::<Vec<_>>(), "every job exactly once");
+        assert!(queue.pop().is_none());
     }
 }
