@@ -6,7 +6,8 @@
 //! less than 64 MiB. Also `--read-only`: advertised, and writes refused
 //! with EPERM. A client that queues far more requests than
 //! `--max-in-flight-per-connection` is paused, not refused, and gets every
-//! reply right. Needs python3-libnbd and nbdinfo; skips without them,
+//! reply right; one that sends reads and never reads its replies holds at
+//! most that many replies in the daemon's memory. Needs python3-libnbd and nbdinfo; skips without them,
 //! fails under CI=true.
 
 mod common;
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const MIB: u64 = 1 << 20;
-use cairn_nbd_proto::proto::{CMD_WRITE, OPT_EXPORT_NAME, OPT_GO, REQUEST_MAGIC};
+use cairn_nbd_proto::proto::{CMD_READ, CMD_WRITE, OPT_EXPORT_NAME, OPT_GO, REQUEST_MAGIC};
 use common::raw_nbd::{greet, option_header};
 
 /// The normal client: write, flush, read back and compare, for `secs`.
@@ -213,6 +214,85 @@ fn a_client_queueing_past_the_in_flight_limit_is_paused_not_refused() {
         "the reader never paused at the limit: {st}"
     );
     assert_eq!(u64_of(&st, "nbd_protocol_errors"), 0, "{st}");
+}
+
+/// A client that enters transmission and sends `count` 1 MiB reads
+/// without ever reading a reply, until its socket takes no more.
+fn reads_never_answered(socket: &Path, count: u64, span_mib: u64) -> Option<UnixStream> {
+    let mut s = UnixStream::connect(socket).ok()?;
+    if !greet(&mut s) {
+        return None;
+    }
+    s.write_all(&option_header(OPT_EXPORT_NAME, 0)).ok()?;
+    let mut export = [0u8; 10];
+    s.read_exact(&mut export).ok()?;
+    s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
+    for i in 0..count {
+        let mut req = Vec::with_capacity(28);
+        req.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        req.extend_from_slice(&0u16.to_be_bytes());
+        req.extend_from_slice(&CMD_READ.to_be_bytes());
+        req.extend_from_slice(&i.to_be_bytes());
+        req.extend_from_slice(&((i % span_mib) * MIB).to_be_bytes());
+        req.extend_from_slice(&(MIB as u32).to_be_bytes());
+        if s.write_all(&req).is_err() {
+            // The daemon stopped reading: the backpressure this tests.
+            break;
+        }
+    }
+    Some(s)
+}
+
+#[test]
+fn a_client_that_never_reads_replies_holds_at_most_its_in_flight_limit() {
+    if !require_python_nbd("unread_replies") {
+        return;
+    }
+    let ctx = Ctx::new("unread_replies");
+    let (cache, _origin) = ctx.setup(64 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let server = ctx.serve(&cache, &sock, &["--max-in-flight-per-connection", "8"]);
+    let pid = server.proc.pid();
+    let rss_before = rss_bytes(pid);
+    // 4,000 reads of 1 MiB: 4 GB of replies if the daemon queued them all.
+    let hostile = reads_never_answered(&sock, 4_000, 64).expect("the client connects");
+    let mut peak_rss = rss_before;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        peak_rss = peak_rss.max(rss_bytes(pid));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let st = ctx.status(&cache);
+    assert!(
+        u64_of(&st, "nbd_in_flight_limit_waits") > 0,
+        "the reader never paused: {st}"
+    );
+    // At most 8 replies of 1 MiB (and their prefixes) are charged.
+    assert!(
+        u64_of(&st, "nbd_buffered_bytes") <= 8 * (MIB + 64),
+        "unsent replies beyond the limit: {st}"
+    );
+    let growth = peak_rss.saturating_sub(rss_before);
+    assert!(
+        growth < 64 * MIB,
+        "RSS grew by {growth} bytes ({rss_before} -> {peak_rss}) for a client that reads nothing"
+    );
+    // Another client is served meanwhile.
+    let out = run_ok(
+        std::process::Command::new(python())
+            .arg("-c")
+            .arg("import nbd, sys\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\nprint(len(h.pread(4096, 0)))")
+            .arg(server.uri()),
+        TOOL_TIMEOUT,
+    );
+    assert_eq!(stdout(&out).trim(), "4096", "{}", describe(&out));
+    let _ = std::io::stderr().write_all(
+        format!(
+            "a client reading nothing: RSS {rss_before} -> peak {peak_rss} (+{growth} bytes)\n"
+        )
+        .as_bytes(),
+    );
+    drop(hostile);
 }
 
 #[test]

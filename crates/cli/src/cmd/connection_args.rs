@@ -37,12 +37,13 @@ pub struct ConnectionArgs {
     /// disconnected.
     #[arg(long, default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECS, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..=3600))]
     pub handshake_timeout_secs: u32,
-    /// Requests one client may have queued or running at once; beyond
-    /// this cairn stops reading that client's socket until one finishes
-    /// (counted as `in_flight_limit_waits`). Their payloads are bounded
-    /// apart from this, across all clients. Deeper queues let a fast cache
-    /// device serve more reads at once; a smaller one bounds what one
-    /// client can hold.
+    /// Requests one client may have running or answered but not yet sent
+    /// at once; beyond this cairn stops reading that client's socket until
+    /// a reply has gone out (counted as `in_flight_limit_waits`). Their
+    /// payloads also count against the server's buffer budget, of which one
+    /// client may hold a quarter. Deeper queues let a fast cache device
+    /// serve more reads at once; a smaller one bounds what one client can
+    /// hold.
     #[arg(long, default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_in_flight_per_connection: u32,
     /// Serve the volume read-only: clients see the read-only flag and every

@@ -7,10 +7,13 @@
 //! replies. A request waiting for I/O is a suspended task, not a blocked
 //! thread. Nothing spins: an idle connection sleeps in the kernel.
 //!
-//! Memory is bounded: each connection has at most
-//! `max_in_flight_per_connection` requests in flight (the reader stops
-//! taking requests when full), and all connections together hold at most
-//! `max_buffered_bytes` of read/write payload buffers.
+//! Memory is bounded: a request holds an in-flight slot and its payload
+//! budget from when it is read until its reply has been sent (or dropped),
+//! so replies a client does not read count too. Each connection has at
+//! most `max_in_flight_per_connection` such requests and a quarter of the
+//! budget (the reader stops taking requests when either is full; a request
+//! on an idle connection is always taken), and all connections together
+//! hold at most `max_buffered_bytes` of read/write payload buffers.
 //!
 //! Exports: [`serve`] offers one; [`serve_exports`] offers an [`Exports`]
 //! set, which may change while the server runs. A connection picks its

@@ -5,30 +5,33 @@
 //! connection keeps taking requests meanwhile (up to its in-flight limit).
 //! Replies leave in the order the requests finish.
 
+mod charge;
 mod end;
 mod input;
 mod negotiate;
 mod output;
 mod request;
+mod slots;
 mod tls;
 mod transmit;
 
-use std::cell::Cell;
 use std::net::Shutdown;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cairn_io::{LocalNotify, Reactor, ReactorOptions};
+use cairn_io::{Reactor, ReactorOptions};
 
 use super::listener::Stream;
 use super::Shared;
 use crate::codec::{ProtocolError, Session};
 use crate::export::Export;
+use charge::Charge;
 use end::End;
 use input::InBuf;
 use output::Output;
+use slots::Slots;
 
 /// What the tasks of one connection share (they all run on its thread).
 pub(super) struct Conn {
@@ -40,34 +43,53 @@ pub(super) struct Conn {
     /// Receives and sends go through the reactor's ring.
     stream: Stream,
     reactor: Reactor,
-    in_flight: Cell<usize>,
-    slot_freed: LocalNotify,
+    /// Requests taken and not yet answered (their replies sent).
+    slots: Rc<Slots>,
     output: Output,
     /// TLS, when the client negotiated STARTTLS.
     tls: Option<tls::LoopTls>,
 }
 
 impl Conn {
-    /// Take an in-flight slot, waiting (as a task) while the connection is
-    /// at its limit: that is the backpressure on the client.
-    async fn acquire_slot(&self) {
+    /// Take an in-flight slot and `budget_bytes` of the server's payload
+    /// budget, waiting (as a task) while the connection is at its limit
+    /// (that is the backpressure on the client) or the server is out of
+    /// budget. Both come back when the returned charge is dropped, which
+    /// the request's reply does once it has been sent.
+    async fn charge(&self, budget_bytes: u64) -> Charge {
         let max = self.shared.config.max_in_flight_per_connection;
-        if self.in_flight.get() >= max {
+        let max_bytes = connection_share_bytes(self.shared.config.max_buffered_bytes);
+        if !self.slots.try_take(max, budget_bytes, max_bytes) {
             self.shared
                 .counters
                 .in_flight_limit_waits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            while !self.slots.try_take(max, budget_bytes, max_bytes) {
+                self.slots.freed().await;
+            }
         }
-        while self.in_flight.get() >= max {
-            self.slot_freed.notified().await;
-        }
-        self.in_flight.set(self.in_flight.get() + 1);
+        // The slot is taken; if this task were dropped while it waits for
+        // the budget, the slot would be given back with nothing acquired.
+        let slot = SlotGuard(&self.slots, budget_bytes);
+        self.shared.budget.acquire(budget_bytes).await;
+        std::mem::forget(slot);
+        Charge::new(self.slots.clone(), self.shared.clone(), budget_bytes)
     }
+}
 
-    fn release_slot(&self) {
-        debug_assert!(self.in_flight.get() > 0);
-        self.in_flight.set(self.in_flight.get().saturating_sub(1));
-        self.slot_freed.notify_all();
+/// The share of the server's payload budget one connection may hold, in
+/// requests running and replies not yet sent: a quarter, so a client that
+/// stops reading cannot keep every other client waiting for budget.
+fn connection_share_bytes(max_buffered_bytes: u64) -> u64 {
+    max_buffered_bytes / 4
+}
+
+/// Gives back a slot taken for `.1` bytes if dropped before a charge owns it.
+struct SlotGuard<'a>(&'a Slots, u64);
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        self.0.release(self.1);
     }
 }
 
@@ -145,8 +167,7 @@ fn serve_transmission(
         export,
         stream,
         reactor: reactor.clone(),
-        in_flight: Cell::new(0),
-        slot_freed: LocalNotify::default(),
+        slots: Rc::new(Slots::default()),
         output: Output::default(),
         tls: tls.map(tls::LoopTls::new),
     });

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use cairn_io::{Deadline, LocalNotify};
 
+use super::charge::Charge;
 use super::tls::LoopTls;
 use super::Conn;
 use crate::export::ReadBuffer;
@@ -20,17 +21,47 @@ use crate::export::ReadBuffer;
 /// Most buffers in one `writev` (the kernel's IOV_MAX is 1024).
 const IOVECS_MAX: usize = 1024;
 
-/// One reply: its bytes, or a read reply's header and data.
-pub(super) enum Reply {
+/// One reply, and what its request holds until it has been sent.
+pub(super) struct Reply {
+    body: Body,
+    /// Given back when the reply is dropped: sent, or dropped unsent.
+    _charge: Option<Charge>,
+}
+
+/// A reply's bytes, or a read reply's header and data.
+enum Body {
     Bytes(Vec<u8>),
     Data { header: Vec<u8>, data: ReadBuffer },
 }
 
 impl Reply {
+    pub(super) fn bytes(bytes: Vec<u8>) -> Reply {
+        Reply {
+            body: Body::Bytes(bytes),
+            _charge: None,
+        }
+    }
+
+    pub(super) fn data(header: Vec<u8>, data: ReadBuffer) -> Reply {
+        Reply {
+            body: Body::Data { header, data },
+            _charge: None,
+        }
+    }
+
+    /// The reply holds `charge` (its request's slot and budget) until it
+    /// has been sent.
+    pub(super) fn charged(self, charge: Charge) -> Reply {
+        Reply {
+            body: self.body,
+            _charge: Some(charge),
+        }
+    }
+
     pub(super) fn pieces(&self) -> [&[u8]; 2] {
-        match self {
-            Reply::Bytes(bytes) => [bytes, &[]],
-            Reply::Data { header, data } => [header, (**data).as_ref()],
+        match &self.body {
+            Body::Bytes(bytes) => [bytes, &[]],
+            Body::Data { header, data } => [header, (**data).as_ref()],
         }
     }
 
@@ -225,6 +256,9 @@ async fn tls_writer(conn: &Rc<Conn>, tls: &LoopTls, mut deadline: Option<Deadlin
         if output.broken.get() {
             return;
         }
+        // The replies encrypted are kept (with their charges) until their
+        // ciphertext has been sent.
+        let mut held = Vec::new();
         let cipher = if output.queue.borrow().is_empty() {
             if tls.has_outgoing() {
                 tls.take_outgoing()
@@ -237,8 +271,8 @@ async fn tls_writer(conn: &Rc<Conn>, tls: &LoopTls, mut deadline: Option<Deadlin
                 continue;
             }
         } else {
-            let replies = output.take_all();
-            match tls.encrypt(&replies) {
+            held = output.take_all();
+            match tls.encrypt(&held) {
                 Ok(cipher) => cipher,
                 Err(e) => {
                     output.fail(conn, &format!("TLS encryption failed: {e}"));
@@ -250,6 +284,7 @@ async fn tls_writer(conn: &Rc<Conn>, tls: &LoopTls, mut deadline: Option<Deadlin
             output.fail(conn, &why);
             return;
         }
+        drop(held);
     }
 }
 

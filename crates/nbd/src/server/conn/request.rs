@@ -7,6 +7,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
+use super::charge::Charge;
 use super::output::Reply;
 use super::Conn;
 use crate::codec::reply::{
@@ -22,12 +23,13 @@ pub(super) struct Job {
     pub request: Request,
     /// The write payload (empty for other commands).
     pub payload: Vec<u8>,
-    /// Bytes charged to the server's budget, given back with the reply.
-    pub budget_bytes: u64,
+    /// Its slot and budget, held by its reply until that has been sent.
+    pub charge: Charge,
 }
 
-/// The task of one request: run it, queue its reply, give back its slot
-/// and budget. A panic in the export becomes an EIO reply.
+/// The task of one request: run it and queue its reply, which holds the
+/// request's slot and budget until it has been sent. A panic in the
+/// export becomes an EIO reply.
 pub(super) async fn run(conn: Rc<Conn>, job: Job) {
     conn.shared
         .counters
@@ -45,12 +47,10 @@ pub(super) async fn run(conn: Rc<Conn>, job: Job) {
             );
             let mut out = Vec::new();
             encode_error(&mut out, mode, to, proto::NBD_EIO, "internal server error");
-            Reply::Bytes(out)
+            Reply::bytes(out)
         }
     };
-    conn.output.push(reply);
-    conn.shared.budget.release(job.budget_bytes);
-    conn.release_slot();
+    conn.output.push(reply.charged(job.charge));
 }
 
 async fn execute(conn: &Conn, job: &Job) -> Reply {
@@ -68,7 +68,7 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
                 .map(|data| {
                     let mut header = Vec::with_capacity(read_prefix_bytes(mode));
                     encode_read_prefix(&mut header, mode, to, length_bytes);
-                    Some(Reply::Data { header, data })
+                    Some(Reply::data(header, data))
                 }),
             Command::Write {
                 length_bytes: 0, ..
@@ -102,14 +102,14 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
             Command::BlockStatus {
                 length_bytes,
                 req_one,
-            } => block_status(conn, request, length_bytes, req_one).map(|b| Some(Reply::Bytes(b))),
+            } => block_status(conn, request, length_bytes, req_one).map(|b| Some(Reply::bytes(b))),
         };
     match result {
         Ok(Some(reply)) => reply,
         Ok(None) => {
             let mut out = Vec::with_capacity(40);
             encode_ok(&mut out, mode, to);
-            Reply::Bytes(out)
+            Reply::bytes(out)
         }
         Err(e) => {
             let command = proto::command_name(to.command);
@@ -120,7 +120,7 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
             }
             let mut out = Vec::with_capacity(64 + e.message.len());
             encode_error(&mut out, mode, to, errno_to_nbd(e.errno), &e.message);
-            Reply::Bytes(out)
+            Reply::bytes(out)
         }
     }
 }

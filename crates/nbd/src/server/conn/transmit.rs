@@ -19,8 +19,8 @@ pub(super) async fn transmit(conn: Rc<Conn>, mut input: InBuf) -> End {
     let end = read_requests(&conn, &mut input).await;
     // Requests taken from the client still get their replies (if it
     // listens), and give back their slots and budget.
-    while conn.in_flight.get() > 0 {
-        conn.slot_freed.notified().await;
+    while conn.slots.used() > 0 {
+        conn.slots.freed().await;
     }
     conn.output.close();
     writer.await;
@@ -84,9 +84,12 @@ async fn reject(
     discard_bytes: u64,
 ) -> Result<(), End> {
     input.skip(conn, discard_bytes).await?;
+    // An error reply holds a slot until sent too: a client that sends bad
+    // requests and never reads would otherwise queue replies without bound.
+    let charge = conn.charge(0).await;
     let mut out = Vec::with_capacity(64 + message.len());
     encode_error(&mut out, conn.session.mode, reply_to, errno, message);
-    conn.output.push(Reply::Bytes(out));
+    conn.output.push(Reply::bytes(out).charged(charge));
     Ok(())
 }
 
@@ -94,7 +97,6 @@ async fn reject(
 /// connection or the server is at its limit: the client's further
 /// requests wait in the socket), read its payload, and start its task.
 async fn start(conn: &Rc<Conn>, input: &mut InBuf, request: Request) -> Result<(), End> {
-    conn.acquire_slot().await;
     let payload_bytes = request.payload_bytes();
     let budget_bytes = match request.command {
         Command::Read { length_bytes } => {
@@ -102,19 +104,14 @@ async fn start(conn: &Rc<Conn>, input: &mut InBuf, request: Request) -> Result<(
         }
         _ => payload_bytes,
     };
-    conn.shared.budget.acquire(budget_bytes).await;
-    let payload = match input.read_payload(conn, payload_bytes).await {
-        Ok(p) => p,
-        Err(end) => {
-            conn.shared.budget.release(budget_bytes);
-            conn.release_slot();
-            return Err(end);
-        }
-    };
+    // Given back when its reply has been sent, or here if reading the
+    // payload fails (the charge is dropped).
+    let charge = conn.charge(budget_bytes).await;
+    let payload = input.read_payload(conn, payload_bytes).await?;
     let job = Job {
         request,
         payload,
-        budget_bytes,
+        charge,
     };
     conn.reactor.spawn_detached(request::run(conn.clone(), job));
     Ok(())
