@@ -67,12 +67,12 @@ impl SealedQueue {
     /// leader writes them with the fdatasync, in its own thread, where a
     /// write or read that took them on handed them to the record writers
     /// (two thread switches) and, a write, waited for another client's
-    /// record. Past half the queue's bound unclaimed epoch ends are taken
-    /// too, so many flushing clients never fill the queue and make a seal
-    /// write records under the lock.
+    /// record. Once the queue is half full epoch ends are taken too, so
+    /// neither many flushing clients nor an epoch end left at the front
+    /// (which keeps written records behind it from leaving the queue) fill
+    /// it and make a seal write records under the lock.
     pub(crate) fn claim_filled(&mut self) -> Vec<Arc<SealedRecord>> {
-        let unclaimed = self.queued.iter().filter(|q| !q.claimed).count();
-        let take_epoch_ends = unclaimed > SEALED_RECORDS_MAX / 2;
+        let take_epoch_ends = self.queued.len() > SEALED_RECORDS_MAX / 2;
         let mut claimed = Vec::new();
         for queued in self.queued.iter_mut().filter(|q| !q.claimed) {
             if queued.record.header_fields.epoch_end() && !take_epoch_ends {
