@@ -195,46 +195,48 @@ mod tests {
         assert!(t.budget_allows(0), "no limit");
     }
 
+    /// How long a thread waiting for cleaning waits when `wake` runs 50 ms
+    /// after it started waiting.
+    fn wait_ended_by(
+        t: &Turns,
+        stop: &std::sync::atomic::AtomicBool,
+        wake: impl FnOnce(),
+    ) -> Duration {
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let started = std::time::Instant::now();
+                t.wait_for_cleaning(stop);
+                started.elapsed()
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            wake();
+            waiter.join().expect("waiter")
+        })
+    }
+
     #[test]
     fn an_idle_extra_thread_wakes_when_cleaning_starts_or_write_back_stops() {
         use std::sync::atomic::{AtomicBool, Ordering};
-        use std::time::Instant;
         let t = Turns::default();
         let stop = AtomicBool::new(false);
-        std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
-                let started = Instant::now();
-                t.wait_for_cleaning(&stop);
-                started.elapsed()
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            t.set_cleaning(true);
-            let waited = waiter.join().expect("waiter");
-            assert!(
-                waited < super::IDLE_WAIT,
-                "cleaning did not wake it ({waited:?})"
-            );
-        });
+        let waited = wait_ended_by(&t, &stop, || t.set_cleaning(true));
+        assert!(
+            waited < super::IDLE_WAIT,
+            "cleaning did not wake it ({waited:?})"
+        );
         // Cleaning already: no wait at all.
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         t.wait_for_cleaning(&stop);
         assert!(started.elapsed() < super::IDLE_WAIT / 2);
         t.set_cleaning(false);
-        std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
-                let started = Instant::now();
-                t.wait_for_cleaning(&stop);
-                started.elapsed()
-            });
-            std::thread::sleep(Duration::from_millis(50));
+        let waited = wait_ended_by(&t, &stop, || {
             stop.store(true, Ordering::SeqCst);
             t.wake_all();
-            let waited = waiter.join().expect("waiter");
-            assert!(
-                waited < super::IDLE_WAIT,
-                "stopping did not wake it ({waited:?})"
-            );
         });
+        assert!(
+            waited < super::IDLE_WAIT,
+            "stopping did not wake it ({waited:?})"
+        );
     }
 
     #[test]

@@ -191,13 +191,7 @@ fn a_client_queueing_past_the_in_flight_limit_is_paused_not_refused() {
     let (cache, _origin) = ctx.setup(16 * MIB, 64 * MIB);
     let sock = ctx.path("nbd.sock");
     let server = ctx.serve(&cache, &sock, &["--max-in-flight-per-connection", "4"]);
-    let out = run_ok(
-        std::process::Command::new(python())
-            .arg("-c")
-            .arg(DEEP_QUEUE_CLIENT)
-            .arg(server.uri()),
-        TOOL_TIMEOUT,
-    );
+    let out = python_ok(DEEP_QUEUE_CLIENT, &[&server.uri()]);
     let line = stdout(&out);
     let words: Vec<&str> = line.split_whitespace().collect();
     // libnbd sends all 256 before it reads a reply; whether the server
@@ -275,12 +269,9 @@ fn a_client_that_never_reads_replies_holds_at_most_its_in_flight_limit() {
         "RSS grew by {growth} bytes ({rss_before} -> {peak_rss}) for a client that reads nothing"
     );
     // Another client is served meanwhile.
-    let out = run_ok(
-        std::process::Command::new(python())
-            .arg("-c")
-            .arg("import nbd, sys\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\nprint(len(h.pread(4096, 0)))")
-            .arg(server.uri()),
-        TOOL_TIMEOUT,
+    let out = python_ok(
+        "import nbd, sys\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\nprint(len(h.pread(4096, 0)))",
+        &[&server.uri()],
     );
     assert_eq!(stdout(&out).trim(), "4096", "{}", describe(&out));
     let _ = std::io::stderr().write_all(
@@ -308,10 +299,7 @@ fn read_only_serving_refuses_writes_with_eperm() {
     let script = format!(
         "import nbd, errno\nh = nbd.NBD()\nh.connect_uri({uri:?})\nh.pread(4096, 0)\n# Send the write anyway: the server must refuse it, not libnbd.\nh.set_strict_mode(0)\ntry:\n    h.pwrite(b'x' * 4096, 0)\nexcept nbd.Error as e:\n    print('refused', e.errnum == errno.EPERM)\n"
     );
-    let out = run_ok(
-        std::process::Command::new(python()).arg("-c").arg(&script),
-        TOOL_TIMEOUT,
-    );
+    let out = python_ok(&script, &[]);
     assert_eq!(stdout(&out).trim(), "refused True", "{}", describe(&out));
     assert_eq!(u64_of(&ctx.status(&cache), "writes"), 0);
 }

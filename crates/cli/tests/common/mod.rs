@@ -99,6 +99,15 @@ pub fn python() -> PathBuf {
     }
 }
 
+/// Run a python3-libnbd `script` with `args` (`sys.argv[1:]`) to its end;
+/// it must succeed.
+pub fn python_ok(script: &str, args: &[&str]) -> Output {
+    run_ok(
+        Command::new(python()).arg("-c").arg(script).args(args),
+        TOOL_TIMEOUT,
+    )
+}
+
 /// True if `nbdsh` is installed and python3-libnbd imports.
 pub fn require_python_nbd(test: &str) -> bool {
     if !require_tools(test, &["nbdsh"]) {

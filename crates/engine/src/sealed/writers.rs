@@ -214,10 +214,20 @@ mod tests {
                 })
             })
             .collect();
+        // The takers are asleep on an empty queue before the first push.
+        std::thread::sleep(Duration::from_millis(50));
         for job in 0..1000 {
             assert!(queue.push(job).is_ok());
         }
-        std::thread::sleep(Duration::from_millis(20));
+        // Taken while the queue is open: a push wakes a waiting taker.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !queue.lock().jobs.is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no taker woke for the jobs"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         queue.close();
         assert_eq!(queue.push(7), Err(7), "a closed queue hands the job back");
         let mut all: Vec<u32> = takers
