@@ -28,6 +28,7 @@ mod notify;
 pub mod oneshot;
 mod reactor;
 mod semaphore;
+mod send_now;
 
 pub use block_on::block_on;
 pub use buf::{StableBuf, StableBufMut, StableBufs};
@@ -36,3 +37,4 @@ pub use join::{first_of, join_all, Either, FirstOf, JoinAll};
 pub use notify::LocalNotify;
 pub use reactor::{JoinHandle, Reactor, ReactorOptions, RemoteWaker};
 pub use semaphore::Semaphore;
+pub use send_now::send_now;

@@ -123,9 +123,9 @@ impl SealedRecord {
         assert!(!self.is_done(), "record {} written twice", self.sequence);
         assert!(self.outcome.set(outcome).is_ok(), "one outcome per record");
         {
-            let _guard = record_io.lock();
+            let guard = record_io.lock();
             self.done.store(true, Ordering::Release);
-            record_io.notify();
+            record_io.notify(&guard);
         }
         let wakers = std::mem::take(&mut *self.lock_wakers());
         for waker in wakers {

@@ -212,10 +212,37 @@ pub(super) async fn writer(conn: Rc<Conn>) {
             output.changed.notified().await;
             continue;
         }
-        // One ring send of everything queued; it goes down with the next
-        // submission, together with the device reads of this loop turn.
         let batch = output.take_batch();
         let total: usize = batch.replies.iter().map(Reply::len).sum::<usize>() - batch.skip;
+        // Everything queued in one send tried at once: the socket usually
+        // has room, and then the replies are out without a ring operation
+        // and a loop turn to reap it (at one request in flight, one
+        // `io_uring_enter` per request fewer).
+        let batch = match cairn_io::send_now(conn.stream.raw_fd(), &batch) {
+            Ok(sent) if sent == total => {
+                output.requeue(batch, sent);
+                continue;
+            }
+            Ok(sent) => {
+                output.requeue(batch, sent);
+                output.take_batch()
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                batch
+            }
+            Err(e) => {
+                output.fail(&conn, &format!("reply write failed: {e}"));
+                return;
+            }
+        };
+        let total: usize = batch.replies.iter().map(Reply::len).sum::<usize>() - batch.skip;
+        // The rest as one ring send, which waits for room in the socket; it
+        // goes down with the next submission.
         let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
         let outcome = match &mut deadline {
             None => Some(send.await),
