@@ -52,6 +52,23 @@ fn rss_bytes(pid: i32) -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// The process's CPU time so far (user and system), in clock ticks.
+fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name, which is in parentheses.
+    let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line; the state, field
+    // 3, is the first here.
+    let tick = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    tick(11) + tick(12)
+}
+
 /// A client that declares a 4 GiB option and sends 1 MiB of it.
 fn huge_option(socket: &Path) -> Option<UnixStream> {
     let mut s = UnixStream::connect(socket).ok()?;
@@ -281,6 +298,51 @@ fn a_client_that_never_reads_replies_holds_at_most_its_in_flight_limit() {
         .as_bytes(),
     );
     drop(hostile);
+}
+
+/// A client that reads its replies a little at a time keeps the socket
+/// full: each send the daemon makes is taken in part, and the next finds
+/// no room. The daemon must then wait for room (a ring send), not retry
+/// its immediate send in a loop.
+#[test]
+fn a_client_that_reads_slowly_is_waited_for_not_spun_on() {
+    let ctx = Ctx::new("slow_reader");
+    let (cache, _origin) = ctx.setup(64 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let server = ctx.serve(&cache, &sock, &["--max-in-flight-per-connection", "8"]);
+    let pid = server.proc.pid();
+    let mut client = reads_never_answered(&sock, 400, 64).expect("the client connects");
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("read timeout");
+    // 16 KiB every 2 ms: about 8 MB/s, far below what the daemon could send.
+    let mut chunk = vec![0u8; 16 * 1024];
+    let read_for = |client: &mut UnixStream, chunk: &mut [u8], how_long: Duration| {
+        let started = Instant::now();
+        let mut read_bytes = 0usize;
+        while started.elapsed() < how_long {
+            read_bytes += client.read(chunk).expect("replies keep coming");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        read_bytes
+    };
+    read_for(&mut client, &mut chunk, Duration::from_millis(500));
+    let ticks_from = cpu_ticks(pid);
+    let since = Instant::now();
+    let read_bytes = read_for(&mut client, &mut chunk, Duration::from_secs(2));
+    let busy_ticks = cpu_ticks(pid).saturating_sub(ticks_from);
+    let window_ms = since.elapsed().as_millis() as u64;
+    assert!(
+        read_bytes > MIB as usize,
+        "replies stopped: {read_bytes} bytes in {window_ms} ms"
+    );
+    // Serving this takes about 1 tick a second; a writer retrying its
+    // immediate send while the socket is full took 12-16 a second (it
+    // spins only between the client's reads). The limit is 6.
+    assert!(
+        busy_ticks * 1000 < window_ms * 6,
+        "the daemon used {busy_ticks} ticks of CPU in {window_ms} ms for a client reading {read_bytes} bytes"
+    );
 }
 
 #[test]
