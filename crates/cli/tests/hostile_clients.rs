@@ -54,7 +54,8 @@ fn rss_bytes(pid: i32) -> u64 {
 
 /// The process's CPU time so far (user and system), in clock ticks.
 fn cpu_ticks(pid: i32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let path = format!("/proc/{pid}/stat");
+    let stat = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     // The fields after the command name, which is in parentheses.
     let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
     let fields: Vec<&str> = after_name.split_whitespace().collect();
@@ -64,7 +65,7 @@ fn cpu_ticks(pid: i32) -> u64 {
         fields
             .get(i)
             .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
+            .unwrap_or_else(|| panic!("{path}: no field {i} after the name in {stat:?}"))
     };
     tick(11) + tick(12)
 }
@@ -328,6 +329,10 @@ fn a_client_that_reads_slowly_is_waited_for_not_spun_on() {
     };
     read_for(&mut client, &mut chunk, Duration::from_millis(500));
     let ticks_from = cpu_ticks(pid);
+    assert!(
+        ticks_from > 0,
+        "the daemon (pid {pid}) shows no CPU time at all"
+    );
     let since = Instant::now();
     let read_bytes = read_for(&mut client, &mut chunk, Duration::from_secs(2));
     let busy_ticks = cpu_ticks(pid).saturating_sub(ticks_from);

@@ -74,15 +74,17 @@ mod tests {
         );
 
         // Nobody reads `b`: the socket fills, takes part of a send, and
-        // then refuses with WouldBlock instead of blocking the thread.
-        let big = Pieces(vec![vec![7u8; 1 << 20]]);
+        // then refuses with WouldBlock instead of blocking the thread. The
+        // piece is larger than any socket buffer a host is likely to set,
+        // so the first send cannot be taken whole.
+        let big = Pieces(vec![vec![7u8; 32 << 20]]);
         let mut total = 0usize;
         let mut partial = false;
         let refused = loop {
             match send_now(a.as_raw_fd(), &big) {
                 Ok(n) => {
-                    assert!(n > 0 && n <= 1 << 20);
-                    partial |= n < 1 << 20;
+                    assert!(n > 0 && n <= 32 << 20);
+                    partial |= n < 32 << 20;
                     total += n;
                     assert!(total < 1 << 30, "the socket never filled");
                 }

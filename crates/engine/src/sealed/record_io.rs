@@ -27,6 +27,8 @@ impl RecordIo {
 
     /// Publish a change; the caller holds the lock (and made its change
     /// under it), so no waiter misses it.
+    /// `guard` must come from this `RecordIo`'s [`RecordIo::lock`]: it
+    /// holds the count of waiters.
     pub(crate) fn notify(&self, guard: &MutexGuard<'_, usize>) {
         if **guard > 0 {
             self.changed.notify_all();

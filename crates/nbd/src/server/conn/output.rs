@@ -1,6 +1,7 @@
 //! The connection's replies: queued by the request tasks as they finish,
-//! in any order, and written by one writer task with `writev`, as many as
-//! are ready at once. A reply is never split by another. The socket is
+//! in any order, and written by one writer task with `sendmsg`, as many as
+//! are ready at once: first a non-blocking one made at once, then, for what
+//! the socket did not take, one through the ring that waits for room. A reply is never split by another. The socket is
 //! non-blocking; a client that stops reading gets `write_timeout_ms` before
 //! the connection is dropped.
 
@@ -201,6 +202,9 @@ pub(super) async fn writer(conn: Rc<Conn>) {
     if let Some(tls) = &conn.tls {
         return tls_writer(&conn, tls, deadline).await;
     }
+    // The last ring send was partial: the socket is full, and trying a
+    // send at once would only fail.
+    let mut socket_full = false;
     loop {
         if output.broken.get() {
             return;
@@ -218,7 +222,12 @@ pub(super) async fn writer(conn: Rc<Conn>) {
         // has room, and then the replies are out without a ring operation
         // and a loop turn to reap it (at one request in flight, one
         // `io_uring_enter` per request fewer).
-        let batch = match cairn_io::send_now(conn.stream.raw_fd(), &batch) {
+        let tried = if socket_full {
+            Err(io::Error::from(io::ErrorKind::WouldBlock))
+        } else {
+            cairn_io::send_now(conn.stream.raw_fd(), &batch)
+        };
+        let batch = match tried {
             Ok(sent) if sent == total => {
                 output.requeue(batch, sent);
                 continue;
@@ -257,7 +266,10 @@ pub(super) async fn writer(conn: Rc<Conn>) {
                 output.fail(&conn, "the client's socket took no bytes");
                 return;
             }
-            Some((Ok(sent), batch)) => output.requeue(batch, sent),
+            Some((Ok(sent), batch)) => {
+                socket_full = sent < total;
+                output.requeue(batch, sent)
+            }
             Some((Err(e), batch))
                 if matches!(
                     e.kind(),
