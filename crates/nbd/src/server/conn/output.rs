@@ -202,9 +202,6 @@ pub(super) async fn writer(conn: Rc<Conn>) {
     if let Some(tls) = &conn.tls {
         return tls_writer(&conn, tls, deadline).await;
     }
-    // The last ring send was partial: the socket is full, and trying a
-    // send at once would only fail.
-    let mut socket_full = false;
     loop {
         if output.broken.get() {
             return;
@@ -222,12 +219,7 @@ pub(super) async fn writer(conn: Rc<Conn>) {
         // has room, and then the replies are out without a ring operation
         // and a loop turn to reap it (at one request in flight, one
         // `io_uring_enter` per request fewer).
-        let tried = if socket_full {
-            Err(io::Error::from(io::ErrorKind::WouldBlock))
-        } else {
-            cairn_io::send_now(conn.stream.raw_fd(), &batch)
-        };
-        let batch = match tried {
+        let batch = match cairn_io::send_now(conn.stream.raw_fd(), &batch) {
             Ok(sent) if sent == total => {
                 output.requeue(batch, sent);
                 continue;
@@ -266,10 +258,7 @@ pub(super) async fn writer(conn: Rc<Conn>) {
                 output.fail(&conn, "the client's socket took no bytes");
                 return;
             }
-            Some((Ok(sent), batch)) => {
-                socket_full = sent < total;
-                output.requeue(batch, sent)
-            }
+            Some((Ok(sent), batch)) => output.requeue(batch, sent),
             Some((Err(e), batch))
                 if matches!(
                     e.kind(),
