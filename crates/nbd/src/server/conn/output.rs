@@ -1,9 +1,10 @@
 //! The connection's replies: queued by the request tasks as they finish,
 //! in any order, and written by one writer task with `sendmsg`, as many as
 //! are ready at once: first a non-blocking one made at once, then, for what
-//! the socket did not take, one through the ring that waits for room. A reply is never split by another. The socket is
-//! non-blocking; a client that stops reading gets `write_timeout_ms` before
-//! the connection is dropped.
+//! the socket did not take, one through the ring that waits for room. A
+//! reply is never split by another. The socket is non-blocking; a client
+//! that stops reading gets `write_timeout_ms` before the connection is
+//! dropped.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -163,6 +164,13 @@ struct ReplyBatch {
     skip: usize,
 }
 
+impl ReplyBatch {
+    /// The bytes of the batch not sent yet.
+    fn unsent_bytes(&self) -> usize {
+        self.replies.iter().map(Reply::len).sum::<usize>() - self.skip
+    }
+}
+
 // SAFETY: every piece is heap memory owned by the batch (a reply's header
 // Vec, its data buffer's allocation), not moved or changed while it lives.
 unsafe impl cairn_io::StableBufs for ReplyBatch {
@@ -214,7 +222,7 @@ pub(super) async fn writer(conn: Rc<Conn>) {
             continue;
         }
         let batch = output.take_batch();
-        let total: usize = batch.replies.iter().map(Reply::len).sum::<usize>() - batch.skip;
+        let total = batch.unsent_bytes();
         // Everything queued in one send tried at once: the socket usually
         // has room, and then the replies are out without a ring operation
         // and a loop turn to reap it (at one request in flight, one
@@ -241,7 +249,7 @@ pub(super) async fn writer(conn: Rc<Conn>) {
                 return;
             }
         };
-        let total: usize = batch.replies.iter().map(Reply::len).sum::<usize>() - batch.skip;
+        let total = batch.unsent_bytes();
         // The rest as one ring send, which waits for room in the socket; it
         // goes down with the next submission.
         let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
