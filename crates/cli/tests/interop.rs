@@ -229,6 +229,70 @@ fn qemu_img_convert_compare_and_nbdcopy() {
     assert!(server.terminate().success());
 }
 
+/// 16 MiB written as 4 KiB blocks in random order, so neighbouring blocks
+/// sit in scattered cache slots, then the volume copied out by nbdcopy
+/// (256 KiB reads, 64 in flight per connection) with O_DIRECT hits: each
+/// read of that range is 64 separate cache reads joined, misses sit
+/// between them, and together they want far more operations than a
+/// connection's ring holds. Every read must be answered and the copy must
+/// equal the volume. (A lost wake-up for reads waiting for room in the
+/// ring hung such copies with a Ceph origin; this test did not reproduce
+/// that on a file origin, `many_tasks_joining_many_operations_on_a_full_
+/// ring_all_finish` in `crates/io/tests/reactor.rs` does.)
+#[test]
+fn nbdcopy_of_blocks_cached_in_scattered_slots() {
+    if !require_tools("scattered", &["fio", "nbdcopy"]) {
+        return;
+    }
+    let ctx = Ctx::new("scattered");
+    let size = 64 * MIB;
+    // An origin with data everywhere: the copy reads all of it, misses
+    // (origin reads) between the scattered hits.
+    let origin = ctx.path("origin.img");
+    write_file(&origin, &pattern(0x5c, size as usize));
+    let cache = ctx.file("cache.img", 64 * MIB);
+    ctx.format(&cache, &origin.to_string_lossy(), &[]);
+    let mut server = ctx.serve(
+        &cache,
+        &ctx.path("nbd.sock"),
+        &["--no-writeback", "--no-page-cache-reads"],
+    );
+    let uri = server.uri();
+    let out = run(
+        tool("fio").current_dir(&ctx.dir.path).args([
+            "--name=scatter",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--offset=16M",
+            "--size=16M",
+            "--iodepth=8",
+            "--randseed=1313",
+        ]),
+        TOOL_TIMEOUT,
+    );
+    assert!(out.status.success(), "fio: {}", describe(&out));
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 4096, "every block once: {st}");
+    for round in 0..3 {
+        let copy = ctx.path(&format!("copy-{round}.img"));
+        run_ok(
+            tool("nbdcopy").args([&uri, &*copy.to_string_lossy()]),
+            std::time::Duration::from_secs(60),
+        );
+        if round == 0 {
+            ctx.flush(&cache);
+            assert_same_bytes(
+                "nbdcopy of the volume against its origin after the drain",
+                &std::fs::read(&copy).expect("read copy"),
+                &std::fs::read(&origin).expect("read origin"),
+            );
+        }
+    }
+    assert!(server.terminate().success());
+}
+
 #[test]
 fn fio_nbd_engine_verify_crc32c() {
     if !require_tools("fio_verify", &["fio"]) {

@@ -321,3 +321,53 @@ fn a_deadline_stops_a_slow_operation_at_its_limit_not_before() {
         );
     }
 }
+
+/// Tasks that each wait for many operations at once on a small ring (a
+/// 256 KiB read of 64 scattered cache blocks is 64 reads joined): every
+/// one of them finishes. The ring had room again but a task waiting for
+/// it was never woken when the wake-ups went to waiters that no longer
+/// needed room (stale duplicates of tasks already done); seen as NBD reads
+/// that never got a reply after a cache was recovered.
+#[test]
+fn many_tasks_joining_many_operations_on_a_full_ring_all_finish() {
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(1 << 20).unwrap();
+    let fd = file.as_raw_fd();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = reactor(8);
+        let r2 = r.clone();
+        let finished = r.run(async move {
+            let mut finished = 0u64;
+            for round in 0..40u64 {
+                let tasks = 2 + round % 5;
+                let handles: Vec<_> = (0..tasks)
+                    .map(|t| {
+                        let r3 = r2.clone();
+                        r2.spawn(async move {
+                            let ops = 1 + (t * 37 + round * 11) % 64;
+                            let reads: Vec<_> = (0..ops)
+                                .map(|k| {
+                                    r3.read_at(fd, ((k * 7 + t) % 256) * 4096, vec![0u8; 4096])
+                                })
+                                .collect();
+                            for (n, _) in cairn_io::join_all(reads).await {
+                                assert_eq!(n.unwrap(), 4096);
+                            }
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    h.await;
+                    finished += 1;
+                }
+            }
+            finished
+        });
+        let _ = done_tx.send(finished);
+    });
+    let finished = done_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("tasks waiting for room in the ring were never woken");
+    assert_eq!(finished, (0..40u64).map(|round| 2 + round % 5).sum::<u64>());
+}

@@ -494,7 +494,7 @@ impl Ctx {
         let mut args = vec!["serve", "--cache", &c, "--socket", &s];
         args.extend_from_slice(extra);
         let mut cmd = self.cmd(&args);
-        cmd.env("CAIRN_LOG", "info");
+        cmd.env("CAIRN_LOG", serve_log_filter());
         let log = self.path(&format!("serve-{}.log", self.next_serial()));
         Proc::spawn("cairn serve", &mut cmd, log)
     }
@@ -519,7 +519,7 @@ impl Ctx {
         let mut args = vec!["serve", "--cache", &c, "--listen", &addr];
         args.extend_from_slice(extra);
         let mut cmd = self.cmd(&args);
-        cmd.env("CAIRN_LOG", "info");
+        cmd.env("CAIRN_LOG", serve_log_filter());
         let mut proc = self.spawn("serve-tcp", &mut cmd);
         let up = eventually(Duration::from_secs(60), || {
             std::net::TcpStream::connect(&addr).is_ok() || proc.try_status().is_some()
@@ -804,4 +804,11 @@ pub fn u64_of(v: &serde_json::Value, key: &str) -> u64 {
     v.get(key)
         .and_then(|x| x.as_u64())
         .unwrap_or_else(|| panic!("{key} missing or not a number in {v}"))
+}
+
+/// The daemon's log filter in tests: `info`, or `CAIRN_TEST_LOG` when set
+/// (e.g. `cairn_nbd=trace,info` to see every request and reply of a
+/// failing run in its serve log).
+pub fn serve_log_filter() -> String {
+    std::env::var("CAIRN_TEST_LOG").unwrap_or_else(|_| "info".to_string())
 }

@@ -97,7 +97,17 @@ pub(crate) async fn read_blocks(
         None
     };
     let origin = origin.as_ref().map(|v| v.device());
+    tracing::trace!(
+        first_lba,
+        ios = ios.len(),
+        origin_ios = ios
+            .iter()
+            .filter(|io| matches!(io.source, Source::Origin))
+            .count(),
+        "read planned"
+    );
     let (buf, failures) = run_ios(env, origin, first_lba, buf, &ios).await;
+    tracing::trace!(first_lba, "read ios done");
     let mut buf = buf;
     let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
@@ -230,8 +240,11 @@ fn start_read<'a>(
                 if env.origin_slots.acquire(1).await {
                     Counters::add(&env.counters.origin_queue_waits, 1);
                 }
+                tracing::trace!(at, "origin read started");
                 let _slot = OriginSlot(env);
-                origin.read_into(at, slice).await
+                let r = origin.read_into(at, slice).await;
+                tracing::trace!(at, ok = r.0.is_ok(), "origin read done");
+                r
             })
         }
     }

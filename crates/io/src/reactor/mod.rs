@@ -316,27 +316,33 @@ impl Reactor {
         if self.inner.ops.borrow().in_flight() + 1 < self.inner.ops_max {
             return true;
         }
-        self.inner
-            .room_waiters
-            .borrow_mut()
-            .push_back(waker.clone());
+        let mut waiters = self.inner.room_waiters.borrow_mut();
+        // A task joining many operations asks once per operation in one
+        // poll: one entry is enough for it.
+        if !waiters.back().is_some_and(|w| w.will_wake(waker)) {
+            waiters.push_back(waker.clone());
+        }
         false
     }
 
+    /// Room came back: wake *every* waiter, and each looks again (those
+    /// that find none wait anew). Waking only as many as there are free
+    /// entries lost wake-ups: an entry may be a task that got its room
+    /// meanwhile, or one that ended (its waker then polls another task,
+    /// or none), so the quota went to wakers that submitted nothing, the
+    /// ring ran empty, no completion came to wake the rest, and their
+    /// requests never finished (NBD reads of 64 scattered cache blocks,
+    /// 64 ring reads each, after a recovery; `many_tasks_joining_...` in
+    /// `tests/reactor.rs`).
     fn wake_room_waiters(&self) {
-        let free = self
-            .inner
-            .ops_max
-            .saturating_sub(self.inner.ops.borrow().in_flight() + 1);
-        for _ in 0..free {
-            let Some(w) = self.inner.room_waiters.borrow_mut().pop_front() else {
-                break;
-            };
+        if self.inner.ops.borrow().in_flight() + 1 >= self.inner.ops_max {
+            return;
+        }
+        let waiters = std::mem::take(&mut *self.inner.room_waiters.borrow_mut());
+        for w in waiters {
             w.wake();
         }
     }
-
-    fn op_slot_freed(&self) {}
 
     /// Ask the kernel to end operation `key` early (its future is gone);
     /// it completes with -ECANCELED, or normally if it was already done.

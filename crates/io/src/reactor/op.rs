@@ -198,7 +198,6 @@ impl<K: OpKind> Future for Op<K> {
                         this.state = OpState::Submitted(key);
                         return Poll::Pending;
                     };
-                    this.reactor.op_slot_freed();
                     let kind = keep
                         .downcast::<K>()
                         .expect("an operation keeps its own kind");

@@ -223,6 +223,12 @@ pub(super) async fn writer(conn: Rc<Conn>) {
         }
         let batch = output.take_batch();
         let total = batch.unsent_bytes();
+        tracing::trace!(
+            conn = conn.id,
+            replies = batch.replies.len(),
+            total,
+            "sending replies"
+        );
         // Everything queued in one send tried at once: the socket usually
         // has room, and then the replies are out without a ring operation
         // and a loop turn to reap it (at one request in flight, one
@@ -250,6 +256,12 @@ pub(super) async fn writer(conn: Rc<Conn>) {
             }
         };
         let total = batch.unsent_bytes();
+        tracing::trace!(
+            conn = conn.id,
+            replies = batch.replies.len(),
+            total,
+            "replies left to the ring"
+        );
         // The rest as one ring send, which waits for room in the socket; it
         // goes down with the next submission.
         let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
@@ -266,7 +278,10 @@ pub(super) async fn writer(conn: Rc<Conn>) {
                 output.fail(&conn, "the client's socket took no bytes");
                 return;
             }
-            Some((Ok(sent), batch)) => output.requeue(batch, sent),
+            Some((Ok(sent), batch)) => {
+                tracing::trace!(conn = conn.id, sent, "ring send done");
+                output.requeue(batch, sent)
+            }
             Some((Err(e), batch))
                 if matches!(
                     e.kind(),

@@ -36,6 +36,13 @@ pub(super) async fn run(conn: Rc<Conn>, job: Job) {
         .requests
         .fetch_add(1, Ordering::Relaxed);
     let to = job.request.reply_to;
+    tracing::trace!(
+        conn = conn.id,
+        cookie = to.cookie,
+        command = proto::command_name(to.command),
+        offset = to.offset,
+        "request started"
+    );
     let mode = conn.session.mode;
     let reply = match CatchPanic(std::pin::pin!(execute(&conn, &job))).await {
         Ok(reply) => reply,
@@ -50,6 +57,7 @@ pub(super) async fn run(conn: Rc<Conn>, job: Job) {
             Reply::bytes(out)
         }
     };
+    tracing::trace!(conn = conn.id, cookie = to.cookie, "reply queued");
     conn.output.push(reply.charged(job.charge));
 }
 
