@@ -222,78 +222,104 @@ pub(super) async fn writer(conn: Rc<Conn>) {
             continue;
         }
         let batch = output.take_batch();
-        let total = batch.unsent_bytes();
         tracing::trace!(
             conn = conn.id,
             replies = batch.replies.len(),
-            total,
+            bytes = batch.unsent_bytes(),
             "sending replies"
         );
-        // Everything queued in one send tried at once: the socket usually
-        // has room, and then the replies are out without a ring operation
-        // and a loop turn to reap it (at one request in flight, one
-        // `io_uring_enter` per request fewer).
-        let batch = match cairn_io::send_now(conn.stream.raw_fd(), &batch) {
-            Ok(sent) if sent == total => {
-                output.requeue(batch, sent);
-                continue;
-            }
-            Ok(sent) => {
-                output.requeue(batch, sent);
-                output.take_batch()
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
-                ) =>
-            {
-                batch
-            }
-            Err(e) => {
-                output.fail(&conn, &format!("reply write failed: {e}"));
-                return;
-            }
+        let rest = match send_at_once(&conn, batch) {
+            Sent::All => continue,
+            Sent::Rest(rest) => rest,
+            Sent::Failed => return,
         };
-        let total = batch.unsent_bytes();
-        tracing::trace!(
-            conn = conn.id,
-            replies = batch.replies.len(),
-            total,
-            "replies left to the ring"
-        );
-        // The rest as one ring send, which waits for room in the socket; it
-        // goes down with the next submission.
-        let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
-        let outcome = match &mut deadline {
-            None => Some(send.await),
-            Some(deadline) => deadline.run(send).await,
-        };
-        match outcome {
-            None => {
-                output.fail(&conn, "the client stopped reading replies (write timeout)");
-                return;
-            }
-            Some((Ok(0), _)) if total > 0 => {
-                output.fail(&conn, "the client's socket took no bytes");
-                return;
-            }
-            Some((Ok(sent), batch)) => {
-                tracing::trace!(conn = conn.id, sent, "ring send done");
-                output.requeue(batch, sent)
-            }
-            Some((Err(e), batch))
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
-                ) =>
-            {
-                output.requeue(batch, 0)
-            }
-            Some((Err(e), _)) => {
-                output.fail(&conn, &format!("reply write failed: {e}"));
-                return;
-            }
+        if !send_on_ring(&conn, rest, &mut deadline).await {
+            return;
+        }
+    }
+}
+
+/// What a send left of a batch.
+enum Sent {
+    All,
+    Rest(ReplyBatch),
+    Failed,
+}
+
+/// Everything queued in one send tried at once: the socket usually has
+/// room, and then the replies are out without a ring operation and a loop
+/// turn to reap it (at one request in flight, one `io_uring_enter` per
+/// request fewer).
+fn send_at_once(conn: &Conn, batch: ReplyBatch) -> Sent {
+    let output = &conn.output;
+    let total = batch.unsent_bytes();
+    match cairn_io::send_now(conn.stream.raw_fd(), &batch) {
+        Ok(sent) if sent == total => {
+            output.requeue(batch, sent);
+            Sent::All
+        }
+        Ok(sent) => {
+            output.requeue(batch, sent);
+            Sent::Rest(output.take_batch())
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+            ) =>
+        {
+            Sent::Rest(batch)
+        }
+        Err(e) => {
+            output.fail(conn, &format!("reply write failed: {e}"));
+            Sent::Failed
+        }
+    }
+}
+
+/// The rest as one ring send, which waits for room in the socket (within
+/// the write timeout); what it did not take goes back to the queue's
+/// front. False if the connection failed.
+async fn send_on_ring(conn: &Conn, batch: ReplyBatch, deadline: &mut Option<Deadline>) -> bool {
+    let output = &conn.output;
+    let total = batch.unsent_bytes();
+    tracing::trace!(
+        conn = conn.id,
+        replies = batch.replies.len(),
+        bytes = total,
+        "replies left to the ring"
+    );
+    let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
+    let outcome = match deadline {
+        None => Some(send.await),
+        Some(deadline) => deadline.run(send).await,
+    };
+    match outcome {
+        None => {
+            output.fail(conn, "the client stopped reading replies (write timeout)");
+            false
+        }
+        Some((Ok(0), _)) if total > 0 => {
+            output.fail(conn, "the client's socket took no bytes");
+            false
+        }
+        Some((Ok(sent), batch)) => {
+            tracing::trace!(conn = conn.id, sent, "ring send done");
+            output.requeue(batch, sent);
+            true
+        }
+        Some((Err(e), batch))
+            if matches!(
+                e.kind(),
+                io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+            ) =>
+        {
+            output.requeue(batch, 0);
+            true
+        }
+        Some((Err(e), _)) => {
+            output.fail(conn, &format!("reply write failed: {e}"));
+            false
         }
     }
 }
