@@ -36,6 +36,53 @@ def file_module(src, path):
 
 path_re = re.compile(r'\b(crate|super|self)((?:::\w+)+)')
 
+use_re = re.compile(r'\buse\s+([^;]*);')
+
+def split_top(text):
+    """Split a use-tree group's contents at its top-level commas."""
+    parts, depth, cur = [], 0, ''
+    for ch in text:
+        if ch == '{':
+            depth += 1
+        elif ch == '}':
+            depth -= 1
+        if ch == ',' and depth == 0:
+            parts.append(cur)
+            cur = ''
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+def flatten(tree):
+    """`a::{b, c::{d, e}}` -> ['a::b', 'a::c::d', 'a::c::e'] (renames
+    dropped, `self` in a group naming the group's own path). A tree that
+    does not parse (the regex caught prose) gives nothing."""
+    tree = re.sub(r'\s+as\s+\w+', '', tree)
+    tree = re.sub(r'\s+', '', tree)
+    brace = tree.find('{')
+    if brace < 0:
+        return [re.sub(r'::self$', '', tree)]
+    if not tree.endswith('}') or tree.count('{') != tree.count('}'):
+        return []
+    prefix = tree[:brace]
+    out = []
+    for part in split_top(tree[brace + 1:-1]):
+        for flat in flatten(part):
+            out.append(prefix.rstrip(':') if flat == 'self' else prefix + flat)
+    return out
+
+def paths_in(text):
+    """Every crate/super/self path the file names: inline ones, and each
+    leaf of a grouped `use a::{B, c::D}` (the group's own prefix alone
+    would resolve to the module that holds the group, not the leaf)."""
+    flat = []
+    for m in use_re.finditer(text):
+        if '{' in m.group(1):
+            flat.extend(flatten(m.group(1)))
+    text = use_re.sub(lambda m: ';' if '{' in m.group(1) else m.group(0), text)
+    return list(path_re.finditer(text + '\n' + '\n'.join(flat)))
+
 reexport_re = re.compile(r'pub(?:\([^)]*\))?\s+use\s+(\w+)::(\{[^}]*\}|\w+)\s*;')
 
 def reexports(mods):
@@ -72,7 +119,7 @@ def graph(src):
         # Drop comments and string literals roughly.
         text = re.sub(r'//[^\n]*', '', text)
         is_mod_rs = path.name in ('mod.rs', 'lib.rs', 'main.rs')
-        for m in path_re.finditer(text):
+        for m in paths_in(text):
             head, tail = m.group(1), m.group(2).split('::')[1:]
             if head == 'crate':
                 base = ()

@@ -5,7 +5,7 @@
 use cairn_engine::EngineError;
 
 use crate::admin::client::ClientError;
-use crate::admin::exec::CommandError;
+use crate::admin::CommandError;
 
 /// The advice for an engine error, if there is a command that fixes it.
 pub fn for_engine(e: &EngineError) -> Option<String> {

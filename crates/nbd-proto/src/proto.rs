@@ -101,8 +101,10 @@ pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
-pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
-pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) | 2;
+/// Set in the type of every error chunk, known or not.
+pub const REPLY_TYPE_FLAG_ERROR: u16 = 1 << 15;
+pub const REPLY_TYPE_ERROR: u16 = REPLY_TYPE_FLAG_ERROR | 1;
+pub const REPLY_TYPE_ERROR_OFFSET: u16 = REPLY_TYPE_FLAG_ERROR | 2;
 
 // `base:allocation` status bits.
 pub const STATE_HOLE: u32 = 1 << 0;

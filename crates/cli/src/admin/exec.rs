@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use cairn_engine::{CacheMode, Engine, EngineError, NewVolume, ScrubOptions, StoredSettings};
 
+use super::command_error::CommandError;
 use super::{AdminReply, AdminRequest, SettingsChange};
 use crate::settings::{EffectiveSettings, SharedSettings};
 use crate::volume_exports::VolumeExports;
@@ -31,25 +32,6 @@ pub struct Target<'a> {
     pub settings: Option<SharedSettings>,
     /// Where a volume added while serving is exported.
     pub exports: Option<VolumeExports<'a>>,
-}
-
-/// Why a request failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CommandError {
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error("cache {cache} was formatted without integrity tags, so the origin has no tags to check against")]
-    NoIntegrity { cache: String },
-    #[error("{0}")]
-    BadSettings(String),
-    #[error("{0}")]
-    VolumeOrigin(String),
-    #[error("volume {name:?} has {connections} clients connected to its export")]
-    VolumeInUse { name: String, connections: usize },
-    #[error("the volume was added to the cache, but not exported: {0}")]
-    Export(String),
-    #[error("range starts at {offset_bytes}, past the end of the {size_bytes}-byte volume")]
-    RangePastEnd { offset_bytes: u64, size_bytes: u64 },
 }
 
 /// Run `request`, sending every reply but the final `Ok`/`Error` to `emit`.

@@ -15,10 +15,12 @@
 //! and typed arguments, each failure answered with an `Error` reply.
 
 pub mod client;
+mod command_error;
 pub mod exec;
 pub mod server;
 mod settings_change;
 
+pub use command_error::CommandError;
 pub use settings_change::SettingsChange;
 
 use std::io::{BufRead, Read as _, Write};

@@ -20,7 +20,7 @@ use std::io::{self, Read, Write};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use cairn_nbd_proto::codec::reply::decode_chunk_header;
+use cairn_nbd_proto::codec::reply::{decode_chunk_header, decode_error_chunk, decode_simple_reply};
 use cairn_nbd_proto::codec::wire::{SIMPLE_REPLY_BYTES, STRUCTURED_REPLY_HEADER_BYTES};
 use cairn_nbd_proto::codec::RequestHeader;
 use cairn_nbd_proto::proto::{
@@ -222,11 +222,14 @@ impl ExtentsConn {
             self.stream.read_exact(&mut magic)?;
             if u32::from_be_bytes(magic) == SIMPLE_REPLY_MAGIC {
                 // Only an error may come as a simple reply here.
-                let mut rest = [0u8; SIMPLE_REPLY_BYTES - 4];
-                self.stream.read_exact(&mut rest)?;
-                let error = u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                let mut raw = [0u8; SIMPLE_REPLY_BYTES];
+                raw[..4].copy_from_slice(&magic);
+                self.stream.read_exact(&mut raw[4..])?;
+                let reply =
+                    decode_simple_reply(&raw).map_err(|err| protocol_error(err.to_string()))?;
                 return Err(io::Error::other(format!(
-                    "BLOCK_STATUS failed with NBD error {error}"
+                    "BLOCK_STATUS failed with NBD error {}",
+                    reply.error
                 )));
             }
             let mut raw = [0u8; STRUCTURED_REPLY_HEADER_BYTES];
@@ -257,14 +260,8 @@ impl ExtentsConn {
                     covered = Some(self.descriptors(&payload, len, runs)?);
                 }
                 REPLY_TYPE_NONE => {}
-                t if t & (1 << 15) != 0 => {
-                    let error = payload
-                        .get(..4)
-                        .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
-                    let message = payload
-                        .get(6..)
-                        .map(String::from_utf8_lossy)
-                        .unwrap_or_default();
+                _ if chunk.is_error() => {
+                    let (error, message) = decode_error_chunk(&payload);
                     return Err(io::Error::other(format!(
                         "BLOCK_STATUS failed with NBD error {error}: {message}"
                     )));

@@ -58,6 +58,24 @@ impl ChunkHeader {
     pub fn is_done(&self) -> bool {
         self.flags & REPLY_FLAG_DONE != 0
     }
+
+    /// An error chunk (its type has the error bit, whatever the rest).
+    pub fn is_error(&self) -> bool {
+        self.reply_type & REPLY_TYPE_FLAG_ERROR != 0
+    }
+}
+
+/// An error chunk's payload: the NBD error and the server's message (a
+/// 16-bit length, then that many bytes, clamped to what is there). A
+/// payload too short to hold the error gives error 0, which callers
+/// treat as a protocol fault.
+pub fn decode_error_chunk(payload: &[u8]) -> (u32, String) {
+    let mut r = Reader::new(payload);
+    let error = r.u32().unwrap_or(0);
+    let declared = r.u16().unwrap_or(0) as usize;
+    let text = payload.get(6..).unwrap_or_default();
+    let message = String::from_utf8_lossy(&text[..declared.min(text.len())]).into_owned();
+    (error, message)
 }
 
 /// Parse a structured or extended chunk header from the front of `input`.
@@ -284,6 +302,36 @@ pub fn encode_block_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_chunk_decodes_to_what_was_encoded_and_a_short_one_to_error_zero() {
+        let to = ReplyTo {
+            cookie: 9,
+            offset: 0,
+            command: CMD_BLOCK_STATUS,
+        };
+        let mut out = Vec::new();
+        encode_error(&mut out, ReplyMode::Structured, to, NBD_EINVAL, "bad range");
+        let header = decode_chunk_header(&out).unwrap().unwrap();
+        assert!(header.is_error() && header.is_done());
+        let payload = &out[wire::STRUCTURED_REPLY_HEADER_BYTES..];
+        assert_eq!(payload.len() as u64, header.payload_bytes);
+        assert_eq!(
+            decode_error_chunk(payload),
+            (NBD_EINVAL, "bad range".to_string())
+        );
+        // A message length past the payload is clamped; no error at all is 0.
+        assert_eq!(
+            decode_error_chunk(&[0, 0, 0, 5, 0, 200, b'x']),
+            (5, "x".to_string())
+        );
+        assert_eq!(decode_error_chunk(&[0, 0]), (0, String::new()));
+        let mut other = header;
+        other.reply_type = REPLY_TYPE_FLAG_ERROR | 77;
+        assert!(other.is_error(), "an unknown error type is still an error");
+        other.reply_type = REPLY_TYPE_BLOCK_STATUS;
+        assert!(!other.is_error());
+    }
 
     /// Allocated data, a zero run, and a hole, as an export reports them.
     const DATA: u32 = 0;
