@@ -190,17 +190,20 @@ impl RbdDevice {
     }
 
     fn start_read(&self, offset: u64, len: usize) -> Pending {
-        // SAFETY (in the closure): open image; the op's own buffer of
-        // `len` bytes, alive as long as the op.
-        self.start(
+        let op = AioOp::new_read(self.lib, len, &self.stuck);
+        let image = self.handles.image;
+        let lib = self.lib;
+        // SAFETY: open image; the op's own buffer, with room for `n` (its
+        // `len`) bytes, alive as long as the op.
+        op.submit(|completion, address, n| unsafe {
+            (lib.rbd_aio_read)(image, offset, n, address as *mut _, completion)
+        });
+        Pending {
+            op,
             offset,
-            len as u64,
-            Expect::Bytes,
-            vec![0u8; len],
-            |lib, image, c, buf, n| unsafe {
-                (lib.rbd_aio_read)(image, offset, n, buf as *mut _, c)
-            },
-        )
+            len: len as u64,
+            expect: Expect::Bytes,
+        }
     }
 
     fn write_runs(&self, requests: &[(u64, &[&[u8]])]) -> DeviceResult<()> {
