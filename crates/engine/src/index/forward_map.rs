@@ -3,6 +3,16 @@
 //! the load factor). The map stores only slot numbers; the address it is
 //! keyed by is read back from the slot table, so keys are never stored
 //! twice: 4 bytes per cell at load factor <= 0.8, 5 bytes per slot.
+//!
+//! The bits of a cell that its slot number does not need hold a tag: a few
+//! bits of the address's hash. A probe reads the slot table (another cache
+//! line, far away) only for a cell whose tag matches. Without tags a
+//! lookup of an address that is not cached, as for every block of a
+//! stream of new writes, read the slot table once per occupied cell it
+//! passed. On 1 Mi slots three quarters full (this VM, 3 runs each): an
+//! absent address 23-30 ns a lookup before, 6 ns after; a present one
+//! 17-32 ns before, 8-11 ns after. `get` had shown as 5-12% of a
+//! connection's CPU in profiles of 64 KiB sequential writes (W3).
 
 use super::slot_table::SlotTable;
 
@@ -12,16 +22,27 @@ pub(crate) struct ForwardMap {
     cells: Vec<u32>,
     len: usize,
     capacity: usize,
+    /// Low bits of a cell that hold its slot; the rest hold the tag.
+    slot_bits: u32,
 }
 
 impl ForwardMap {
     /// A map able to hold `capacity` entries at load factor <= 0.8.
     pub(crate) fn new(capacity: usize) -> ForwardMap {
         let cells = (capacity * 5 / 4 + 8).max(16);
+        // Slots are below `capacity`. Keeping `capacity` itself
+        // representable means a slot's bits are never all ones, so no
+        // tagged cell is ever EMPTY.
+        let slot_bits = (u64::BITS - (capacity as u64).leading_zeros()).clamp(1, 32);
+        assert!(
+            (capacity as u64) < (1u64 << slot_bits) || slot_bits == 32,
+            "slot numbers fit their bits"
+        );
         ForwardMap {
             cells: vec![EMPTY; cells],
             len: 0,
             capacity,
+            slot_bits,
         }
     }
 
@@ -41,6 +62,36 @@ impl ForwardMap {
         ((h as u128 * self.cells.len() as u128) >> 64) as usize
     }
 
+    /// The tag of `lba`, in a cell's high bits (0 when slots need all 32).
+    fn tag(&self, lba: u64) -> u32 {
+        if self.slot_bits >= 32 {
+            return 0;
+        }
+        // Another multiplier than `home`'s, so the tag does not repeat the
+        // bits that chose the position.
+        let h = lba.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) >> 32;
+        ((h as u32) >> self.slot_bits) << self.slot_bits
+    }
+
+    fn cell(&self, lba: u64, slot: u32) -> u32 {
+        debug_assert!(
+            self.slot_bits >= 32 || slot >> self.slot_bits == 0,
+            "slot {slot} needs more than {} bits",
+            self.slot_bits
+        );
+        let cell = self.tag(lba) | slot;
+        debug_assert_ne!(cell, EMPTY);
+        cell
+    }
+
+    fn slot_of(&self, cell: u32) -> u32 {
+        if self.slot_bits >= 32 {
+            cell
+        } else {
+            cell & ((1u32 << self.slot_bits) - 1)
+        }
+    }
+
     fn next(&self, i: usize) -> usize {
         if i + 1 == self.cells.len() {
             0
@@ -50,6 +101,8 @@ impl ForwardMap {
     }
 
     pub(crate) fn get(&self, lba: u64, slots: &SlotTable) -> Option<u32> {
+        let tag = self.tag(lba);
+        let tag_mask = !self.slot_of(u32::MAX);
         let mut i = self.home(lba);
         // Bounded: the table always has empty cells (load <= 0.8).
         for _ in 0..self.cells.len() {
@@ -57,8 +110,11 @@ impl ForwardMap {
             if cell == EMPTY {
                 return None;
             }
-            if slots.lba(cell) == lba {
-                return Some(cell);
+            if cell & tag_mask == tag {
+                let slot = self.slot_of(cell);
+                if slots.lba(slot) == lba {
+                    return Some(slot);
+                }
             }
             i = self.next(i);
         }
@@ -68,21 +124,27 @@ impl ForwardMap {
     /// Map `lba` to `slot`, returning the slot it replaced.
     pub(crate) fn insert(&mut self, lba: u64, slot: u32, slots: &SlotTable) -> Option<u32> {
         debug_assert_eq!(slots.lba(slot), lba, "slot must already carry the address");
+        let new_cell = self.cell(lba, slot);
+        let tag = self.tag(lba);
+        let tag_mask = !self.slot_of(u32::MAX);
         let mut i = self.home(lba);
         for _ in 0..self.cells.len() {
             let cell = self.cells[i];
             if cell == EMPTY {
                 assert!(self.len < self.capacity, "forward map over capacity");
-                self.cells[i] = slot;
+                self.cells[i] = new_cell;
                 self.len += 1;
                 return None;
             }
-            if cell != slot && slots.lba(cell) == lba {
-                self.cells[i] = slot;
-                return Some(cell);
-            }
-            if cell == slot {
+            if cell == new_cell {
                 return None;
+            }
+            if cell & tag_mask == tag {
+                let old = self.slot_of(cell);
+                if slots.lba(old) == lba {
+                    self.cells[i] = new_cell;
+                    return Some(old);
+                }
             }
             i = self.next(i);
         }
@@ -93,6 +155,7 @@ impl ForwardMap {
     /// the home positions of the entries it shifts back.
     pub(crate) fn remove(&mut self, slots: &SlotTable, lba: u64, slot: u32) -> bool {
         let n = self.cells.len();
+        let wanted = self.cell(lba, slot);
         let mut i = self.home(lba);
         let mut found = None;
         for _ in 0..n {
@@ -100,7 +163,7 @@ impl ForwardMap {
             if cell == EMPTY {
                 break;
             }
-            if cell == slot {
+            if cell == wanted {
                 found = Some(i);
                 break;
             }
@@ -119,7 +182,7 @@ impl ForwardMap {
             if cell == EMPTY {
                 break;
             }
-            let home = self.home(slots.lba(cell));
+            let home = self.home(slots.lba(self.slot_of(cell)));
             // Is `home` cyclically outside (hole, j]? Then the entry may move.
             let movable = if hole <= j {
                 home <= hole || home > j
@@ -145,15 +208,36 @@ mod tests {
 
     #[test]
     fn matches_hashmap_under_churn() {
+        // Several sizes: a cell's tag takes 21 to 29 bits.
+        for slots_n in [7usize, 1000, 40_000] {
+            churn(slots_n, slots_n as u64 * 3);
+        }
+    }
+
+    #[test]
+    fn tags_leave_every_slot_bit_and_never_make_a_cell_empty() {
+        for capacity in [1usize, 2, 3, 255, 256, 257, 1 << 20, (1 << 20) - 1] {
+            let map = ForwardMap::new(capacity);
+            let top = (capacity - 1) as u32;
+            for lba in [0u64, 1, 12345, u64::MAX >> 19] {
+                for slot in [0, top] {
+                    let cell = map.cell(lba, slot);
+                    assert_ne!(cell, EMPTY, "capacity {capacity}");
+                    assert_eq!(map.slot_of(cell), slot, "capacity {capacity}");
+                }
+            }
+        }
+    }
+
+    fn churn(slots_n: usize, lbas: u64) {
         use rand::{Rng, SeedableRng};
-        let slots_n = 1000usize;
         let mut slots = SlotTable::new(slots_n);
         let mut map = ForwardMap::new(slots_n);
         let mut model: HashMap<u64, u32> = HashMap::new();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
         let mut free: Vec<u32> = (0..slots_n as u32).collect();
         for _ in 0..200_000 {
-            let lba = rng.gen_range(0..3000u64);
+            let lba = rng.gen_range(0..lbas);
             if rng.gen_bool(0.5) && !free.is_empty() {
                 let slot = free.pop().unwrap();
                 slots.set(slot, lba, 0, state::LIVE);
@@ -169,7 +253,7 @@ mod tests {
             }
             assert_eq!(map.len(), model.len());
         }
-        for lba in 0..3000u64 {
+        for lba in 0..lbas {
             assert_eq!(map.get(lba, &slots), model.get(&lba).copied(), "lba {lba}");
         }
     }
