@@ -84,20 +84,36 @@ impl GroupCommit {
                 let _ = rx.await;
                 continue;
             }
-            let result = barrier(env, state);
-            let followers = {
-                let mut cs = self.lock();
-                cs.leading = false;
-                std::mem::take(&mut cs.followers)
+            let result = {
+                // Gives up the lead and wakes the followers when the
+                // barrier ends, also if it unwinds.
+                let _leading = Leading(self);
+                barrier(env, state)
             };
-            for follower in followers {
-                follower.send(());
-            }
             result?;
         }
         Err(EngineError::Failed(format!(
             "a flush waited for {WAIT_ROUNDS_MAX} barriers without becoming durable"
         )))
+    }
+}
+
+/// The lead of a barrier: dropped when the barrier ends, however it ends,
+/// it lets the next flush lead and wakes the flushes that waited. A leader
+/// that unwound from a panic without this left `leading` set: every later
+/// flush and FUA write on every connection waited for it forever.
+struct Leading<'a>(&'a GroupCommit);
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let followers = {
+            let mut cs = self.0.lock();
+            cs.leading = false;
+            std::mem::take(&mut cs.followers)
+        };
+        for follower in followers {
+            follower.send(());
+        }
     }
 }
 
@@ -110,6 +126,8 @@ fn barrier(env: &Env, state: &StateLock) -> EngineResult<()> {
         }
         st.log.barrier_plan()
     };
+    // The records this barrier took on are published whatever happens.
+    let _claimed = crate::sealed::ClaimGuard::new(&plan.to_write, &env.record_io);
     // Records another call is writing must be on the device before the
     // fdatasync that vouches for them.
     for record in &plan.in_flight {

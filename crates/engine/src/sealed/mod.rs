@@ -23,11 +23,13 @@
 //! signals [`RecordIo`] without it, and reports a failure to the engine's
 //! health, so a barrier may wait while holding the engine lock.
 
+mod claim_guard;
 mod queue;
 mod record;
 mod record_io;
 mod writers;
 
+pub(crate) use claim_guard::ClaimGuard;
 pub(crate) use queue::SealedQueue;
 pub(crate) use record::SealedRecord;
 pub(crate) use record_io::RecordIo;
@@ -82,6 +84,7 @@ pub(crate) async fn write_claimed(env: &Env, records: Vec<Arc<SealedRecord>>) ->
 /// degraded mode) waiting forever. Their data stays in memory, queued, for
 /// degraded mode.
 pub(crate) fn write_in_order(env: &Env, records: &[Arc<SealedRecord>]) -> Result<(), DeviceError> {
+    let _claimed = ClaimGuard::new(records, &env.record_io);
     for (k, record) in records.iter().enumerate() {
         if let Err(e) = record.write(env) {
             for rest in &records[k + 1..] {

@@ -39,6 +39,8 @@ pub(crate) struct RecordJob {
 
 impl RecordJob {
     fn run(self) {
+        let claimed = std::slice::from_ref(&self.record);
+        let _claimed = super::ClaimGuard::new(claimed, &self.record_io);
         let record = &self.record;
         let bufs = record.bufs();
         let c = &self.counters;
@@ -172,10 +174,25 @@ fn start_pool() -> Result<Pool, String> {
     })
 }
 
-/// Take jobs until the queue is closed and empty.
+/// Take jobs until the queue is closed and empty. A job that panics has
+/// its record published as failed (its guard) and the thread goes on: a
+/// pool whose threads had all died would leave every later record queued
+/// and never written.
 fn writer_loop(queue: &JobQueue<RecordJob>) {
+    take_jobs(queue, |job| job.record.sequence, RecordJob::run);
+}
+
+/// Run `run` on each job until the queue is closed and empty; a job that
+/// panics is logged (with `label`) and the loop goes on.
+fn take_jobs<T>(queue: &JobQueue<T>, label: impl Fn(&T) -> u64, run: impl Fn(T)) {
     while let Some(job) = queue.pop() {
-        job.run();
+        let sequence = label(&job);
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(job))).is_err() {
+            tracing::error!(
+                sequence,
+                "a record writer panicked; its record was marked failed"
+            );
+        }
     }
 }
 
@@ -195,7 +212,7 @@ impl Drop for RecordWriters {
 
 #[cfg(test)]
 mod tests {
-    use super::JobQueue;
+    use super::{take_jobs, JobQueue};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -237,5 +254,43 @@ mod tests {
         all.sort_unstable();
         assert_eq!(all, (0..1000).collect::<Vec<_>>(), "every job exactly once");
         assert!(queue.pop().is_none());
+    }
+
+    /// Writers outlive jobs that panic: two takers, ten panicking jobs
+    /// (more than there are takers), then ten that must all still run.
+    #[test]
+    fn a_job_that_panics_does_not_stop_its_taker() {
+        let queue = Arc::new(JobQueue::<u32>::default());
+        let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let (queue, ran) = (queue.clone(), ran.clone());
+                std::thread::spawn(move || {
+                    take_jobs(
+                        &queue,
+                        |job| *job as u64,
+                        |job| {
+                            if job < 10 {
+                                panic!("job {job} panics");
+                            }
+                            ran.lock().unwrap().push(job);
+                        },
+                    )
+                })
+            })
+            .collect();
+        for job in 0..20 {
+            assert!(queue.push(job).is_ok());
+        }
+        queue.close();
+        for t in takers {
+            t.join().expect("a taker survives its jobs' panics");
+        }
+        std::panic::set_hook(default);
+        let mut ran = ran.lock().unwrap().clone();
+        ran.sort_unstable();
+        assert_eq!(ran, (10..20).collect::<Vec<_>>());
     }
 }
