@@ -8,7 +8,6 @@ mod common;
 use common::flush_gated::FlushGated;
 use common::*;
 
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,12 +20,8 @@ const WATCHDOG: Duration = Duration::from_secs(20);
 /// Run `f` on its own thread; fail if it does not finish within the
 /// watchdog (it would be waiting for the held barrier).
 fn within_watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(WATCHDOG)
-        .unwrap_or_else(|_| panic!("{what} waited for another client's barrier"))
+    finishes_within(WATCHDOG, f)
+        .unwrap_or_else(|| panic!("{what} waited for another client's barrier"))
 }
 
 #[test]

@@ -116,12 +116,8 @@ fn rig(volume_blocks: u64, cache_bytes: u64) -> (Arc<Panicking>, Arc<Engine>) {
 
 /// Run `f` on its own thread; fail if it does not return in time.
 fn returns<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(WATCHDOG)
-        .unwrap_or_else(|_| panic!("{what} never returned after a panic in a cache write"))
+    finishes_within(WATCHDOG, f)
+        .unwrap_or_else(|| panic!("{what} never returned after a panic in a cache write"))
 }
 
 fn silence_injected_panics() {

@@ -22,27 +22,33 @@ pub(crate) struct ForwardMap {
     cells: Vec<u32>,
     len: usize,
     capacity: usize,
-    /// Low bits of a cell that hold its slot; the rest hold the tag.
-    slot_bits: u32,
+    /// The low bits of a cell that hold its slot; the rest hold the tag
+    /// (none when slots need all 32 bits).
+    slot_mask: u32,
 }
 
 impl ForwardMap {
     /// A map able to hold `capacity` entries at load factor <= 0.8.
     pub(crate) fn new(capacity: usize) -> ForwardMap {
         let cells = (capacity * 5 / 4 + 8).max(16);
-        // Slots are below `capacity`. Keeping `capacity` itself
-        // representable means a slot's bits are never all ones, so no
-        // tagged cell is ever EMPTY.
-        let slot_bits = (u64::BITS - (capacity as u64).leading_zeros()).clamp(1, 32);
+        // Slots are below `capacity`, which itself is representable in the
+        // slot bits: a slot's bits are never all ones, so no tagged cell is
+        // ever EMPTY.
         assert!(
-            (capacity as u64) < (1u64 << slot_bits) || slot_bits == 32,
-            "slot numbers fit their bits"
+            (capacity as u64) < u32::MAX as u64,
+            "slot numbers fit a cell"
         );
+        let slot_bits = u64::BITS - (capacity as u64).leading_zeros();
+        let slot_mask = if slot_bits >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << slot_bits.max(1)) - 1
+        };
         ForwardMap {
             cells: vec![EMPTY; cells],
             len: 0,
             capacity,
-            slot_bits,
+            slot_mask,
         }
     }
 
@@ -64,32 +70,21 @@ impl ForwardMap {
 
     /// The tag of `lba`, in a cell's high bits (0 when slots need all 32).
     fn tag(&self, lba: u64) -> u32 {
-        if self.slot_bits >= 32 {
-            return 0;
-        }
         // Another multiplier than `home`'s, so the tag does not repeat the
         // bits that chose the position.
-        let h = lba.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) >> 32;
-        ((h as u32) >> self.slot_bits) << self.slot_bits
+        let h = (lba.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) >> 32) as u32;
+        h & !self.slot_mask
     }
 
     fn cell(&self, lba: u64, slot: u32) -> u32 {
-        debug_assert!(
-            self.slot_bits >= 32 || slot >> self.slot_bits == 0,
-            "slot {slot} needs more than {} bits",
-            self.slot_bits
-        );
+        debug_assert_eq!(slot & !self.slot_mask, 0, "slot {slot} fits the slot bits");
         let cell = self.tag(lba) | slot;
         debug_assert_ne!(cell, EMPTY);
         cell
     }
 
     fn slot_of(&self, cell: u32) -> u32 {
-        if self.slot_bits >= 32 {
-            cell
-        } else {
-            cell & ((1u32 << self.slot_bits) - 1)
-        }
+        cell & self.slot_mask
     }
 
     fn next(&self, i: usize) -> usize {
@@ -102,7 +97,6 @@ impl ForwardMap {
 
     pub(crate) fn get(&self, lba: u64, slots: &SlotTable) -> Option<u32> {
         let tag = self.tag(lba);
-        let tag_mask = !self.slot_of(u32::MAX);
         let mut i = self.home(lba);
         // Bounded: the table always has empty cells (load <= 0.8).
         for _ in 0..self.cells.len() {
@@ -110,7 +104,7 @@ impl ForwardMap {
             if cell == EMPTY {
                 return None;
             }
-            if cell & tag_mask == tag {
+            if cell & !self.slot_mask == tag {
                 let slot = self.slot_of(cell);
                 if slots.lba(slot) == lba {
                     return Some(slot);
@@ -126,7 +120,6 @@ impl ForwardMap {
         debug_assert_eq!(slots.lba(slot), lba, "slot must already carry the address");
         let new_cell = self.cell(lba, slot);
         let tag = self.tag(lba);
-        let tag_mask = !self.slot_of(u32::MAX);
         let mut i = self.home(lba);
         for _ in 0..self.cells.len() {
             let cell = self.cells[i];
@@ -139,7 +132,7 @@ impl ForwardMap {
             if cell == new_cell {
                 return None;
             }
-            if cell & tag_mask == tag {
+            if cell & !self.slot_mask == tag {
                 let old = self.slot_of(cell);
                 if slots.lba(old) == lba {
                     self.cells[i] = new_cell;

@@ -30,14 +30,17 @@ impl Drop for ClaimGuard<'_> {
     fn drop(&mut self) {
         for record in self.records {
             if !record.is_done() {
+                // Only unwinding should get here; say so if it was not.
+                let why = if std::thread::panicking() {
+                    "its writer panicked"
+                } else {
+                    "its writer returned without writing it"
+                };
                 tracing::error!(
                     sequence = record.sequence,
-                    "a log record's writer stopped before writing it (a panic); marking its write failed"
+                    "a log record was not written ({why}); marking its write failed"
                 );
-                record.publish_to(
-                    self.record_io,
-                    Err("not written: its writer stopped (a panic)".to_string()),
-                );
+                record.publish_to(self.record_io, Err(format!("not written: {why}")));
             }
         }
     }

@@ -441,3 +441,17 @@ pub fn open_by_identity(
         &open_opts(),
     )
 }
+
+/// Run `f` on a thread of its own: its result, or `None` if it did not
+/// return within `timeout` (it is waiting for something that never comes;
+/// the thread is left behind).
+pub fn finishes_within<T: Send + 'static>(
+    timeout: std::time::Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(timeout).ok()
+}

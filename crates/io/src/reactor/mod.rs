@@ -309,11 +309,15 @@ impl Reactor {
         pushed
     }
 
+    /// Room for one more operation (one entry is kept for the eventfd read).
+    fn room_left(&self) -> bool {
+        self.inner.ops.borrow().in_flight() + 1 < self.inner.ops_max
+    }
+
     /// Is there room for one more operation? If not, `waker` is woken
     /// when there is.
     fn has_room(&self, waker: &Waker) -> bool {
-        // One entry is kept for the eventfd read.
-        if self.inner.ops.borrow().in_flight() + 1 < self.inner.ops_max {
+        if self.room_left() {
             return true;
         }
         let mut waiters = self.inner.room_waiters.borrow_mut();
@@ -335,7 +339,7 @@ impl Reactor {
     /// 64 ring reads each, after a recovery; `many_tasks_joining_...` in
     /// `tests/reactor.rs`).
     fn wake_room_waiters(&self) {
-        if self.inner.ops.borrow().in_flight() + 1 >= self.inner.ops_max {
+        if !self.room_left() {
             return;
         }
         let waiters = std::mem::take(&mut *self.inner.room_waiters.borrow_mut());
