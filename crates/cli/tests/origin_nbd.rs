@@ -530,3 +530,87 @@ fn origin_lost_while_serving_and_back() {
     );
     assert!(server.terminate().success());
 }
+
+/// One connection, the origin gone: a read miss waits for the origin's
+/// reconnect window, and a cached read sent after it on the same
+/// connection. Prints, per round, how long each took and how it ended.
+const MISS_AND_HIT_ON_ONE_CONNECTION: &str = r#"
+import nbd, sys, time
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+hit_at, miss_at = int(sys.argv[2]), int(sys.argv[3])
+for round in range(4):
+    t0 = time.monotonic()
+    miss = h.aio_pread(nbd.Buffer(4096), miss_at + round * 65536)
+    time.sleep(0.05)
+    hit_buf = nbd.Buffer(4096)
+    hit = h.aio_pread(hit_buf, hit_at)
+    done = {}
+    while len(done) < 2:
+        h.poll(1)
+        for name, cookie in (("hit", hit), ("miss", miss)):
+            if name in done:
+                continue
+            try:
+                if h.aio_command_completed(cookie):
+                    done[name] = ("ok", time.monotonic() - t0)
+            except nbd.Error:
+                done[name] = ("err", time.monotonic() - t0)
+    print(round, done["hit"][0], "%.3f" % done["hit"][1], done["miss"][0], "%.3f" % done["miss"][1], flush=True)
+"#;
+
+#[test]
+fn a_miss_waiting_for_the_origin_does_not_hold_up_its_connection() {
+    let test = "nbd_miss_hit";
+    if !require_tools(test, &["nbdkit"]) || !require_python_nbd(test) {
+        return;
+    }
+    let ctx = Ctx::new(test);
+    let size = 16 * MIB;
+    let mut origin = NbdOrigin::start(&ctx, size, 0x21, &[]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let image = pattern(0x21, size as usize);
+    // Cached: read once through cairn.
+    assert_same_bytes("promoted", &nbd_read(&uri, 0, 64 << 10), &image[..64 << 10]);
+    origin.proc.kill9();
+    let out = python_ok(
+        MISS_AND_HIT_ON_ONE_CONNECTION,
+        &[&uri, "4096", &(8 * MIB).to_string()],
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut waited = 0;
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(fields.len(), 5, "{text}");
+        let (hit_ok, hit_s, miss_ok, miss_s) = (
+            fields[1],
+            fields[2].parse::<f64>().unwrap(),
+            fields[3],
+            fields[4].parse::<f64>().unwrap(),
+        );
+        assert_eq!(
+            hit_ok, "ok",
+            "a cached read failed with the origin gone: {text}"
+        );
+        assert_eq!(miss_ok, "err", "a miss succeeded with no origin: {text}");
+        // A miss that waited for reconnect attempts: the cached read sent
+        // after it was answered long before it. With the attempts on the
+        // connection's own thread, both came back together.
+        if miss_s > 1.0 {
+            waited += 1;
+            assert!(
+                hit_s + 0.5 < miss_s,
+                "the cached read waited for the miss's reconnect: {text}"
+            );
+        }
+    }
+    assert!(
+        waited >= 1,
+        "no miss waited for a reconnect, so nothing was shown: {text}"
+    );
+    let _ = std::fs::remove_file(&origin.socket);
+    assert!(server.terminate().success());
+}

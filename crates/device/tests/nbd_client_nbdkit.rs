@@ -611,3 +611,110 @@ fn allocation_is_the_exports_block_status() {
     kit.kill();
     assert_eq!(runs_of(&device, 0, MIB), vec![(MIB, true)]);
 }
+
+/// Inside a reactor, a read that finds the server gone waits for the
+/// reconnect as a task: the reconnect attempts run on a thread of their
+/// own, so the reactor's other tasks keep running meanwhile (here a task
+/// that ticks every 10 ms), and both reads waiting on the one link get
+/// their data once the server is back.
+#[test]
+fn a_reconnect_leaves_the_reactors_other_tasks_running() {
+    if !nbdkit_or_skip("a_reconnect_leaves_the_reactors_other_tasks_running") {
+        return;
+    }
+    let dir = scratch_dir("async-restart");
+    let image = dir.join("origin.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
+        "async-restart",
+        &["file", image.to_str().unwrap()],
+    )));
+    let uri = kit.lock().unwrap().uri();
+    let device = Arc::new(
+        NbdDevice::open_with(
+            &uri,
+            NbdOptions {
+                reconnect_wait_ms: 20_000,
+                ..fast_options()
+            },
+        )
+        .unwrap(),
+    );
+    let data = pattern(21, 8192);
+    device.write_at(4096, &data).unwrap();
+    device.flush().unwrap();
+    kit.lock().unwrap().kill();
+
+    // The server comes back after 1.5 s, from another thread, which then
+    // lives until the reads are done: nbdkit's --exit-with-parent ends it
+    // with the thread that started it.
+    let (done, until_done) = std::sync::mpsc::channel::<()>();
+    let restarter = {
+        let kit = Arc::clone(&kit);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            kit.lock().unwrap().spawn();
+            let _ = until_done.recv();
+        })
+    };
+    let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default()).unwrap();
+    let pool = Arc::new(cairn_device::BufPool::new(1 << 20));
+    let inner = reactor.clone();
+    let started = Instant::now();
+    let (reads, ticks_while_waiting) = reactor.run(async move {
+        let readers: Vec<_> = (0..2u64)
+            .map(|i| {
+                let device = Arc::clone(&device);
+                let mut buf = pool.lend(4096);
+                buf.set_len(4096);
+                inner.spawn(async move {
+                    let shared = cairn_device::SharedBuf::new(buf);
+                    let slice = shared.slice(0..4096);
+                    let (result, slice) = device.read_into(4096 + i * 4096, slice).await;
+                    drop(slice);
+                    result.map(|()| shared.into_inner().ok().unwrap().to_vec())
+                })
+            })
+            .collect();
+        let mut ticks = 0u32;
+        let mut reads = Vec::new();
+        for reader in readers {
+            // Tick until this reader is done: the loop must not stop.
+            loop {
+                if let Some(result) = reader.try_take() {
+                    reads.push(result);
+                    break;
+                }
+                inner.sleep(Duration::from_millis(10)).await;
+                ticks += 1;
+                assert!(ticks < 2_000, "the reads never finished");
+            }
+        }
+        (reads, ticks)
+    });
+    drop(done);
+    restarter.join().unwrap();
+    assert_eq!(reads.len(), 2);
+    for (i, read) in reads.into_iter().enumerate() {
+        let got = read.unwrap_or_else(|e| panic!("read {i} failed: {e}"));
+        assert_eq!(got, data[i * 4096..(i + 1) * 4096], "read {i}");
+    }
+    let waited = started.elapsed();
+    // 1.5 s of waiting is about 150 ticks (fewer on a loaded machine); a
+    // loop held by the reconnect would have ticked once or twice.
+    assert!(
+        ticks_while_waiting >= 20,
+        "the reactor ticked only {ticks_while_waiting} times while its reads waited for the server"
+    );
+    // The end of each attempt wakes the reads waiting for it: without the
+    // wake-up they would sleep out the connect timeout (5 s) first.
+    assert!(
+        waited < Duration::from_millis(4500),
+        "the reads took {waited:?} for a server back after 1.5 s"
+    );
+    drop(kit);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -222,10 +222,11 @@ impl NbdDevice {
         let first = &commands[0];
         let mut attempt = 1;
         loop {
-            // Reconnecting blocks this thread (rare: the link is down).
+            // A reconnect runs on a thread of its own; this task waits.
             let conn = self
                 .link
-                .connection()
+                .connection_async(reactor)
+                .await
                 .map_err(|err| self.io_error(first.offset, first.len as u64, err))?;
             match self.execute_on_async(reactor, &conn, commands).await {
                 Ok(results) => return Ok(results),

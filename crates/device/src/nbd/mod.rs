@@ -30,7 +30,9 @@
 //! a server that stopped answering one request is not trusted with the next.
 //! When the connection is lost, the requests in flight fail (the engine
 //! decides whether to retry) and the next request reconnects, retrying with
-//! exponential backoff for up to `reconnect_wait_ms`; after that, requests
+//! exponential backoff for up to `reconnect_wait_ms` (the attempt runs on a
+//! thread of its own when the request is a reactor task, which waits for it
+//! without stopping its loop); after that, requests
 //! fail at once while the server stays down, with a reconnect attempt at
 //! most every backoff period. Every such failure is a [`crate::DeviceError::Io`]
 //! (errno EIO for the client).
