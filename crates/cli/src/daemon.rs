@@ -16,6 +16,7 @@ use cairn_nbd::{serve_exports, Exports, Listener, ServerConfig, StatsReader};
 
 use crate::export::Latencies;
 use crate::volume_exports::VolumeExports;
+use crate::writeback_turns::WRITEBACK_THREADS_MAX;
 
 /// Called once the volume is being served, with the listener's description.
 pub type ReadyHook = Box<dyn FnOnce(&str) + Send>;
@@ -207,6 +208,12 @@ fn bind_listeners(opts: &ServeOptions) -> Result<(Option<TcpListener>, Listener)
 /// recalculation, and the admin socket.
 struct Workers {
     writeback: JoinHandle<()>,
+    /// Threads that run the write-back steps requests wait for as tasks
+    /// (space, dirty shares, write-through), and their own stop flag: they
+    /// stop once the NBD server has finished its requests, not before.
+    request_servers: Vec<JoinHandle<()>>,
+    request_servers_stop: Arc<AtomicBool>,
+    engine: Arc<Engine>,
     recalc: Option<JoinHandle<()>>,
     admin: JoinHandle<()>,
 }
@@ -232,6 +239,26 @@ impl Workers {
                     wb_settings.get().writeback_policy()
                 })
             })?;
+
+        // Write-back steps that requests wait for: as many threads as
+        // background write-back has, so several volumes' origins are
+        // waited for at once, as when each writer ran its own step.
+        let request_servers_stop = Arc::new(AtomicBool::new(false));
+        let mut request_servers = Vec::with_capacity(WRITEBACK_THREADS_MAX);
+        for index in 0..WRITEBACK_THREADS_MAX {
+            let (r_engine, r_stop) = (engine.clone(), request_servers_stop.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("wb-requests-{index}"))
+                .spawn(move || r_engine.serve_writeback_requests(&r_stop));
+            match spawned {
+                Ok(handle) => request_servers.push(handle),
+                // Requests then run their write-back steps themselves.
+                Err(e) => {
+                    tracing::warn!("started {index} write-back request threads: {e}");
+                    break;
+                }
+            }
+        }
 
         // Integrity recalculation over data that predates the format (or
         // the volume's add): one bounded step at a time, resuming where it
@@ -265,6 +292,9 @@ impl Workers {
             })?;
         Ok(Workers {
             writeback,
+            request_servers,
+            request_servers_stop,
+            engine: engine.clone(),
             recalc,
             admin,
         })
@@ -273,6 +303,11 @@ impl Workers {
     /// Wait for the threads once `stop` is set.
     fn join(self, admin_path: &Path) {
         let _ = self.writeback.join();
+        self.request_servers_stop.store(true, Ordering::SeqCst);
+        self.engine.wake_writeback_request_servers();
+        for handle in self.request_servers {
+            let _ = handle.join();
+        }
         if let Some(r) = self.recalc {
             let _ = r.join();
         }

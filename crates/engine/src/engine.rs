@@ -31,7 +31,7 @@ use crate::superblocks;
 use crate::volume_admin::{self, NewVolume};
 use crate::volume_set::VolumeSet;
 use crate::volume_status::VolumeStatus;
-use crate::write;
+use crate::write::{self, Waits, WriteStep};
 use crate::writeback::{Want, Writeback, WritebackProgress};
 
 pub struct Engine {
@@ -500,39 +500,84 @@ impl Engine {
         if fua {
             Counters::add(&c.fua_writes, 1);
         }
-        let (degraded, sealed) = self.with_degrade(|degraded| {
-            if degraded {
-                degrade::degraded_write(self.parts(), offset, data)?;
-                Ok((true, Vec::new()))
-            } else {
-                Ok((false, write::write(self.parts(), offset, data)?))
-            }
-        })?;
-        if let Err(e) = crate::sealed::write_claimed(&self.env, sealed).await {
-            // A record of this write failed for good: its data is still in
-            // memory, and the degraded path writes the origin instead.
-            if !self.env.health.wants_degraded_path()? {
-                return Err(e);
-            }
-            degrade::enter(self.parts())?;
-            return degrade::degraded_write(self.parts(), offset, data);
-        }
-        let mode = self.policy.mode_of(volume);
-        if !degraded && mode != CacheMode::WriteBack {
-            let block_bytes = self.env.block_size_bytes as u64;
-            let end = (offset + data.len() as u64).div_ceil(block_bytes);
-            self.with_degrade(|degraded| {
-                if degraded {
-                    return Ok(());
+        let logged_to = if self.is_degraded() {
+            degrade::degraded_write(self.parts(), offset, data)?;
+            None
+        } else {
+            match self.write_logged(offset, data).await {
+                Ok(end_position) => Some(end_position),
+                Err(e) => {
+                    // A cache write failed for good: the data is still in
+                    // memory, and the degraded path writes the origin.
+                    if !self.env.health.wants_degraded_path()? {
+                        return Err(e);
+                    }
+                    degrade::enter(self.parts())?;
+                    tracing::debug!("re-running a write on the degraded path after: {e}");
+                    degrade::degraded_write(self.parts(), offset, data)?;
+                    None
                 }
-                write::write_through(self.parts(), mode, offset / block_bytes, end)
-            })?;
+            }
+        };
+        let mode = self.policy.mode_of(volume);
+        // A write in the log, to the position given (else degraded: on the
+        // origin already, durable).
+        let Some(end_position) = logged_to else {
+            return Ok(());
+        };
+        if mode != CacheMode::WriteBack {
+            let block_bytes = self.env.block_size_bytes as u64;
+            let (first, end) = (
+                offset / block_bytes,
+                (offset + data.len() as u64).div_ceil(block_bytes),
+            );
+            let through = write::write_through_async(self.parts(), mode, first, end, end_position);
+            if let Err(e) = through.await {
+                // The switch to degraded mode (made here, or by another
+                // request meanwhile) writes every acknowledged write to
+                // the origin, this one included.
+                if !self.env.health.wants_degraded_path()? {
+                    return Err(e);
+                }
+                degrade::enter(self.parts())?;
+            }
         }
-        // A degraded write is durable on the origin already.
-        if fua && !degraded {
+        if fua {
             self.flush_cached().await?;
         }
         Ok(())
+    }
+
+    /// Put a write into the log; returns the log position past its data. where it must wait for write-back (space,
+    /// its dirty share), it waits as a task, then goes on where it stopped.
+    async fn write_logged(&self, offset: u64, data: &[u8]) -> EngineResult<u64> {
+        let mut rounds = write::WaitRounds::default();
+        let mut from = offset;
+        // Bounded: every wait is a round `write_from` counts, and it fails
+        // the write after `SPACE_RETRIES_MAX` of each kind.
+        loop {
+            let parts = self.parts();
+            match write::write_from(parts, offset, data, from, Waits::Caller, &mut rounds)? {
+                WriteStep::Done {
+                    sealed,
+                    end_position,
+                } => {
+                    crate::sealed::write_claimed(&self.env, sealed).await?;
+                    return Ok(end_position);
+                }
+                WriteStep::NeedsWriteback {
+                    resume_at,
+                    want,
+                    sealed,
+                } => {
+                    crate::sealed::write_claimed(&self.env, sealed).await?;
+                    self.writeback
+                        .step_for(&self.env, &self.state, want)
+                        .await?;
+                    from = resume_at;
+                }
+            }
+        }
     }
 
     /// Zero a range. Whole blocks become a logged zero range (no data is
@@ -734,6 +779,22 @@ impl Engine {
 
     pub fn writeback_paused(&self) -> bool {
         self.writeback.paused()
+    }
+
+    /// Run the write-back steps that requests on event loops wait for (a
+    /// full log, a volume at its dirty share, write-through writes) until
+    /// `stop`: the daemon runs this on threads of its own, so those
+    /// requests wait as tasks. Without such a thread, each writer runs the
+    /// steps it needs in its own thread.
+    pub fn serve_writeback_requests(&self, stop: &std::sync::atomic::AtomicBool) {
+        self.writeback.serve_requests(&self.env, &self.state, stop);
+    }
+
+    /// Wake the threads in [`Engine::serve_writeback_requests`] once their
+    /// stop flag is set, so they return at once. Requests still waiting
+    /// then run their steps themselves.
+    pub fn wake_writeback_request_servers(&self) {
+        self.writeback.wake_request_servers();
     }
 
     /// One step of background write-back: one epoch group, unless paused.

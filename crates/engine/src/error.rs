@@ -129,6 +129,11 @@ pub enum EngineError {
     ChecksumImplementation(String),
     #[error("cache {device} is degraded (a cache write failed for good; every write goes straight to the origin), so {action} is not possible")]
     CacheDegraded { device: String, action: String },
+    /// A write-back step this request waited for, run once for it and for
+    /// every other request waiting for the same step, failed: that
+    /// step's error, as its errno and message.
+    #[error("{message}")]
+    WritebackStep { errno: i32, message: String },
 }
 
 impl EngineError {
@@ -137,6 +142,7 @@ impl EngineError {
         match self {
             EngineError::OutOfRange { .. } => libc::EINVAL,
             EngineError::Cache(e) | EngineError::Origin(e) => e.errno(),
+            EngineError::WritebackStep { errno, .. } => *errno,
             _ => libc::EIO,
         }
     }

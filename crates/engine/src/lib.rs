@@ -60,6 +60,7 @@ mod volume_tags;
 mod write;
 mod write_lane;
 mod writeback;
+mod writeback_requests;
 
 pub use block_status::{BlockState, BlockStatusRun};
 pub use engine::Engine;

@@ -12,14 +12,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use cairn_format::VOLUMES_MAX;
+use cairn_io::Reactor;
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::group;
 use crate::origin_health::OriginHealth;
 use crate::state_lock::StateLock;
+use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
 use crate::write_lane::{LaneTaken, WriteLane};
+use crate::writeback_requests::WritebackRequests;
 
 /// How many times a step looks for its volume again after the one it
 /// waited for was written back by another step meanwhile.
@@ -34,7 +37,7 @@ pub struct WritebackProgress {
 }
 
 /// Which volumes a write-back step is for.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Want {
     /// The daemon's loop: the volume furthest behind whose lane is free,
     /// except those backing off after a failure of their origin.
@@ -53,6 +56,12 @@ pub(crate) enum Want {
     /// [`Want::Progress`] of a volume at the least write-back position,
     /// which pins the tail (a writer waiting for space).
     Laggards,
+    /// [`Want::Progress`] of one volume for the write-through writes that
+    /// wait for their origin: if none of its epochs is left to write back
+    /// (theirs is still open), end one first, covering every write made so
+    /// far. Write-through writes in flight together then share one epoch
+    /// and one step, where an epoch per write cost a step each.
+    Through(u16),
 }
 
 pub(crate) struct Writeback {
@@ -65,6 +74,8 @@ pub(crate) struct Writeback {
     paused: AtomicBool,
     /// Each volume's origin as write-back sees it.
     health: OriginHealth,
+    /// Steps that tasks wait for, run by the daemon's request threads.
+    requests: WritebackRequests,
 }
 
 impl Default for Writeback {
@@ -74,6 +85,7 @@ impl Default for Writeback {
             lanes: std::array::from_fn(|_| WriteLane::default()),
             paused: AtomicBool::new(false),
             health: OriginHealth::default(),
+            requests: WritebackRequests::default(),
         }
     }
 }
@@ -123,6 +135,43 @@ impl Writeback {
         self.health.forget(id);
     }
 
+    /// Run the steps that tasks ask for ([`Writeback::step_for`]) until
+    /// `stop`: a thread of the daemon's; several may run at once.
+    pub(crate) fn serve_requests(&self, env: &Env, state: &StateLock, stop: &AtomicBool) {
+        self.requests
+            .serve(stop, |want| self.run_group(env, state, want).map(|_| ()));
+    }
+
+    /// Wake the threads in [`Writeback::serve_requests`] to see their stop.
+    pub(crate) fn wake_request_servers(&self) {
+        self.requests.wake_servers();
+    }
+
+    /// [`Writeback::run_group`] for a caller that only needs it done (a
+    /// writer waiting for space, for its dirty share, for its origin). A
+    /// reactor task queues it for the request threads and waits as a task,
+    /// so its event loop serves its other requests meanwhile, and one step
+    /// answers every task waiting for the same; anyone else (or when no
+    /// thread serves) runs it here.
+    pub(crate) async fn step_for(
+        &self,
+        env: &Env,
+        state: &StateLock,
+        want: Want,
+    ) -> EngineResult<()> {
+        if Reactor::current().is_some() {
+            if let Some(answer) = self.requests.submit(want) {
+                match answer.await {
+                    Ok(Ok(())) => return Ok(()),
+                    Ok(Err(failed)) => return Err(WritebackRequests::error_of(failed)),
+                    // Nobody serves any more (the daemon is stopping).
+                    Err(_) => {}
+                }
+            }
+        }
+        self.run_group(env, state, want).map(|_| ())
+    }
+
     /// Write back the next epoch group of one volume that `want` names.
     /// An error if that volume's origin failed.
     pub(crate) fn run_group(
@@ -132,7 +181,11 @@ impl Writeback {
         want: Want,
     ) -> EngineResult<WritebackProgress> {
         let _shared = self.shared();
-        let Some((step, _lane)) = self.pick(env, state, want)? else {
+        let picked = match want {
+            Want::Through(volume) => self.pick_through(env, state, volume)?,
+            _ => self.pick(env, state, want)?,
+        };
+        let Some((step, _lane)) = picked else {
             return Ok(WritebackProgress {
                 dirty_blocks: state.normal(env)?.index.dirty_blocks(),
                 ..Default::default()
@@ -195,10 +248,12 @@ impl Writeback {
                     }
                 }
                 Want::Volumes(_) => (first, self.lane(first).take()),
-                Want::Progress(_) | Want::Laggards => match self.lane(first).take_or_wait() {
-                    Some(lane) => (first, lane),
-                    None => return Ok(None),
-                },
+                Want::Progress(_) | Want::Laggards | Want::Through(_) => {
+                    match self.lane(first).take_or_wait() {
+                        Some(lane) => (first, lane),
+                        None => return Ok(None),
+                    }
+                }
             };
             // With the lane held, this volume's position moves no more.
             let st = state.normal(env)?;
@@ -224,6 +279,44 @@ impl Writeback {
         )))
     }
 
+    /// [`Writeback::pick`] for [`Want::Through`]: with the volume's lane
+    /// held (waiting for a running step of it to end, then returning
+    /// without one, as for [`Want::Progress`]), end an epoch if none of
+    /// the volume's is left to write back, then its next group. The epoch
+    /// ends only with the lane held, right before the step that writes it
+    /// back: ended earlier, it would hold only the writes made until then,
+    /// and the writes made while the running step finished would need an
+    /// epoch and a step of their own.
+    fn pick_through<'a>(
+        &'a self,
+        env: &Env,
+        state: &StateLock,
+        volume: u16,
+    ) -> EngineResult<Option<(Step, LaneTaken<'a>)>> {
+        let Some(lane) = self.lane(volume).take_or_wait() else {
+            return Ok(None);
+        };
+        let mut st = state.normal(env)?;
+        if st.log.volume_writeback_position(volume) >= Some(st.log.writeback_limit()) {
+            Counters::add(&env.counters.internal_flushes, 1);
+            st.flush(env)?;
+        }
+        let log = &st.log;
+        let limit = log.writeback_limit();
+        Ok(match log.writeback_cursors().get(volume) {
+            Some(start) if start < limit => Some((
+                Step {
+                    volume,
+                    start,
+                    limit,
+                    slot_count: log.slot_count(),
+                },
+                lane,
+            )),
+            _ => None,
+        })
+    }
+
     /// The volumes behind that `want` names, furthest behind first.
     fn candidates(
         &self,
@@ -245,6 +338,7 @@ impl Writeback {
         let wanted = match want {
             Want::Background => behind.without(self.health.backing_off()),
             Want::Volumes(set) | Want::Progress(set) => behind.intersection(set),
+            Want::Through(volume) => unreachable!("volume {volume}: picked by pick_through"),
             Want::Laggards => cursors.at(log.writeback_position(), behind),
         };
         let mut candidates: Vec<(u16, u64)> = cursors

@@ -68,6 +68,19 @@ async fn task(engine: Arc<Engine>, first: u64, seed: u64) -> Vec<u64> {
 
 #[test]
 fn many_reactors_on_ring_devices_neither_deadlock_nor_lose_writes() {
+    run(0);
+}
+
+/// The same with the daemon's write-back request threads: writers waiting
+/// for space wait for them as tasks instead of stepping themselves.
+#[test]
+fn many_reactors_waiting_for_space_as_tasks_neither_deadlock_nor_lose_writes() {
+    run(2);
+}
+
+/// The workload, with `request_servers` threads serving the writers'
+/// write-back steps (none: each writer runs its own).
+fn run(request_servers: usize) {
     let dir = tempfile::tempdir_in("/var/tmp").expect("tempdir");
     let volume_blocks = REACTORS * TASKS_PER_REACTOR * BLOCKS_PER_TASK;
     let cache_bytes = cairn_format::Layout::cache_bytes_min(BS as u32) + 64 * BS;
@@ -95,6 +108,12 @@ fn many_reactors_on_ring_devices_neither_deadlock_nor_lose_writes() {
             }
         })
     };
+    let servers: Vec<_> = (0..request_servers)
+        .map(|_| {
+            let (engine, stop) = (engine.clone(), stop.clone());
+            std::thread::spawn(move || engine.serve_writeback_requests(&stop))
+        })
+        .collect();
     let (done_tx, done_rx) = mpsc::channel();
     for r in 0..REACTORS {
         let (engine, done_tx) = (engine.clone(), done_tx.clone());
@@ -133,10 +152,14 @@ fn many_reactors_on_ring_devices_neither_deadlock_nor_lose_writes() {
     }
     stop.store(true, Ordering::Relaxed);
     writeback.join().expect("write-back thread");
+    engine.wake_writeback_request_servers();
+    for server in servers {
+        server.join().expect("request server");
+    }
     engine.flush().expect("flush");
     let stats = engine.stats();
     assert!(
-        stats.checkpoints > 0 && stats.writeback_groups > 0,
+        stats.checkpoints > 0 && stats.writeback_groups > 0 && stats.writeback_stalls > 0,
         "{stats:?}"
     );
     for (lba, &version) in expected.iter().enumerate() {

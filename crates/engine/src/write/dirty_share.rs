@@ -14,7 +14,7 @@ use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
 use crate::writeback::Want;
 
-use super::SPACE_RETRIES_MAX;
+use super::{Room, WaitRounds, Waits, SPACE_RETRIES_MAX};
 
 /// The default share of the log one volume's dirty data may hold, in
 /// percent, with `volume_count` volumes: half with two, a third with
@@ -48,27 +48,31 @@ pub(crate) fn dirty_limit_blocks(st: &State, volume: u16) -> Option<u64> {
 }
 
 /// Wait until `blocks` more dirty blocks of `volume` fit its share,
-/// running write-back of that volume (and only it) meanwhile. A volume
-/// with no dirty data left always goes on, so a write larger than the
-/// share still makes progress; an origin that fails fails the wait
-/// (like a full log does), never another volume's writes.
-pub(crate) fn wait_within<'a>(
+/// running write-back of that volume (and only it) meanwhile, or with
+/// [`Waits::Caller`] returning the step to wait for. A volume with no dirty
+/// data left always goes on, so a write larger than the share still makes
+/// progress; an origin that fails fails the wait (like a full log does),
+/// never another volume's writes.
+pub(super) fn wait_within<'a>(
     p: Parts<'a>,
     mut st: MutexGuard<'a, State>,
     volume: u16,
     blocks: u64,
-) -> EngineResult<MutexGuard<'a, State>> {
+    waits: Waits,
+    rounds: &mut WaitRounds,
+) -> EngineResult<Room<'a>> {
     let env = p.env;
-    for retry in 0..SPACE_RETRIES_MAX {
+    while rounds.dirty_share < SPACE_RETRIES_MAX {
         let dirty = st.index.volume_blocks(volume).dirty;
         match dirty_limit_blocks(&st, volume) {
             Some(limit) if dirty > 0 && dirty + blocks > limit => {}
-            _ => return Ok(st),
+            _ => return Ok(Room::Ready(st)),
         }
-        if retry == 0 {
+        if rounds.dirty_share == 0 {
             // Writes that waited, not rounds.
             Counters::add(&env.counters.dirty_share_waits, 1);
         }
+        rounds.dirty_share += 1;
         if st.log.volume_writeback_position(volume) >= Some(st.log.writeback_limit()) {
             // Its dirty data is all after the last epoch end: end one now
             // so write-back can take it.
@@ -76,8 +80,11 @@ pub(crate) fn wait_within<'a>(
             st.flush(env)?;
         }
         drop(st);
-        p.writeback
-            .run_group(env, p.state, Want::Progress(VolumeSet::single(volume)))?;
+        let want = Want::Progress(VolumeSet::single(volume));
+        if waits == Waits::Caller {
+            return Ok(Room::Wait(want));
+        }
+        p.writeback.run_group(env, p.state, want)?;
         st = p.state.normal(env)?;
     }
     Err(crate::error::EngineError::Failed(format!(

@@ -51,6 +51,11 @@ impl Gate {
         }
     }
 
+    /// Is an operation held (or was one, since the last arm)?
+    pub fn is_entered(&self) -> bool {
+        self.lock().entered
+    }
+
     /// Wait until an operation is held, at most `limit`.
     pub fn wait_entered(&self, limit: Duration, what: &str) {
         let deadline = std::time::Instant::now() + limit;
