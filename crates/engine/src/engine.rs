@@ -31,8 +31,9 @@ use crate::superblocks;
 use crate::volume_admin::{self, NewVolume};
 use crate::volume_set::VolumeSet;
 use crate::volume_status::VolumeStatus;
+use crate::want::Want;
 use crate::write::{self, Waits, WriteStep};
-use crate::writeback::{Want, Writeback, WritebackProgress};
+use crate::writeback::{Writeback, WritebackProgress};
 
 pub struct Engine {
     env: Env,

@@ -57,6 +57,7 @@ mod volume_origin;
 mod volume_set;
 mod volume_status;
 mod volume_tags;
+mod want;
 mod write;
 mod write_lane;
 mod writeback;

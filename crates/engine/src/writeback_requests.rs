@@ -24,7 +24,7 @@ use std::time::Duration;
 use cairn_io::oneshot;
 
 use crate::error::{EngineError, EngineResult};
-use crate::writeback::Want;
+use crate::want::Want;
 
 /// How long a server with nothing to do sleeps before it looks at its stop
 /// flag again, if nobody woke it ([`WritebackRequests::wake_servers`] does

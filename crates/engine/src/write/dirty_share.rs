@@ -12,7 +12,7 @@ use crate::parts::Parts;
 use crate::state::State;
 use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
-use crate::writeback::Want;
+use crate::want::Want;
 
 use super::{Room, WaitRounds, Waits, SPACE_RETRIES_MAX};
 

@@ -22,7 +22,7 @@ use crate::space::{self, Space};
 use crate::state::State;
 use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
-use crate::writeback::Want;
+use crate::want::Want;
 use partial::write_partial;
 
 /// A checkpoint is taken once this fraction of the log (1/N) was written
