@@ -11,6 +11,8 @@ use cairn_format::{
     ORIGIN_BLOCKS_MAX,
 };
 
+use cairn_io::Reactor;
+
 use crate::block_status::{self, BlockStatusRun};
 use crate::checkpoint;
 use crate::commit::GroupCommit;
@@ -572,9 +574,14 @@ impl Engine {
                     sealed,
                 } => {
                     crate::sealed::write_claimed(&self.env, sealed).await?;
-                    self.writeback
-                        .step_for(&self.env, &self.state, want)
-                        .await?;
+                    let step = self.writeback.step_for(&self.env, &self.state, want).await;
+                    if let Err(e) = step {
+                        let retry_in = rounds.step_failed(&self.env, e)?;
+                        match Reactor::current() {
+                            Some(reactor) => reactor.sleep(retry_in).await,
+                            None => std::thread::sleep(retry_in),
+                        }
+                    }
                     from = resume_at;
                 }
             }

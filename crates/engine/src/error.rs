@@ -133,7 +133,16 @@ pub enum EngineError {
     /// every other request waiting for the same step, failed: that
     /// step's error, as its errno and message.
     #[error("{message}")]
-    WritebackStep { errno: i32, message: String },
+    WritebackStep {
+        errno: i32,
+        message: String,
+        /// The step failed because an origin did.
+        origin_failed: bool,
+    },
+    /// A write found no room in the cache, and the write-back that must
+    /// make some kept failing for as long as writers wait.
+    #[error("no room in the cache for this write: the write-back that must make room keeps failing ({cause}); writes go on once the origin takes data again")]
+    NoSpace { cause: String },
 }
 
 impl EngineError {
@@ -143,8 +152,24 @@ impl EngineError {
             EngineError::OutOfRange { .. } => libc::EINVAL,
             EngineError::Cache(e) | EngineError::Origin(e) => e.errno(),
             EngineError::WritebackStep { errno, .. } => *errno,
+            EngineError::NoSpace { .. } => libc::ENOSPC,
             _ => libc::EIO,
         }
+    }
+}
+
+impl EngineError {
+    /// Did an origin fail (directly, or in a write-back step run for this
+    /// request)?
+    pub(crate) fn is_origin_failure(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Origin(_)
+                | EngineError::WritebackStep {
+                    origin_failed: true,
+                    ..
+                }
+        )
     }
 }
 

@@ -29,6 +29,12 @@ impl Default for FormatOptions {
     }
 }
 
+/// How long a writer waits for write-back that keeps failing before its
+/// write fails with ENOSPC: long enough for an origin to restart or a link
+/// to come back, short of the I/O timeouts of common clients (the Linux
+/// NBD driver's default is 30 s).
+pub const SPACE_WAIT_FOR_WRITEBACK_MS: u64 = 10_000;
+
 /// How an opened engine behaves.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -63,6 +69,11 @@ pub struct EngineConfig {
     /// Most origin reads of client misses in flight at once; more wait
     /// for one to finish (they never fail for it).
     pub origin_queue_depth: usize,
+    /// How long a writer waits, retrying, for write-back that fails (an
+    /// origin that fails holds the dirty data that must go before the
+    /// write fits) before the write fails with ENOSPC. Zero in the
+    /// simulation tests.
+    pub space_wait_for_writeback_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +88,7 @@ impl Default for EngineConfig {
             cache_write_backoff_us: 5_000,
             page_cache_reads: true,
             origin_queue_depth: 64,
+            space_wait_for_writeback_ms: SPACE_WAIT_FOR_WRITEBACK_MS,
         }
     }
 }

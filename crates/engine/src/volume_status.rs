@@ -47,7 +47,11 @@ pub(crate) fn statuses(p: Parts<'_>) -> Vec<VolumeStatus> {
                 dirty_share_pct: entry.dirty_share_pct.unwrap_or_else(|| {
                     crate::write::default_dirty_share_pct(st.volumes.volumes().len())
                 }),
-                dirty_limit_blocks: crate::write::dirty_limit_blocks(&st, entry.id),
+                dirty_limit_blocks: crate::write::dirty_limit_blocks(
+                    &st,
+                    entry.id,
+                    p.writeback.volume_origin_failing(entry.id),
+                ),
                 recalc_position_blocks: st
                     .tags
                     .as_ref()

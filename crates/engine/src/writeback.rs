@@ -98,6 +98,11 @@ impl Writeback {
             .find_map(|id| self.health.error_of(id))
     }
 
+    /// Is volume `id`'s origin failing?
+    pub(crate) fn volume_origin_failing(&self, id: u16) -> bool {
+        self.health.failing().contains(id)
+    }
+
     /// The last error of volume `id`'s origin while it is failing.
     pub(crate) fn volume_origin_error(&self, id: u16) -> Option<String> {
         self.health.error_of(id)

@@ -31,9 +31,10 @@ use crate::want::Want;
 /// at a stop): a bound, not a poll.
 const IDLE_WAIT: Duration = Duration::from_secs(5);
 
-/// What a step ended with, for every request it answered: the error's errno
-/// and message (the error itself went to no one in particular).
-pub(crate) type StepAnswer = Result<(), (i32, String)>;
+/// What a step ended with, for every request it answered: the error's
+/// errno, message and whether an origin failed (the error itself went to
+/// no one in particular).
+pub(crate) type StepAnswer = Result<(), (i32, String, bool)>;
 
 struct Request {
     want: Want,
@@ -111,8 +112,8 @@ impl WritebackRequests {
             drop(queue);
             let answer = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(want)))
             {
-                Ok(result) => result.map_err(|e| (e.errno(), e.to_string())),
-                Err(_) => Err((libc::EIO, "a write-back step panicked".to_string())),
+                Ok(result) => result.map_err(|e| (e.errno(), e.to_string(), e.is_origin_failure())),
+                Err(_) => Err((libc::EIO, "a write-back step panicked".to_string(), false)),
             };
             for request in same {
                 request.answer.send(answer.clone());
@@ -142,8 +143,12 @@ impl WritebackRequests {
     }
 
     /// The error a waiter returns for a step that failed for it.
-    pub(crate) fn error_of(answer: (i32, String)) -> EngineError {
-        let (errno, message) = answer;
-        EngineError::WritebackStep { errno, message }
+    pub(crate) fn error_of(answer: (i32, String, bool)) -> EngineError {
+        let (errno, message, origin_failed) = answer;
+        EngineError::WritebackStep {
+            errno,
+            message,
+            origin_failed,
+        }
     }
 }

@@ -998,7 +998,7 @@ fn one_volume_streaming_does_not_evict_another_volumes_working_set() {
 }
 
 /// Volume 1's dirty data stops at its share of the log while its origin
-/// fails: its own writes then fail with the origin's error, the other
+/// fails: its own writes then fail with ENOSPC (no room for now), the other
 /// volumes keep writing into the rest of the log; once the origin is back
 /// its writers wait for its own write-back and stay within the share.
 #[test]
@@ -1038,7 +1038,11 @@ fn a_volume_stops_at_its_dirty_share_and_only_its_writers_wait() {
         assert!(volume_state(e, 1).dirty_blocks <= limit, "chunk {i}");
     }
     let (at_chunk, err) = refused.expect("volume 1 reached its share");
-    assert!(matches!(err, EngineError::Origin(_)), "{err}");
+    // No room for now, with the origin's error as the cause (the rig's
+    // writers wait no time for write-back that fails).
+    assert!(matches!(err, EngineError::NoSpace { .. }), "{err}");
+    assert_eq!(err.errno(), libc::ENOSPC);
+    assert!(err.to_string().contains("origin"), "{err}");
     assert!(at_chunk * chunk_blocks + chunk_blocks > limit);
     assert!(e.stats().dirty_share_waits > 0);
     // The other volumes are not held back: volume 0 takes more than
@@ -1067,6 +1071,81 @@ fn a_volume_stops_at_its_dirty_share_and_only_its_writers_wait() {
             read_all(e, v as u16).expect("read") == model.image,
             "volume {v}"
         );
+    }
+}
+
+/// A volume whose origin fails stays within its dirty share even while the
+/// other volumes hold nothing in the cache (idle, or just restarted): its
+/// dirty data cannot leave, and without the share it took the whole log
+/// and every write of the other volumes failed (found by a black-box test:
+/// 1,895 of 1,998 blocks). Once the log is full, the others' writers fail
+/// with ENOSPC, not with that origin's error as their own.
+#[test]
+fn a_failing_volume_stays_within_its_share_while_the_others_are_idle() {
+    let vols = Volumes::new(cache_bytes_small());
+    let mut models = models();
+    let e = vols.engine();
+    let slots = e.stats().cache_blocks;
+    fail_writes(&vols.origins[1]);
+    // Some dirty data of volume 1, and a write-back step that finds its
+    // origin failing (the daemon's background write-back would).
+    fill(e, 1, &mut models[1], 64, 300);
+    e.flush().expect("flush");
+    // Steps of the other volumes (nothing to write) come first.
+    let failed = (0..8).any(|_| matches!(e.writeback_step(), Err(EngineError::Origin(_))));
+    assert!(failed, "no write-back step of volume 1 failed");
+    let limit = volume_state(e, 1)
+        .dirty_limit_blocks
+        .expect("a limit while its origin fails, though the others hold nothing");
+    assert_eq!(
+        limit,
+        slots * 33 / 100,
+        "its default share with three volumes"
+    );
+    let chunk_blocks = 16u64;
+    let mut refused = None;
+    for i in 4..SIZES[1] / chunk_blocks {
+        let offset = i * chunk_blocks * BS;
+        let data = pattern(310 + i, (chunk_blocks * BS) as usize);
+        match e.write_in(1, offset, &data, false) {
+            Ok(()) => models[1].write(offset, &data),
+            Err(err) => {
+                refused = Some(err);
+                break;
+            }
+        }
+    }
+    let err = refused.expect("volume 1 reached its share");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert!(volume_state(e, 1).dirty_blocks <= limit);
+    // Volume 0 writes into the rest of the log, more than volume 1 holds.
+    let mut written = 0u64;
+    let mut other_refused = None;
+    for i in 0..SIZES[0] / chunk_blocks {
+        let offset = i * chunk_blocks * BS;
+        let data = pattern(400 + i, (chunk_blocks * BS) as usize);
+        match e.write_in(0, offset, &data, false) {
+            Ok(()) => {
+                models[0].write(offset, &data);
+                written += chunk_blocks;
+            }
+            Err(err) => {
+                other_refused = Some(err);
+                break;
+            }
+        }
+    }
+    assert!(written > limit, "volume 0 wrote {written} blocks");
+    if let Some(err) = other_refused {
+        // The log is full behind volume 1's dirty data: no room for now.
+        assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    }
+    e.flush().expect("volume 0's writes are durable");
+    // The origin is back: everything drains, every volume as written.
+    vols.origins[1].clear_faults();
+    e.drain().expect("drain");
+    for (v, model) in models.iter().enumerate() {
+        assert!(vols.origins[v].live_image() == model.image, "origin {v}");
     }
 }
 

@@ -1,8 +1,9 @@
 //! A volume's share of the log for dirty data. While another volume holds
-//! blocks in the cache, a volume whose dirty data is at its share writes
-//! back its own data before taking more: its writers wait for its origin,
-//! and only them; the rest of the log stays free for the other volumes.
-//! Alone in the cache, a volume may fill the whole log (a burst is what a
+//! blocks in the cache, or while its own origin fails, a volume whose
+//! dirty data is at its share writes back its own data before taking more:
+//! its writers wait for its origin, and only them; the rest of the log
+//! stays free for the other volumes. Alone in the cache, with an origin
+//! that works, a volume may fill the whole log (a burst is what a
 //! write-back cache is for).
 
 use std::sync::MutexGuard;
@@ -28,14 +29,19 @@ pub(crate) fn default_dirty_share_pct(volume_count: usize) -> u8 {
 }
 
 /// The most dirty blocks `volume` may hold now, or `None` while no other
-/// volume holds anything in the cache (no limit then).
-pub(crate) fn dirty_limit_blocks(st: &State, volume: u16) -> Option<u64> {
+/// volume holds anything in the cache (no limit then), unless its origin
+/// is failing (`origin_failing`): dirty data that cannot leave then stays
+/// within the volume's share whatever the others hold, so the other
+/// volumes keep room to write into (a failing origin's writers took 95% of
+/// the log while the others were idle, found by a black-box test).
+pub(crate) fn dirty_limit_blocks(st: &State, volume: u16, origin_failing: bool) -> Option<u64> {
     let entries = st.volumes.volumes();
     let others_cached = entries.iter().any(|v| {
         let b = st.index.volume_blocks(v.id);
         v.id != volume && b.dirty + b.clean > 0
     });
-    if !others_cached {
+    let shared = others_cached || (origin_failing && entries.len() > 1);
+    if !shared {
         return None;
     }
     let pct = st
@@ -64,7 +70,8 @@ pub(super) fn wait_within<'a>(
     let env = p.env;
     while rounds.dirty_share < SPACE_RETRIES_MAX {
         let dirty = st.index.volume_blocks(volume).dirty;
-        match dirty_limit_blocks(&st, volume) {
+        let failing = p.writeback.volume_origin_failing(volume);
+        match dirty_limit_blocks(&st, volume, failing) {
             Some(limit) if dirty > 0 && dirty + blocks > limit => {}
             _ => return Ok(Room::Ready(st)),
         }
@@ -84,7 +91,9 @@ pub(super) fn wait_within<'a>(
         if waits == Waits::Caller {
             return Ok(Room::Wait(want));
         }
-        p.writeback.run_group(env, p.state, want)?;
+        if let Err(e) = p.writeback.run_group(env, p.state, want) {
+            std::thread::sleep(rounds.step_failed(env, e)?);
+        }
         st = p.state.normal(env)?;
     }
     Err(crate::error::EngineError::Failed(format!(

@@ -10,10 +10,12 @@ mod partial;
 pub(crate) use dirty_share::{default_dirty_share_pct, dirty_limit_blocks};
 
 use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
 
 use cairn_format::{key_volume, RangeKind, PENDING_RANGES_MAX};
 
 use crate::checkpoint;
+use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::parts::Parts;
 use crate::policy::CacheMode;
@@ -43,12 +45,45 @@ pub(crate) enum Waits {
     Caller,
 }
 
+/// First and longest wait between tries of a write-back step that failed
+/// because an origin did.
+const FAILED_STEP_RETRY_FIRST: Duration = Duration::from_millis(50);
+const FAILED_STEP_RETRY_MAX: Duration = Duration::from_secs(1);
+
 /// The write-back rounds one write has waited for so far, for the bound
-/// and the counters (a write that waited counts once, not per round).
+/// and the counters (a write that waited counts once, not per round), and
+/// how long the write-back it waits for has been failing.
 #[derive(Debug, Default)]
 pub(crate) struct WaitRounds {
     space: usize,
     dirty_share: usize,
+    /// When a step this write waited for first failed for its origin.
+    failing_since: Option<Instant>,
+    retry_in: Duration,
+}
+
+impl WaitRounds {
+    /// The write-back step this write waited for failed with `error`. An
+    /// origin that fails is waited for, retrying, up to
+    /// `space_wait_for_writeback_ms` in all: returns how long to wait
+    /// before the next try. After that the write fails with ENOSPC (no
+    /// room, for now): a client such as qemu then pauses instead of
+    /// passing an I/O error to its guest. Any other failure is the write's.
+    pub(crate) fn step_failed(&mut self, env: &Env, error: EngineError) -> EngineResult<Duration> {
+        if !error.is_origin_failure() {
+            return Err(error);
+        }
+        let since = *self.failing_since.get_or_insert_with(Instant::now);
+        let limit = Duration::from_millis(env.config.space_wait_for_writeback_ms);
+        let left = limit.saturating_sub(since.elapsed());
+        if left.is_zero() {
+            return Err(EngineError::NoSpace {
+                cause: error.to_string(),
+            });
+        }
+        self.retry_in = (self.retry_in * 2).clamp(FAILED_STEP_RETRY_FIRST, FAILED_STEP_RETRY_MAX);
+        Ok(self.retry_in.min(left))
+    }
 }
 
 /// How far [`write_from`] got.
@@ -284,7 +319,9 @@ fn reserve<'a>(
                 if waits == Waits::Caller {
                     return Ok(Room::Wait(Want::Laggards));
                 }
-                p.writeback.run_group(env, p.state, Want::Laggards)?;
+                if let Err(e) = p.writeback.run_group(env, p.state, Want::Laggards) {
+                    std::thread::sleep(rounds.step_failed(env, e)?);
+                }
                 st = p.state.normal(env)?;
             }
         }

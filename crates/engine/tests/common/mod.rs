@@ -45,6 +45,8 @@ pub fn config() -> EngineConfig {
         cache_write_backoff_us: 0,
         page_cache_reads: true,
         origin_queue_depth: 64,
+        // A write out of room whose write-back fails fails at once.
+        space_wait_for_writeback_ms: 0,
     }
 }
 
