@@ -173,6 +173,50 @@ impl Export for EngineExport {
         })
     }
 
+    fn trim_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ()> {
+        Box::pin(async move {
+            let t = Instant::now();
+            let r = self
+                .engine
+                .discard_async_in(self.volume, offset, length)
+                .await
+                .map_err(map_err);
+            self.latencies.trim.record(t);
+            r
+        })
+    }
+
+    fn write_zeroes_async(
+        &self,
+        offset: u64,
+        length: u64,
+        _may_trim: bool,
+        _fast_only: bool,
+    ) -> ExportFuture<'_, ()> {
+        // Zeroing whole blocks is a logged range: always fast, no data I/O.
+        Box::pin(async move {
+            let t = Instant::now();
+            let r = self
+                .engine
+                .write_zeroes_async_in(self.volume, offset, length)
+                .await
+                .map_err(map_err);
+            self.latencies.zero.record(t);
+            r
+        })
+    }
+
+    fn cache_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ()> {
+        Box::pin(async move {
+            let t = Instant::now();
+            let r = prefetch_async(&self.engine, self.volume, offset, length)
+                .await
+                .map_err(map_err);
+            self.latencies.cache.record(t);
+            r
+        })
+    }
+
     fn flush_async(&self) -> ExportFuture<'_, ()> {
         Box::pin(async move {
             let t = Instant::now();
@@ -257,8 +301,29 @@ impl Export for EngineExport {
     }
 }
 
+/// [`prefetch`] as a task: the NBD CACHE command, whose misses are origin
+/// reads its connection's loop does not wait for.
+pub async fn prefetch_async(
+    engine: &Engine,
+    volume: u16,
+    offset: u64,
+    length: u64,
+) -> Result<(), EngineError> {
+    const CHUNK_BYTES: u64 = 1 << 20;
+    let end = offset
+        .saturating_add(length)
+        .min(engine.volume_size_bytes(volume)?);
+    let mut at = offset;
+    while at < end {
+        let n = CHUNK_BYTES.min(end - at) as usize;
+        engine.read_async_in(volume, at, n, true).await?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
 /// Read a range (clipped to the volume) so its blocks are promoted as
-/// clean copies: the NBD CACHE command and `cairn warm`.
+/// clean copies: `cairn warm`.
 pub fn prefetch(engine: &Engine, volume: u16, offset: u64, length: u64) -> Result<(), EngineError> {
     const CHUNK_BYTES: u64 = 1 << 20;
     let end = offset

@@ -614,3 +614,65 @@ fn a_miss_waiting_for_the_origin_does_not_hold_up_its_connection() {
     let _ = std::fs::remove_file(&origin.socket);
     assert!(server.terminate().success());
 }
+
+/// One connection: an NBD CACHE of blocks only a slow origin has (each
+/// origin read takes 1 s), and a cached read sent after it. Prints how
+/// long each took.
+const CACHE_AND_HIT_ON_ONE_CONNECTION: &str = r#"
+import nbd, sys, time
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+hit_at, cache_at = int(sys.argv[2]), int(sys.argv[3])
+t0 = time.monotonic()
+cache = h.aio_cache(65536, cache_at)
+time.sleep(0.05)
+hit = h.aio_pread(nbd.Buffer(4096), hit_at)
+done = {}
+while len(done) < 2:
+    h.poll(1)
+    for name, cookie in (("hit", hit), ("cache", cache)):
+        if name not in done and h.aio_command_completed(cookie):
+            done[name] = time.monotonic() - t0
+print("%.3f %.3f" % (done["hit"], done["cache"]), flush=True)
+"#;
+
+#[test]
+fn a_cache_command_waiting_for_the_origin_does_not_hold_up_its_connection() {
+    let test = "nbd_cache_cmd";
+    if !require_tools(test, &["nbdkit"]) || !require_python_nbd(test) {
+        return;
+    }
+    let ctx = Ctx::new(test);
+    let size = 16 * MIB;
+    let origin = NbdOrigin::start(&ctx, size, 0x31, &["--filter=delay", "rdelay=1"]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let image = pattern(0x31, size as usize);
+    // Cached: read once through cairn (a 1 s origin read).
+    assert_same_bytes("promoted", &nbd_read(&uri, 0, 4096), &image[..4096]);
+    let out = python_ok(
+        CACHE_AND_HIT_ON_ONE_CONNECTION,
+        &[&uri, "0", &(8 * MIB).to_string()],
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let times: Vec<f64> = text
+        .split_whitespace()
+        .map(|t| t.parse().expect("a time"))
+        .collect();
+    assert_eq!(times.len(), 2, "{text}");
+    let (hit_s, cache_s) = (times[0], times[1]);
+    assert!(
+        cache_s >= 0.9,
+        "the CACHE did not wait for the origin: {text}"
+    );
+    assert!(
+        hit_s + 0.5 < cache_s,
+        "the cached read waited for the CACHE's origin reads: {text}"
+    );
+    // The prefetched blocks are cached now: they read without the origin.
+    let st = ctx.status(&cache);
+    assert!(u64_of(&st, "promotions") >= 16, "{st}");
+    assert!(server.terminate().success());
+}

@@ -613,6 +613,75 @@ impl Engine {
         self.zero_range(volume, offset, length_bytes, RangeKind::Discard)
     }
 
+    /// [`Engine::write_zeroes_in`] as a task: in the modes other than
+    /// write-back, the wait for the origin is the task's.
+    pub async fn write_zeroes_async_in(
+        &self,
+        volume: u16,
+        offset: u64,
+        length_bytes: u64,
+    ) -> EngineResult<()> {
+        Counters::add(&self.env.counters.write_zeroes, 1);
+        self.zero_range_async(volume, offset, length_bytes, RangeKind::Zero)
+            .await
+    }
+
+    /// [`Engine::discard_in`] as a task.
+    pub async fn discard_async_in(
+        &self,
+        volume: u16,
+        offset: u64,
+        length_bytes: u64,
+    ) -> EngineResult<()> {
+        Counters::add(&self.env.counters.discards, 1);
+        self.zero_range_async(volume, offset, length_bytes, RangeKind::Discard)
+            .await
+    }
+
+    async fn zero_range_async(
+        &self,
+        volume: u16,
+        offset: u64,
+        length_bytes: u64,
+        kind: RangeKind,
+    ) -> EngineResult<()> {
+        let offset = self.key_offset(volume, offset, length_bytes)?;
+        if length_bytes == 0 {
+            return Ok(());
+        }
+        let parts = self.parts();
+        let logged = self.with_degrade(|degraded| {
+            if degraded {
+                degrade::degraded_zero_range(parts, offset, length_bytes, kind).map(|()| None)
+            } else {
+                write::zero_range_logged(parts, offset, length_bytes, kind).map(Some)
+            }
+        })?;
+        // Degraded: on the origin already.
+        let Some(end_position) = logged else {
+            return Ok(());
+        };
+        let mode = self.policy.mode_of(volume);
+        if mode == CacheMode::WriteBack {
+            return Ok(());
+        }
+        let block_bytes = self.env.block_size_bytes as u64;
+        let (first, end) = (
+            offset / block_bytes,
+            (offset + length_bytes).div_ceil(block_bytes),
+        );
+        let through = write::write_through_async(parts, mode, first, end, end_position);
+        if let Err(e) = through.await {
+            // The switch to degraded mode writes every acknowledged change
+            // to the origin, this one included.
+            if !self.env.health.wants_degraded_path()? {
+                return Err(e);
+            }
+            degrade::enter(parts)?;
+        }
+        Ok(())
+    }
+
     fn zero_range(
         &self,
         volume: u16,

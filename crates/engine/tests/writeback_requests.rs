@@ -247,6 +247,66 @@ fn a_write_through_write_waiting_for_its_origin_leaves_its_loop_serving() {
     assert!(origin_block(&origin_sim, 5) == block(5, 1));
 }
 
+/// A write-through zeroing (and a discard) waits for its origin as a task
+/// too: the loop answers a cached read while its step is held, and the
+/// origin reads zeroes once it is answered.
+#[test]
+fn a_write_through_zeroing_waiting_for_its_origin_leaves_its_loop_serving() {
+    let origin_sim = SimDevice::new("origin", 256 * BS);
+    let origin = Arc::new(GatedOrigin::new(origin_sim.clone(), Hold::Write));
+    let engine = engine_over(cache_bytes_small(), &origin_sim, origin.clone());
+    engine
+        .set_mode(CacheMode::WriteThrough, |_| {})
+        .expect("mode");
+    engine.write(100 * BS, &block(100, 1), false).expect("warm");
+    engine
+        .write(8 * BS, &block(8, 1), false)
+        .expect("data to zero");
+    assert!(origin_block(&origin_sim, 8) == block(8, 1));
+    let _servers = Servers::start(&engine, 1);
+    origin.gate.arm(None);
+    let (read_tx, read_rx) = mpsc::channel();
+    let (e, gated) = (engine.clone(), origin.clone());
+    let done = on_reactor(move |reactor| {
+        Box::pin(async move {
+            let zeroing = {
+                let engine = e.clone();
+                reactor.spawn(async move { engine.write_zeroes_async_in(0, 8 * BS, 4 * BS).await })
+            };
+            let deadline = Instant::now() + PATIENCE;
+            while !gated.gate.is_entered() {
+                assert!(
+                    Instant::now() < deadline,
+                    "the zeroing never reached its origin"
+                );
+                reactor.sleep(Duration::from_millis(1)).await;
+            }
+            let data = e
+                .read_async(100 * BS, BS as usize, false)
+                .await
+                .expect("read");
+            let _ = read_tx.send(data.as_bytes() == block(100, 1));
+            zeroing.await
+        })
+    });
+    let read = read_rx.recv_timeout(PATIENCE);
+    origin.gate.release();
+    assert_eq!(
+        read,
+        Ok(true),
+        "no cached read was answered while a write-through zeroing waited for its origin"
+    );
+    done.recv_timeout(PATIENCE)
+        .expect("the zeroing finished")
+        .expect("write-through zeroing");
+    for lba in 8..12 {
+        assert!(
+            origin_block(&origin_sim, lba) == vec![0u8; BS as usize],
+            "block {lba}"
+        );
+    }
+}
+
 /// A writer that finds the log full of dirty data waits for write-back as
 /// a task: with the step held at the origin, the loop answers a cached
 /// read; then every write lands and reads back.

@@ -123,6 +123,32 @@ pub trait Export: Send + Sync + 'static {
     fn flush_async(&self) -> ExportFuture<'_, ()> {
         Box::pin(std::future::ready(self.flush()))
     }
+
+    /// [`Export::trim`] as a task (an export that may wait for a slow
+    /// device, a write-through to an origin, waits as a task). The default
+    /// runs `trim`.
+    fn trim_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ()> {
+        Box::pin(std::future::ready(self.trim(offset, length)))
+    }
+
+    /// [`Export::write_zeroes`] as a task. The default runs `write_zeroes`.
+    fn write_zeroes_async(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+    ) -> ExportFuture<'_, ()> {
+        Box::pin(std::future::ready(
+            self.write_zeroes(offset, length, may_trim, fast_only),
+        ))
+    }
+
+    /// [`Export::cache`] as a task (a prefetch reads a slow origin). The
+    /// default runs `cache`.
+    fn cache_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ()> {
+        Box::pin(std::future::ready(self.cache(offset, length)))
+    }
 }
 
 /// The data of a read, in whatever buffer the export filled.

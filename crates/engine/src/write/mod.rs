@@ -203,15 +203,35 @@ fn needs_writeback(p: Parts<'_>, resume_at: u64, want: Want) -> EngineResult<Wri
     })
 }
 
-/// Zero or discard a range. Whole blocks become a logged range (no data is
-/// written); partial blocks at the edges of a zero are zeroed by
-/// read-modify-write (a discard, a hint, leaves them alone).
+/// Zero or discard a range, then, in the modes other than write-back,
+/// write it through (running the write-back steps itself; see
+/// [`zero_range_logged`] and [`write_through_async`] for a task).
 pub(crate) fn zero_range(
     p: Parts<'_>,
     offset: u64,
     length_bytes: u64,
     kind: RangeKind,
 ) -> EngineResult<()> {
+    zero_range_logged(p, offset, length_bytes, kind)?;
+    let block_bytes = p.env.block_size_bytes as u64;
+    let mode = p.policy.mode_of(key_volume(offset / block_bytes));
+    if mode != CacheMode::WriteBack {
+        let end = (offset + length_bytes).div_ceil(block_bytes);
+        write_through(p, mode, offset / block_bytes, end)?;
+    }
+    Ok(())
+}
+
+/// Zero or discard a range in the log. Whole blocks become a logged range
+/// (no data is written); partial blocks at the edges of a zero are zeroed
+/// by read-modify-write (a discard, a hint, leaves them alone). Returns
+/// the log position past it (what a write-through waits for).
+pub(crate) fn zero_range_logged(
+    p: Parts<'_>,
+    offset: u64,
+    length_bytes: u64,
+    kind: RangeKind,
+) -> EngineResult<u64> {
     let env = p.env;
     let block_bytes = env.block_size_bytes as u64;
     let end = offset + length_bytes;
@@ -233,14 +253,7 @@ pub(crate) fn zero_range(
         st.log.append_range(env, &mut st.index, kind, lba, count)?;
         lba += count;
     }
-    drop(st);
-    let mode = p
-        .policy
-        .mode_of(cairn_format::key_volume(offset / block_bytes));
-    if mode != CacheMode::WriteBack {
-        write_through(p, mode, offset / block_bytes, end.div_ceil(block_bytes))?;
-    }
-    Ok(())
+    Ok(st.log.append_position())
 }
 
 /// The blocks of `[offset, end)` covered only in part, as (lba, first byte

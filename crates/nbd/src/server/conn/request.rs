@@ -89,10 +89,12 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
             Command::Trim {
                 length_bytes: 0, ..
             } => Ok(None),
-            Command::Trim { length_bytes, fua } => match export.trim(offset, length_bytes) {
-                Ok(()) if fua => export.flush_async().await.map(|()| None),
-                other => other.map(|()| None),
-            },
+            Command::Trim { length_bytes, fua } => {
+                match export.trim_async(offset, length_bytes).await {
+                    Ok(()) if fua => export.flush_async().await.map(|()| None),
+                    other => other.map(|()| None),
+                }
+            }
             Command::WriteZeroes {
                 length_bytes: 0, ..
             } => Ok(None),
@@ -101,12 +103,18 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
                 fua,
                 may_trim,
                 fast_only,
-            } => match export.write_zeroes(offset, length_bytes, may_trim, fast_only) {
+            } => match export
+                .write_zeroes_async(offset, length_bytes, may_trim, fast_only)
+                .await
+            {
                 Ok(()) if fua => export.flush_async().await.map(|()| None),
                 other => other.map(|()| None),
             },
             Command::Cache { length_bytes: 0 } => Ok(None),
-            Command::Cache { length_bytes } => export.cache(offset, length_bytes).map(|()| None),
+            Command::Cache { length_bytes } => export
+                .cache_async(offset, length_bytes)
+                .await
+                .map(|()| None),
             Command::BlockStatus {
                 length_bytes,
                 req_one,
