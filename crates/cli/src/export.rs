@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cairn_engine::{BlockState, Engine, EngineError};
+use cairn_engine::{BlockState, BlockStatusRun, Engine, EngineError};
 use cairn_nbd::{Export, ExportError, ExportFuture, Extent, ExtentKind, ReadBuffer};
 
 /// Upper bounds of the latency buckets, in microseconds.
@@ -287,18 +287,33 @@ impl Export for EngineExport {
             .engine
             .block_status_in(self.volume, offset, length)
             .map_err(map_err)?;
-        Ok(runs
-            .into_iter()
-            .map(|run| Extent {
-                length: run.length_bytes,
-                kind: match run.state {
-                    BlockState::Data => ExtentKind::Data,
-                    BlockState::Zero => ExtentKind::Zero,
-                    BlockState::Hole => ExtentKind::Hole,
-                },
-            })
-            .collect())
+        Ok(extents_of(runs))
     }
+
+    fn block_status_async(&self, offset: u64, length: u64) -> ExportFuture<'_, Vec<Extent>> {
+        Box::pin(async move {
+            let runs = self
+                .engine
+                .block_status_async_in(self.volume, offset, length)
+                .await
+                .map_err(map_err)?;
+            Ok(extents_of(runs))
+        })
+    }
+}
+
+/// The engine's block status runs as NBD extents.
+fn extents_of(runs: Vec<BlockStatusRun>) -> Vec<Extent> {
+    runs.into_iter()
+        .map(|run| Extent {
+            length: run.length_bytes,
+            kind: match run.state {
+                BlockState::Data => ExtentKind::Data,
+                BlockState::Zero => ExtentKind::Zero,
+                BlockState::Hole => ExtentKind::Hole,
+            },
+        })
+        .collect()
 }
 
 /// [`prefetch`] as a task: the NBD CACHE command, whose misses are origin

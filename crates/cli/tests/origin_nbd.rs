@@ -676,3 +676,67 @@ fn a_cache_command_waiting_for_the_origin_does_not_hold_up_its_connection() {
     assert!(u64_of(&st, "promotions") >= 16, "{st}");
     assert!(server.terminate().success());
 }
+
+/// One connection: a BLOCK_STATUS of blocks only the origin knows (its
+/// extents answered after 1 s), and a cached read sent after it. Prints
+/// how long each took and the extents seen.
+const STATUS_AND_HIT_ON_ONE_CONNECTION: &str = r#"
+import nbd, sys, time
+h = nbd.NBD()
+h.add_meta_context("base:allocation")
+h.connect_uri(sys.argv[1])
+hit_at, status_at = int(sys.argv[2]), int(sys.argv[3])
+extents = []
+def seen(metacontext, offset, entries, err):
+    extents.extend(entries)
+    return 0
+t0 = time.monotonic()
+status = h.aio_block_status(65536, status_at, seen)
+time.sleep(0.05)
+hit = h.aio_pread(nbd.Buffer(4096), hit_at)
+done = {}
+while len(done) < 2:
+    h.poll(1)
+    for name, cookie in (("hit", hit), ("status", status)):
+        if name not in done and h.aio_command_completed(cookie):
+            done[name] = time.monotonic() - t0
+print("%.3f %.3f %d" % (done["hit"], done["status"], len(extents)), flush=True)
+"#;
+
+#[test]
+fn a_block_status_asking_the_origin_does_not_hold_up_its_connection() {
+    let test = "nbd_status_slow";
+    if !require_tools(test, &["nbdkit"]) || !require_python_nbd(test) {
+        return;
+    }
+    let ctx = Ctx::new(test);
+    let size = 16 * MIB;
+    let origin = NbdOrigin::start(&ctx, size, 0x41, &["--filter=delay", "delay-extents=1"]);
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let image = pattern(0x41, size as usize);
+    assert_same_bytes("promoted", &nbd_read(&uri, 0, 4096), &image[..4096]);
+    let out = python_ok(
+        STATUS_AND_HIT_ON_ONE_CONNECTION,
+        &[&uri, "0", &(8 * MIB).to_string()],
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let fields: Vec<f64> = text
+        .split_whitespace()
+        .map(|t| t.parse().expect("a number"))
+        .collect();
+    assert_eq!(fields.len(), 3, "{text}");
+    let (hit_s, status_s, extents) = (fields[0], fields[1], fields[2]);
+    assert!(extents >= 2.0, "no extent came back: {text}");
+    assert!(
+        status_s >= 0.9,
+        "the block status did not ask the origin: {text}"
+    );
+    assert!(
+        hit_s + 0.5 < status_s,
+        "the cached read waited for the block status's question to the origin: {text}"
+    );
+    assert!(server.terminate().success());
+}

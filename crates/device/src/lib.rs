@@ -279,6 +279,13 @@ pub trait Device: Send + Sync {
         Ok(AllocationRun::all_data(len))
     }
 
+    /// Whether [`Device::allocation`] may wait on something slow (a round
+    /// trip to a server), so an event loop should not call it on its own
+    /// thread. Local backends answer from the file system at once.
+    fn allocation_may_wait(&self) -> bool {
+        false
+    }
+
     /// Make the range read back as zeroes.
     fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
         const CHUNK: u64 = 1 << 20;

@@ -450,8 +450,19 @@ impl Engine {
         offset: u64,
         length: u64,
     ) -> EngineResult<Vec<BlockStatusRun>> {
+        cairn_io::block_on(self.block_status_async_in(volume, offset, length))
+    }
+
+    /// [`Engine::block_status_in`] as a task: a question to an origin that
+    /// answers over the network is waited for as a task.
+    pub async fn block_status_async_in(
+        &self,
+        volume: u16,
+        offset: u64,
+        length: u64,
+    ) -> EngineResult<Vec<BlockStatusRun>> {
         let key_offset = self.key_offset(volume, offset, length.max(1))?;
-        block_status::block_status(&self.env, &self.state, key_offset, length.max(1))
+        block_status::block_status(&self.env, &self.state, key_offset, length.max(1)).await
     }
 
     /// Is block `lba` of the first volume cached (for tests)?

@@ -144,6 +144,12 @@ pub trait Export: Send + Sync + 'static {
         ))
     }
 
+    /// [`Export::block_status`] as a task (an export may ask a remote
+    /// server). The default runs `block_status`.
+    fn block_status_async(&self, offset: u64, length: u64) -> ExportFuture<'_, Vec<Extent>> {
+        Box::pin(std::future::ready(self.block_status(offset, length)))
+    }
+
     /// [`Export::cache`] as a task (a prefetch reads a slow origin). The
     /// default runs `cache`.
     fn cache_async(&self, offset: u64, length: u64) -> ExportFuture<'_, ()> {

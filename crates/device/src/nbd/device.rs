@@ -530,6 +530,11 @@ impl Device for NbdDevice {
     /// The export's `base:allocation` block status, asked on a side
     /// connection (see [`super::extents`]). Anything it cannot tell, or a
     /// failure to ask, is data.
+    /// A question to the server, over the network.
+    fn allocation_may_wait(&self) -> bool {
+        true
+    }
+
     fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
         check_range(&self.name, "allocation", offset, len, self.size_bytes)?;
         let all_data = || AllocationRun::all_data(len);

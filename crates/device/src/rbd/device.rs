@@ -460,6 +460,11 @@ impl Device for RbdDevice {
     /// whole objects, parent included): an object that exists is data,
     /// anything else reads as zeroes. Asked of the OSDs, after a flush when
     /// a write is still in librbd's cache.
+    /// A question to the server, over the network.
+    fn allocation_may_wait(&self) -> bool {
+        true
+    }
+
     fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<AllocationRun>> {
         check_range(&self.name, "allocation", offset, len, self.size_bytes)?;
         let all_data = || AllocationRun::all_data(len);

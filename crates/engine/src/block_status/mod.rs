@@ -14,6 +14,7 @@ mod state;
 pub use state::{BlockState, BlockStatusRun};
 
 use cairn_format::{block_key, RangeKind, TAG_DISCARDED};
+use cairn_io::Reactor;
 
 use crate::env::Env;
 use crate::error::EngineResult;
@@ -33,8 +34,9 @@ enum Known {
 
 /// The runs of `[offset, offset + length)` (clipped to the volume), from
 /// `offset`, covering at least one byte of it. `length` is non-zero and
-/// `offset` inside the volume.
-pub(crate) fn block_status(
+/// `offset` inside the volume. A task waits for an origin that answers
+/// over the network as a task (the question runs on an offload thread).
+pub(crate) async fn block_status(
     env: &Env,
     state: &StateLock,
     offset: u64,
@@ -64,7 +66,7 @@ pub(crate) fn block_status(
     for (run_end, known) in known {
         let states = match known {
             Known::Volume(s) => vec![((run_end - at) * block_bytes, s)],
-            Known::Origin => origin_runs(env, at * block_bytes, (run_end - at) * block_bytes),
+            Known::Origin => origin_runs(env, at * block_bytes, (run_end - at) * block_bytes).await,
         };
         for (length_bytes, state) in states {
             push(&mut runs, length_bytes, state);
@@ -113,8 +115,22 @@ fn known_runs(
 
 /// The origin's allocation of a byte range, without the engine lock. An
 /// origin that cannot say, or fails to, reports data.
-fn origin_runs(env: &Env, offset: u64, length: u64) -> Vec<(u64, BlockState)> {
+async fn origin_runs(env: &Env, offset: u64, length: u64) -> Vec<(u64, BlockState)> {
     let asked = match env.origin_of_offset(offset) {
+        Ok((volume, at))
+            if volume.device().allocation_may_wait() && Reactor::current().is_some() =>
+        {
+            // Off the event loop: the question is a round trip to a server.
+            let asked = cairn_io::offload(move || {
+                volume
+                    .device()
+                    .allocation(at, length)
+                    .map_err(|e| e.to_string())
+            });
+            asked
+                .await
+                .unwrap_or_else(|_| Err("the allocation query panicked".to_string()))
+        }
         Ok((volume, at)) => volume
             .device()
             .allocation(at, length)

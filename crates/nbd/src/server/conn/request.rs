@@ -118,7 +118,9 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
             Command::BlockStatus {
                 length_bytes,
                 req_one,
-            } => block_status(conn, request, length_bytes, req_one).map(|b| Some(Reply::bytes(b))),
+            } => block_status(conn, request, length_bytes, req_one)
+                .await
+                .map(|b| Some(Reply::bytes(b))),
         };
     match result {
         Ok(Some(reply)) => reply,
@@ -141,7 +143,7 @@ async fn execute(conn: &Conn, job: &Job) -> Reply {
     }
 }
 
-fn block_status(
+async fn block_status(
     conn: &Conn,
     request: &Request,
     length_bytes: u64,
@@ -155,7 +157,10 @@ fn block_status(
     // is legal with extended headers).
     let cap = (u32::MAX as u64) & !(min_block - 1);
     let query = length_bytes.min(size - request.offset).min(cap);
-    let extents = conn.export.block_status(request.offset, query)?;
+    let extents = conn
+        .export
+        .block_status_async(request.offset, query)
+        .await?;
     let reported = extents.iter().map(|extent| Descriptor {
         length_bytes: extent.length,
         flags: extent.kind.allocation_flags(),
