@@ -116,8 +116,10 @@ impl Writeback {
     /// Run the steps that tasks ask for ([`Writeback::step_for`]) until
     /// `stop`: a thread of the daemon's; several may run at once.
     pub(crate) fn serve_requests(&self, env: &Env, state: &StateLock, stop: &AtomicBool) {
-        self.requests
-            .serve(stop, |want| self.run_group(env, state, want).map(|_| ()));
+        self.requests.serve(stop, |want| {
+            Counters::add(&env.counters.writeback_request_steps, 1);
+            self.run_group(env, state, want).map(|_| ())
+        });
     }
 
     /// Wake the threads in [`Writeback::serve_requests`] to see their stop.
@@ -139,6 +141,7 @@ impl Writeback {
     ) -> EngineResult<()> {
         if Reactor::current().is_some() {
             if let Some(answer) = self.requests.submit(want) {
+                Counters::add(&env.counters.writeback_requests, 1);
                 match answer.await {
                     Ok(Ok(())) => return Ok(()),
                     Ok(Err(failed)) => return Err(WritebackRequests::error_of(failed)),

@@ -77,6 +77,7 @@ impl WaitRounds {
         let limit = Duration::from_millis(env.config.space_wait_for_writeback_ms);
         let left = limit.saturating_sub(since.elapsed());
         if left.is_zero() {
+            Counters::add(&env.counters.no_space_refusals, 1);
             return Err(EngineError::NoSpace {
                 cause: error.to_string(),
             });
