@@ -260,6 +260,15 @@ impl Workers {
             }
         }
 
+        // Requests made before a thread registers run their steps
+        // themselves; wait (briefly) so none does once serving has begun.
+        let registered_by = std::time::Instant::now() + Duration::from_secs(2);
+        while engine.writeback_request_servers() < request_servers.len()
+            && std::time::Instant::now() < registered_by
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+
         // Integrity recalculation over data that predates the format (or
         // the volume's add): one bounded step at a time, resuming where it
         // stopped, and waiting for volumes added later with integrity.

@@ -878,6 +878,13 @@ impl Engine {
         self.writeback.serve_requests(&self.env, &self.state, stop);
     }
 
+    /// Threads in [`Engine::serve_writeback_requests`] now (a thread counts
+    /// from when it has started serving; until then requests run their
+    /// steps themselves).
+    pub fn writeback_request_servers(&self) -> usize {
+        self.writeback.request_servers()
+    }
+
     /// Wake the threads in [`Engine::serve_writeback_requests`] once their
     /// stop flag is set, so they return at once. Requests still waiting
     /// then run their steps themselves.

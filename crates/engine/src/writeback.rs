@@ -122,6 +122,11 @@ impl Writeback {
         });
     }
 
+    /// Threads in [`Writeback::serve_requests`] now.
+    pub(crate) fn request_servers(&self) -> usize {
+        self.requests.servers()
+    }
+
     /// Wake the threads in [`Writeback::serve_requests`] to see their stop.
     pub(crate) fn wake_request_servers(&self) {
         self.requests.wake_servers();

@@ -62,6 +62,11 @@ impl WritebackRequests {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Threads serving requests now.
+    pub(crate) fn servers(&self) -> usize {
+        self.lock().servers
+    }
+
     /// Queue a request for a step that `want` names; `None` if no thread
     /// serves requests (the caller runs the step itself).
     pub(crate) fn submit(&self, want: Want) -> Option<oneshot::Receiver<StepAnswer>> {

@@ -114,6 +114,9 @@ fn run(request_servers: usize) {
             std::thread::spawn(move || engine.serve_writeback_requests(&stop))
         })
         .collect();
+    while engine.writeback_request_servers() < request_servers {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let (done_tx, done_rx) = mpsc::channel();
     for r in 0..REACTORS {
         let (engine, done_tx) = (engine.clone(), done_tx.clone());

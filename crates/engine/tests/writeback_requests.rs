@@ -83,6 +83,16 @@ impl Servers {
                 std::thread::spawn(move || engine.serve_writeback_requests(&stop))
             })
             .collect();
+        // Serving once registered: a request made before would run its
+        // step on the caller's thread.
+        let deadline = Instant::now() + PATIENCE;
+        while engine.writeback_request_servers() < count {
+            assert!(
+                Instant::now() < deadline,
+                "the request threads never started"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         Servers {
             engine: engine.clone(),
             stop,
