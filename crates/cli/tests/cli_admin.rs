@@ -105,12 +105,24 @@ fn status_json_online_and_offline() {
     assert!(u64_of(&st, "read_misses") >= 16, "{st}");
     assert_eq!(u64_of(&st, "checksum_mismatches"), 0, "{st}");
 
-    // The human form says the same.
+    // The human form says the same, with requests and blocks told apart.
     let out = ctx.cairn_ok(&["status", "--cache", &cache.to_string_lossy()]);
+    let human = stdout(&out);
+    assert!(human.contains("16 dirty"), "human status: {human}");
+    let reads = format!(
+        "reads {} requests (blocks: {} hits, {} misses,",
+        u64_of(&st, "reads"),
+        u64_of(&st, "read_hits"),
+        u64_of(&st, "read_misses")
+    );
+    let writes = format!(
+        "writes {} requests (blocks: {} hits)",
+        u64_of(&st, "writes"),
+        u64_of(&st, "write_hits")
+    );
     assert!(
-        stdout(&out).contains("16 dirty"),
-        "human status: {}",
-        stdout(&out)
+        human.contains(&reads) && human.contains(&writes),
+        "human status does not say {reads:?} and {writes:?}: {human}"
     );
 
     assert!(server.terminate().success());
