@@ -133,7 +133,8 @@ enum Command {
         /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
-        /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M.
+        /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M; it must
+        /// lie within the volume.
         range: String,
     },
     /// A live view of the daemon serving CACHE, refreshed every second.

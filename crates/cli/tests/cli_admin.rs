@@ -646,6 +646,49 @@ fn mode_switch_and_warm_online_and_offline() {
     assert_eq!(ctx.status(&cache)["mode"], "writeback");
 }
 
+/// `cairn warm` refuses a range that runs past the end of the volume (it
+/// was clipped and reported as a success), as it refuses one that starts
+/// past it, naming the range and the volume's size; offline and online.
+#[test]
+fn warm_refuses_a_range_past_the_end() {
+    let ctx = Ctx::new("warm_past_end");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().to_string();
+    let refused = |out: &std::process::Output, offset: &str, length: &str| {
+        assert_clean_failure(
+            out,
+            &[
+                &format!("range of {length} bytes at offset {offset}"),
+                "past the end of the 67108864-byte volume",
+            ],
+        );
+    };
+    refused(
+        &ctx.cairn(&["warm", "--cache", &c, "63M:4M"]),
+        "66060288",
+        "4194304",
+    );
+    assert!(
+        stderr(&ctx.cairn(&["warm", "--cache", &c, "63M:4M"])).contains("give 66060288:1048576"),
+        "no advice on the range that fits"
+    );
+    refused(
+        &ctx.cairn(&["warm", "--cache", &c, "200M:1M"]),
+        "209715200",
+        "1048576",
+    );
+    let out = ctx.cairn_ok(&["warm", "--cache", &c, "63M:1M"]);
+    assert!(stdout(&out).contains("256 blocks"), "{}", describe(&out));
+
+    let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &[]);
+    refused(
+        &ctx.cairn(&["warm", "--cache", &c, "63M:4M"]),
+        "66060288",
+        "4194304",
+    );
+    assert!(server.terminate().success());
+}
+
 /// The admin socket of the daemon serving `ctx`'s one cache.
 fn admin_socket(ctx: &Ctx) -> std::path::PathBuf {
     let found: Vec<_> = std::fs::read_dir(&ctx.runtime)
