@@ -102,7 +102,8 @@ enum Command {
         /// M, G; 0 = no limit).
         #[arg(long, default_value = "0", value_parser = parse_size, requires = "origin")]
         rate: u64,
-        /// Report mismatches only; never rewrite the origin.
+        /// Report mismatches only (saying which have a clean cached copy);
+        /// never rewrite the origin.
         #[arg(long, requires = "origin")]
         no_repair: bool,
     },

@@ -3,6 +3,7 @@
 //! opens the devices and runs the very same code, handling the replies
 //! itself. So online and offline are one algorithm with two transports.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -312,12 +313,14 @@ fn check_origin(
         let lba = cairn_format::key_lba(key);
         (volume, lba, lba * bs)
     };
+    let cached: HashSet<u64> = report.mismatches_cached.iter().copied().collect();
     for &key in &report.mismatches {
         let (volume, lba, offset_bytes) = place(key);
         emit(AdminReply::OriginMismatch {
             volume,
             lba,
             offset_bytes,
+            cached_copy: cached.contains(&key),
         });
     }
     for &key in &report.repaired {
@@ -332,6 +335,7 @@ fn check_origin(
         blocks_checked: report.blocks_checked,
         blocks_verified: report.blocks_verified,
         blocks_unverified: report.blocks_unverified,
+        blocks_discarded: report.blocks_discarded,
         blocks_skipped: report.blocks_skipped,
     });
     Ok(())
