@@ -75,7 +75,18 @@ pub fn for_command(e: &CommandError) -> Option<String> {
             "to protect the origin, reformat with `cairn format --integrity` (after `cairn flush`)"
                 .into(),
         ),
-        CommandError::RangePastEnd { .. } => None,
+        CommandError::RangePastEnd {
+            offset_bytes,
+            size_bytes,
+            ..
+        } => Some(if offset_bytes < size_bytes {
+            format!(
+                "to warm up to the end of the volume, give {offset_bytes}:{}",
+                size_bytes - offset_bytes
+            )
+        } else {
+            format!("give a range within the volume, e.g. 0:{size_bytes}")
+        }),
         CommandError::VolumeInUse { name, .. } => Some(format!(
             "disconnect them first, or pass --force to cut them off: cairn volume remove --cache CACHE --name {name} --force"
         )),

@@ -102,7 +102,8 @@ enum Command {
         /// M, G; 0 = no limit).
         #[arg(long, default_value = "0", value_parser = parse_size, requires = "origin")]
         rate: u64,
-        /// Report mismatches only; never rewrite the origin.
+        /// Report mismatches only (saying which have a clean cached copy);
+        /// never rewrite the origin.
         #[arg(long, requires = "origin")]
         no_repair: bool,
     },
@@ -133,7 +134,8 @@ enum Command {
         /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
-        /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M.
+        /// OFFSET:LENGTH in bytes, suffixes K, M, G allowed, e.g. 0:64M; it must
+        /// lie within the volume.
         range: String,
     },
     /// A live view of the daemon serving CACHE, refreshed every second.

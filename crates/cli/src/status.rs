@@ -272,8 +272,11 @@ fn integrity_line(v: &Value) -> String {
 }
 
 pub fn print_human(v: &Value) -> std::io::Result<()> {
-    use std::io::Write as _;
-    let mut out = std::io::stdout().lock();
+    write_human(&mut std::io::stdout().lock(), v)
+}
+
+/// The human form of the status `v`.
+fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
     writeln!(
         out,
@@ -297,9 +300,11 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("free_blocks"),
         get("corrupt_blocks")
     )?;
+    // `reads` and `writes` count client requests; hits, misses and
+    // bypassed count blocks (one request spans many), so each says which.
     writeln!(
         out,
-        "  reads {} (hits {}, misses {}, hit ratio {}), writes {} (hits {}), bypassed {}",
+        "  reads {} requests (blocks: {} hits, {} misses, hit ratio {}), writes {} requests (blocks: {} hits), bypassed {} blocks",
         get("reads"),
         get("read_hits"),
         get("read_misses"),
@@ -342,8 +347,8 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
         get("origin_read_errors"),
         get("origin_write_errors")
     )?;
-    print_settings(&mut out, v)?;
-    print_nbd(&mut out, v)?;
+    print_settings(out, v)?;
+    print_nbd(out, v)?;
     writeln!(
         out,
         "  write-back: {} blocks in {} groups, paused {}, position {} of {}",
@@ -404,4 +409,26 @@ fn print_settings(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<(
         writeln!(out, "  settings: {}", line.join(", "))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Requests and blocks are labelled, so "reads 16 (hits 2866 …)" no
+    /// longer reads as more hits than reads.
+    #[test]
+    fn human_status_names_the_units_of_reads_and_writes() {
+        let v = json!({
+            "reads": 16, "read_hits": 2866, "read_misses": 13491, "read_hit_ratio": 0.25,
+            "writes": 2810, "write_hits": 7858, "bypassed": 12,
+        });
+        let mut out = Vec::new();
+        write_human(&mut out, &v).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("  reads 16 requests (blocks: 2866 hits, 13491 misses, hit ratio 0.25), writes 2810 requests (blocks: 7858 hits), bypassed 12 blocks\n"),
+            "{text}"
+        );
+    }
 }

@@ -105,12 +105,24 @@ fn status_json_online_and_offline() {
     assert!(u64_of(&st, "read_misses") >= 16, "{st}");
     assert_eq!(u64_of(&st, "checksum_mismatches"), 0, "{st}");
 
-    // The human form says the same.
+    // The human form says the same, with requests and blocks told apart.
     let out = ctx.cairn_ok(&["status", "--cache", &cache.to_string_lossy()]);
+    let human = stdout(&out);
+    assert!(human.contains("16 dirty"), "human status: {human}");
+    let reads = format!(
+        "reads {} requests (blocks: {} hits, {} misses,",
+        u64_of(&st, "reads"),
+        u64_of(&st, "read_hits"),
+        u64_of(&st, "read_misses")
+    );
+    let writes = format!(
+        "writes {} requests (blocks: {} hits)",
+        u64_of(&st, "writes"),
+        u64_of(&st, "write_hits")
+    );
     assert!(
-        stdout(&out).contains("16 dirty"),
-        "human status: {}",
-        stdout(&out)
+        human.contains(&reads) && human.contains(&writes),
+        "human status does not say {reads:?} and {writes:?}: {human}"
     );
 
     assert!(server.terminate().success());
@@ -632,6 +644,49 @@ fn mode_switch_and_warm_online_and_offline() {
     assert_eq!(ctx.status(&cache)["mode"], "writethrough");
     ctx.cairn_ok(&["mode", "--cache", &cache.to_string_lossy(), "writeback"]);
     assert_eq!(ctx.status(&cache)["mode"], "writeback");
+}
+
+/// `cairn warm` refuses a range that runs past the end of the volume (it
+/// was clipped and reported as a success), as it refuses one that starts
+/// past it, naming the range and the volume's size; offline and online.
+#[test]
+fn warm_refuses_a_range_past_the_end() {
+    let ctx = Ctx::new("warm_past_end");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().to_string();
+    let refused = |out: &std::process::Output, offset: &str, length: &str| {
+        assert_clean_failure(
+            out,
+            &[
+                &format!("range of {length} bytes at offset {offset}"),
+                "past the end of the 67108864-byte volume",
+            ],
+        );
+    };
+    refused(
+        &ctx.cairn(&["warm", "--cache", &c, "63M:4M"]),
+        "66060288",
+        "4194304",
+    );
+    assert!(
+        stderr(&ctx.cairn(&["warm", "--cache", &c, "63M:4M"])).contains("give 66060288:1048576"),
+        "no advice on the range that fits"
+    );
+    refused(
+        &ctx.cairn(&["warm", "--cache", &c, "200M:1M"]),
+        "209715200",
+        "1048576",
+    );
+    let out = ctx.cairn_ok(&["warm", "--cache", &c, "63M:1M"]);
+    assert!(stdout(&out).contains("256 blocks"), "{}", describe(&out));
+
+    let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &[]);
+    refused(
+        &ctx.cairn(&["warm", "--cache", &c, "63M:4M"]),
+        "66060288",
+        "4194304",
+    );
+    assert!(server.terminate().success());
 }
 
 /// The admin socket of the daemon serving `ctx`'s one cache.

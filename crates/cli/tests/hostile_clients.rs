@@ -3,8 +3,9 @@
 //! 4 GiB option and a 4 GiB write payload, all while a normal client
 //! (python3-libnbd) keeps writing, flushing and reading. The normal client
 //! never fails, a new client still gets in, and the daemon's RSS grows by
-//! less than 64 MiB. Also `--read-only`: advertised, and writes refused
-//! with EPERM. A client that queues far more requests than
+//! less than 64 MiB. Also `--read-only`: advertised (with no trim,
+//! zeroing or FUA on offer), and writes, trims and zeroing refused with
+//! EPERM. A client that queues far more requests than
 //! `--max-in-flight-per-connection` is paused, not refused, and gets every
 //! reply right; one that sends reads and never reads its replies holds at
 //! most that many replies in the daemon's memory. Needs python3-libnbd and nbdinfo; skips without them,
@@ -362,12 +363,27 @@ fn read_only_serving_refuses_writes_with_eperm() {
     let uri = server.uri();
     let info = run_ok(tool("nbdinfo").arg("--json").arg(&uri), TOOL_TIMEOUT);
     let v = json_in(&stdout(&info));
-    assert_eq!(v["exports"][0]["is_read_only"], true, "{v}");
+    let e = &v["exports"][0];
+    assert_eq!(e["is_read_only"], true, "{v}");
+    // What it refuses it does not offer (nbdkit -r neither); flushing and
+    // caching stay.
+    for flag in ["can_trim", "can_zero", "can_fast_zero", "can_fua"] {
+        assert_eq!(e[flag], false, "a read-only export offers {flag}: {e}");
+    }
+    for flag in ["can_flush", "can_cache", "can_multi_conn"] {
+        assert_eq!(e[flag], true, "{flag} in {e}");
+    }
+    // Send the writes anyway: the server must refuse them, not libnbd.
     let script = format!(
-        "import nbd, errno\nh = nbd.NBD()\nh.connect_uri({uri:?})\nh.pread(4096, 0)\n# Send the write anyway: the server must refuse it, not libnbd.\nh.set_strict_mode(0)\ntry:\n    h.pwrite(b'x' * 4096, 0)\nexcept nbd.Error as e:\n    print('refused', e.errnum == errno.EPERM)\n"
+        "import nbd, errno\nh = nbd.NBD()\nh.connect_uri({uri:?})\nh.pread(4096, 0)\nh.set_strict_mode(0)\nfor name, send in [('write', lambda: h.pwrite(b'x' * 4096, 0)), ('trim', lambda: h.trim(4096, 0)), ('zero', lambda: h.zero(4096, 0))]:\n    try:\n        send()\n        print(name, 'accepted')\n    except nbd.Error as e:\n        print(name, 'refused', e.errnum == errno.EPERM)\nh.flush()\nprint('flushed')\n"
     );
     let out = python_ok(&script, &[]);
-    assert_eq!(stdout(&out).trim(), "refused True", "{}", describe(&out));
+    assert_eq!(
+        stdout(&out).trim(),
+        "write refused True\ntrim refused True\nzero refused True\nflushed",
+        "{}",
+        describe(&out)
+    );
     assert_eq!(u64_of(&ctx.status(&cache), "writes"), 0);
 }
 

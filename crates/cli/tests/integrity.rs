@@ -45,6 +45,34 @@ fn write_origin(origin: &Path, offset: u64, data: &[u8]) {
     f.sync_all().expect("sync origin");
 }
 
+/// The `check --origin` summary's numbers, in order: checked, verified,
+/// not yet tagged, discarded, skipped, repaired, bad. Asserts that every
+/// checked block is in one category.
+fn scrub_totals(text: &str) -> [u64; 7] {
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("origin scrub: "))
+        .unwrap_or_else(|| panic!("no summary line: {text}"));
+    let numbers: Vec<u64> = line
+        .split(", ")
+        .map(|part| {
+            part.split(' ')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{part:?} in {line:?}"))
+        })
+        .collect();
+    let totals: [u64; 7] = numbers
+        .try_into()
+        .unwrap_or_else(|n| panic!("not 7 numbers: {n:?} in {line:?}"));
+    assert_eq!(
+        totals[1..].iter().sum::<u64>(),
+        totals[0],
+        "the categories do not add up to the blocks checked: {line}"
+    );
+    totals
+}
+
 fn wait_recalc_complete(ctx: &Ctx, cache: &Path) -> serde_json::Value {
     let mut last = serde_json::Value::Null;
     let done = eventually(Duration::from_secs(120), || {
@@ -89,6 +117,11 @@ fn corrupt_and_misdirected_origin_blocks_are_caught_and_repaired() {
     // Intact data reads back.
     let (ok, text) = qemu_io_text(&uri, &["read 409600 4096"]);
     assert!(ok && !text.contains("error"), "{text}");
+    // 64 blocks discarded and written back: their origin copy is not
+    // judged, and they are counted as such.
+    let (ok, text) = qemu_io_text(&uri, &["discard 4M 256k"]);
+    assert!(ok && !text.contains("error"), "{text}");
+    ctx.flush(&cache);
 
     // 1. One byte flipped behind cairn's back: EIO, counted, listed.
     let mut byte = [original[(200 * BS + 17) as usize]];
@@ -112,6 +145,13 @@ fn corrupt_and_misdirected_origin_blocks_are_caught_and_repaired() {
         "check --origin does not list the address: {}",
         describe(&out)
     );
+    let [checked, _, _, discarded, _, _, bad] = scrub_totals(&stdout(&out));
+    assert_eq!(
+        (checked, discarded, bad),
+        (8192, 64, 1),
+        "{}",
+        describe(&out)
+    );
 
     // 2. Block A's bytes written over block B: caught at B.
     write_origin(
@@ -133,6 +173,25 @@ fn corrupt_and_misdirected_origin_blocks_are_caught_and_repaired() {
     assert!(
         !text.contains("error"),
         "cached clean copy not served: {text}"
+    );
+    // Without repair: not claimed to have no copy; told how to repair.
+    let out = ctx.cairn(&["check", "--cache", &c, "--origin", "--no-repair"]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let text = stdout(&out);
+    for needle in [
+        "origin block 300 (byte offset 1228800) of volume \"\" does not match its tag (the cache holds a clean copy)",
+        "check FAILED: 3 origin blocks are corrupt; repair was not attempted (--no-repair)",
+        &format!("1 of them have a clean cached copy; to rewrite the origin from it, run: cairn check --cache {c} --origin"),
+        "2 of them have no clean cached copy",
+    ] {
+        assert!(text.contains(needle), "no {needle:?}: {}", describe(&out));
+    }
+    assert!(!text.contains("repaired:"), "{}", describe(&out));
+    assert_eq!(scrub_totals(&text)[6], 3, "{}", describe(&out));
+    assert_ne!(
+        origin_block(&origin, 300),
+        original[(300 * BS) as usize..(301 * BS) as usize],
+        "--no-repair rewrote the origin"
     );
     let out = ctx.cairn(&["check", "--cache", &c, "--origin", "--rate", "64M"]);
     assert!(

@@ -106,7 +106,13 @@ fn scrub(engine: &Engine) -> cairn_engine::ScrubReport {
         repair: true,
         rate_bytes_per_s: None,
     };
-    engine.scrub_origin(&opts, |_, _| {}).expect("scrub")
+    let report = engine.scrub_origin(&opts, |_, _| {}).expect("scrub");
+    assert_eq!(
+        report.blocks_accounted(),
+        report.blocks_checked,
+        "a checked block is in no category: {report:?}"
+    );
+    report
 }
 
 fn free_pages(engine: &Engine) -> (u64, u64) {

@@ -1253,6 +1253,44 @@ fn list_shows_every_export_with_its_description() {
     assert_eq!(d.replies[2].data.len(), 8);
 }
 
+/// A read-only export does not offer the commands it refuses with EPERM
+/// (trim, write-zeroes, fast zero, FUA), as nbdkit -r does not; it keeps
+/// FLUSH and CACHE. A writable one offers them all.
+#[test]
+fn read_only_exports_advertise_no_write_commands() {
+    const WRITES: [u16; 4] = [
+        FLAG_SEND_FUA,
+        FLAG_SEND_TRIM,
+        FLAG_SEND_WRITE_ZEROES,
+        FLAG_SEND_FAST_ZERO,
+    ];
+    let mut n = negotiating_over(Arc::new(three_exports()));
+    let d = drive(&mut n, &option(OPT_INFO, &info_data("alpha", &[])));
+    let (_, flags, _, _) = infos(&d.replies);
+    assert_ne!(flags & FLAG_READ_ONLY, 0, "alpha is read-only");
+    for f in [
+        FLAG_HAS_FLAGS,
+        FLAG_SEND_FLUSH,
+        FLAG_SEND_CACHE,
+        FLAG_CAN_MULTI_CONN,
+    ] {
+        assert_ne!(flags & f, 0, "flag {f:#x} missing from {flags:#x}");
+    }
+    for f in WRITES {
+        assert_eq!(
+            flags & f,
+            0,
+            "read-only export advertises {f:#x}: {flags:#x}"
+        );
+    }
+    let d = drive(&mut n, &option(OPT_INFO, &info_data("beta", &[])));
+    let (_, flags, _, _) = infos(&d.replies);
+    assert_eq!(flags & FLAG_READ_ONLY, 0, "beta is writable");
+    for f in WRITES {
+        assert_ne!(flags & f, 0, "flag {f:#x} missing from {flags:#x}");
+    }
+}
+
 #[test]
 fn info_and_go_describe_the_export_named() {
     let mut n = negotiating_over(Arc::new(three_exports()));

@@ -17,6 +17,10 @@ pub enum CommandError {
     VolumeInUse { name: String, connections: usize },
     #[error("the volume was added to the cache, but not exported: {0}")]
     Export(String),
-    #[error("range starts at {offset_bytes}, past the end of the {size_bytes}-byte volume")]
-    RangePastEnd { offset_bytes: u64, size_bytes: u64 },
+    #[error("range of {length_bytes} bytes at offset {offset_bytes} runs past the end of the {size_bytes}-byte volume")]
+    RangePastEnd {
+        offset_bytes: u64,
+        length_bytes: u64,
+        size_bytes: u64,
+    },
 }

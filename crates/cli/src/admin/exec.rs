@@ -3,6 +3,7 @@
 //! opens the devices and runs the very same code, handling the replies
 //! itself. So online and offline are one algorithm with two transports.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -88,13 +89,7 @@ pub fn execute(
             offset_bytes,
             length_bytes,
         } => {
-            let size_bytes = engine.size_bytes();
-            if *offset_bytes >= size_bytes {
-                return Err(CommandError::RangePastEnd {
-                    offset_bytes: *offset_bytes,
-                    size_bytes,
-                });
-            }
+            check_range(*offset_bytes, *length_bytes, engine.size_bytes())?;
             let cached_blocks = warm(engine, *offset_bytes, *length_bytes)?;
             emit(AdminReply::Warmed { cached_blocks });
         }
@@ -318,12 +313,14 @@ fn check_origin(
         let lba = cairn_format::key_lba(key);
         (volume, lba, lba * bs)
     };
+    let cached: HashSet<u64> = report.mismatches_cached.iter().copied().collect();
     for &key in &report.mismatches {
         let (volume, lba, offset_bytes) = place(key);
         emit(AdminReply::OriginMismatch {
             volume,
             lba,
             offset_bytes,
+            cached_copy: cached.contains(&key),
         });
     }
     for &key in &report.repaired {
@@ -338,9 +335,29 @@ fn check_origin(
         blocks_checked: report.blocks_checked,
         blocks_verified: report.blocks_verified,
         blocks_unverified: report.blocks_unverified,
+        blocks_discarded: report.blocks_discarded,
         blocks_skipped: report.blocks_skipped,
     });
     Ok(())
+}
+
+/// A range given to `warm` must lie within the volume, like NBD CACHE
+/// (EINVAL past the end): clipping it would report success for blocks
+/// that do not exist. An empty range must still start inside.
+fn check_range(offset_bytes: u64, length_bytes: u64, size_bytes: u64) -> Result<(), CommandError> {
+    let inside = offset_bytes < size_bytes
+        && offset_bytes
+            .checked_add(length_bytes)
+            .is_some_and(|end| end <= size_bytes);
+    if inside {
+        Ok(())
+    } else {
+        Err(CommandError::RangePastEnd {
+            offset_bytes,
+            length_bytes,
+            size_bytes,
+        })
+    }
 }
 
 /// Read a range so its blocks are promoted into the cache (`cairn warm`).
@@ -378,5 +395,39 @@ impl Throttle {
     /// Write-back progress: blocks written out of written plus still dirty.
     fn drain(&mut self, p: &cairn_engine::WritebackProgress, emit: &mut dyn FnMut(AdminReply)) {
         self.step(p.blocks_written, p.blocks_written + p.dirty_blocks, emit);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A warm range must lie within the volume: one that only runs past
+    /// the end is refused like one that starts past it, not clipped.
+    #[test]
+    fn warm_ranges_past_the_end_are_refused() {
+        let size = 64 * MIB;
+        assert!(check_range(0, size, size).is_ok());
+        assert!(check_range(63 * MIB, MIB, size).is_ok());
+        assert!(check_range(4 * MIB, 0, size).is_ok());
+        for (offset, length) in [
+            (63 * MIB, 4 * MIB),
+            (200 * MIB, MIB),
+            (size, 0),
+            (MIB, u64::MAX),
+        ] {
+            let e = check_range(offset, length, size).expect_err("past the end");
+            assert_eq!(
+                e.to_string(),
+                format!("range of {length} bytes at offset {offset} runs past the end of the 67108864-byte volume")
+            );
+        }
+        let advice = crate::advice::for_command(&check_range(63 * MIB, 4 * MIB, size).unwrap_err());
+        assert_eq!(
+            advice.as_deref(),
+            Some("to warm up to the end of the volume, give 66060288:1048576")
+        );
     }
 }

@@ -143,15 +143,19 @@ pub enum AdminReply {
     Progress { done: u64, total: u64 },
     /// `check`: a cached block that failed its checksum.
     BadBlock { lba: u64, offset_bytes: u64 },
-    /// `check_origin`: an origin block that does not match its tag and had
-    /// no clean cached copy to repair it from.
+    /// `check_origin`: an origin block that does not match its tag and was
+    /// not repaired: repair was off, or there was no clean cached copy
+    /// matching the tag, or rewriting the origin failed.
     /// `volume` names the volume (absent from daemons that predate it: the
-    /// first volume).
+    /// first volume). `cached_copy`: repair was off and the cache holds a
+    /// clean copy (not checked) that a repair would try.
     OriginMismatch {
         #[serde(default)]
         volume: String,
         lba: u64,
         offset_bytes: u64,
+        #[serde(default)]
+        cached_copy: bool,
     },
     /// `check_origin`: an origin block rewritten from its clean cached copy.
     OriginRepaired {
@@ -175,11 +179,16 @@ pub enum AdminReply {
         blocks_written: u64,
         unrecoverable_blocks: u64,
     },
-    /// `check_origin` totals.
+    /// `check_origin` totals. Every checked block is in exactly one of
+    /// verified, unverified, discarded, skipped, and the repaired and
+    /// mismatch replies (`blocks_discarded` is absent from daemons that
+    /// predate it).
     Scrubbed {
         blocks_checked: u64,
         blocks_verified: u64,
         blocks_unverified: u64,
+        #[serde(default)]
+        blocks_discarded: u64,
         blocks_skipped: u64,
     },
     /// `warm`: blocks of the range that are now cached.
@@ -456,6 +465,7 @@ mod tests {
                 volume: "db".into(),
                 lba: 1,
                 offset_bytes: 4096,
+                cached_copy: true,
             },
             AdminReply::OriginRepaired {
                 volume: String::new(),
@@ -473,6 +483,7 @@ mod tests {
                 blocks_checked: 4,
                 blocks_verified: 3,
                 blocks_unverified: 1,
+                blocks_discarded: 2,
                 blocks_skipped: 0,
             },
             AdminReply::Warmed { cached_blocks: 9 },

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use cairn_format::{block_checksum, block_key, key_volume, tag_matches, TAG_UNSET};
+use cairn_format::{block_checksum, block_key, key_volume, tag_matches, TAG_DISCARDED, TAG_UNSET};
 
 use super::INTEGRITY_STEP_BYTES;
 use crate::error::EngineResult;
@@ -19,12 +19,18 @@ pub struct ScrubOptions {
     pub rate_bytes_per_s: Option<u64>,
 }
 
+/// What a scrub found. Every checked block lands in exactly one of
+/// verified, unverified, discarded, skipped, repaired and mismatches
+/// ([`ScrubReport::blocks_accounted`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ScrubReport {
     pub blocks_checked: u64,
     pub blocks_verified: u64,
     /// Blocks with no tag yet (above the recalculation position).
     pub blocks_unverified: u64,
+    /// Discarded blocks: they read as zeroes without asking the origin,
+    /// whose copy is unspecified after a discard, so it is not judged.
+    pub blocks_discarded: u64,
     /// Dirty, pending or lost blocks: the cache holds their truth and the
     /// origin copy is about to be replaced, so it is not judged.
     pub blocks_skipped: u64,
@@ -33,6 +39,21 @@ pub struct ScrubReport {
     pub mismatches: Vec<u64>,
     /// Blocks (keys) rewritten from a verified clean cached copy.
     pub repaired: Vec<u64>,
+    /// Of `mismatches`, those with a clean cached copy that was not tried
+    /// because repair was off (the copy's own checksum is not read here).
+    pub mismatches_cached: Vec<u64>,
+}
+
+impl ScrubReport {
+    /// The checked blocks counted in some category; equals `blocks_checked`.
+    pub fn blocks_accounted(&self) -> u64 {
+        self.blocks_verified
+            + self.blocks_unverified
+            + self.blocks_discarded
+            + self.blocks_skipped
+            + self.repaired.len() as u64
+            + self.mismatches.len() as u64
+    }
 }
 
 /// Verify every origin block of every volume with tags against its tag,
@@ -101,6 +122,7 @@ pub(crate) fn scrub_origin(
             }
         }
     }
+    debug_assert_eq!(report.blocks_accounted(), report.blocks_checked);
     Ok(report)
 }
 
@@ -135,7 +157,10 @@ fn scrub_block(
     };
     match tag_matches(tag, lba, block) {
         None => {
-            if tag == TAG_UNSET {
+            // TAG_UNSET is the only other tag that cannot tell.
+            if tag == TAG_DISCARDED {
+                report.blocks_discarded += 1;
+            } else {
                 report.blocks_unverified += 1;
             }
             return Ok(true);
@@ -147,11 +172,16 @@ fn scrub_block(
         Some(false) => {}
     }
     report_mismatch(env, lba);
-    let copy = if opts.repair {
-        clean_cached_copy(p, lba)?
-    } else {
-        None
-    };
+    if !opts.repair {
+        // Only whether a copy is there (an index lookup), so the report
+        // can say which blocks a repair could fix; the copy is not read.
+        if has_clean_cached_copy(p, lba)? {
+            report.mismatches_cached.push(lba);
+        }
+        report.mismatches.push(lba);
+        return Ok(true);
+    }
+    let copy = clean_cached_copy(p, lba)?;
     // Only a verified copy that also matches the tag may overwrite the
     // origin.
     if let Some(copy) = copy.filter(|c| tag_matches(tag, lba, c) == Some(true)) {
@@ -181,6 +211,16 @@ fn scrub_block(
     }
     report.mismatches.push(lba);
     Ok(true)
+}
+
+/// Does the cache hold a clean copy of `lba` that is not known corrupt?
+/// Not read, so not checked against its checksum.
+fn has_clean_cached_copy(p: Parts<'_>, lba: u64) -> EngineResult<bool> {
+    let st = p.state.normal(p.env)?;
+    Ok(st
+        .index
+        .lookup(lba)
+        .is_some_and(|slot| !st.index.is_dirty(slot) && !st.index.is_corrupt(slot)))
 }
 
 /// The clean cached copy of `lba`, checked against its checksum after

@@ -110,6 +110,11 @@ pub fn check_tags(ctx: &str, engine: &cairn_engine::Engine, stage: &str) {
         report.mismatches
     );
     assert_eq!(
+        report.blocks_accounted(),
+        report.blocks_checked,
+        "{ctx}: {stage}: a checked block is in no category: {report:?}"
+    );
+    assert_eq!(
         report.blocks_unverified, 0,
         "{ctx}: {stage}: blocks without a tag outside the recalculation window"
     );

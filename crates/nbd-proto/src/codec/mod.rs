@@ -179,14 +179,18 @@ pub const BASE_ALLOCATION_ID: u32 = 1;
 pub fn transmission_flags(info: &ExportInfo, mode: ReplyMode) -> u16 {
     let mut flags = proto::FLAG_HAS_FLAGS
         | proto::FLAG_SEND_FLUSH
-        | proto::FLAG_SEND_FUA
-        | proto::FLAG_SEND_TRIM
-        | proto::FLAG_SEND_WRITE_ZEROES
         | proto::FLAG_CAN_MULTI_CONN
-        | proto::FLAG_SEND_CACHE
-        | proto::FLAG_SEND_FAST_ZERO;
+        | proto::FLAG_SEND_CACHE;
     if info.read_only {
+        // The commands that change data are refused (EPERM), so they are
+        // not offered either, as nbdkit -r does. FLUSH stays: the spec
+        // lets a client flush a read-only export, and it is harmless.
         flags |= proto::FLAG_READ_ONLY;
+    } else {
+        flags |= proto::FLAG_SEND_FUA
+            | proto::FLAG_SEND_TRIM
+            | proto::FLAG_SEND_WRITE_ZEROES
+            | proto::FLAG_SEND_FAST_ZERO;
     }
     // DF only means something once reads are answered with chunks.
     if mode != ReplyMode::Simple {

@@ -257,8 +257,9 @@ fn validate(
     let fail = |errno: u32, message: &'static str| reject(reply_to, errno, message, payload_bytes);
 
     let structured = session.mode != super::ReplyMode::Simple;
-    // FUA is valid on every command (we advertise SEND_FUA); the rest are
-    // command specific.
+    // FUA is valid on every command (we advertise SEND_FUA on writable
+    // exports; a read-only one still takes it, as there is nothing to
+    // make durable); the rest are command specific.
     let allowed = CMD_FLAG_FUA
         | match command {
             CMD_READ if structured => CMD_FLAG_DF,
