@@ -172,7 +172,10 @@ pub fn step(engine: &Engine, block_bytes: u64, backoff_ms: &mut u64) -> Option<(
             Some((p.blocks_written * block_bytes, started.elapsed()))
         }
         Err(e) => {
-            tracing::warn!("write-back failed, retrying in {backoff_ms} ms: {e}");
+            // The pause here is only this thread's; the engine also leaves a
+            // failing volume out of the next steps, backing off up to about
+            // 5 s, so no fixed retry time is promised.
+            tracing::warn!("write-back failed; it is retried with a growing backoff: {e}");
             std::thread::sleep(Duration::from_millis(*backoff_ms));
             *backoff_ms = (*backoff_ms * 2).min(5_000);
             None

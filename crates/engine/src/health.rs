@@ -42,6 +42,12 @@ pub(crate) struct Health {
     degrade_failures_total: AtomicU32,
     /// A clean shutdown has begun: attempts at the switch are not paced.
     shutting_down: AtomicBool,
+    /// The volumes whose origin fails write-back (one bit per id), mirrored
+    /// from the write-back's own record for the space paths: while an
+    /// origin fails, its volume's clean blocks are not moved or added at
+    /// the head, where they could not be reclaimed before the origin is
+    /// back and would take the room its writes need.
+    origins_failing: AtomicU32,
     reasons: Mutex<Reasons>,
 }
 
@@ -55,6 +61,23 @@ impl Health {
 
     fn reasons(&self) -> MutexGuard<'_, Reasons> {
         self.reasons.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Volume `id`'s origin failed (`true`) or took a write-back step.
+    pub(crate) fn set_origin_failing(&self, id: u16, failing: bool) {
+        assert!((id as usize) < cairn_format::VOLUMES_MAX);
+        let bit = 1u32 << id;
+        if failing {
+            self.origins_failing.fetch_or(bit, Ordering::SeqCst);
+        } else {
+            self.origins_failing.fetch_and(!bit, Ordering::SeqCst);
+        }
+    }
+
+    /// Is volume `id`'s origin failing write-back?
+    pub(crate) fn origin_failing(&self, id: u16) -> bool {
+        (id as usize) < cairn_format::VOLUMES_MAX
+            && self.origins_failing.load(Ordering::SeqCst) & (1u32 << id) != 0
     }
 
     pub(crate) fn is_degraded(&self) -> bool {

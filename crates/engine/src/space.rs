@@ -4,6 +4,8 @@
 //! write-back progress and checkpointing when those are what holds the
 //! tail back.
 
+use cairn_format::key_volume;
+
 use crate::checkpoint;
 use crate::env::Env;
 use crate::error::EngineResult;
@@ -189,6 +191,13 @@ fn reinsert(
         if st.index.is_cached(lba) || !env.origins.takes_new_data(lba) {
             continue;
         }
+        // Its origin fails write-back: at the head this copy could not be
+        // reclaimed until the origin is back (it would sit among the
+        // volume's dirty records), and writes need that room more. Its
+        // data is on its origin.
+        if env.health.origin_failing(key_volume(lba)) {
+            continue;
+        }
         // One block, a possible new header and lap skip, plus the room the
         // caller asked for. Without it, this block and the rest go back.
         if st.log.append_position() + 3 + needed > st.log.limit() {
@@ -211,6 +220,12 @@ fn reinsert(
 /// written (then nothing is inserted).
 pub(crate) fn promote(env: &Env, st: &mut State, lba: u64, block: &[u8]) -> EngineResult<bool> {
     if !env.health.cache_writable() {
+        return Ok(false);
+    }
+    // As for second chance (`reinsert`): while the volume's origin fails
+    // write-back, a new clean copy would take room its writes need and
+    // could not be reclaimed before the origin is back.
+    if env.health.origin_failing(key_volume(lba)) {
         return Ok(false);
     }
     if !matches!(ensure_space(env, st, 1)?, Space::Ready) {

@@ -189,6 +189,7 @@ impl Writeback {
             .map_or_else(|| format!("#{}", step.volume), |v| format!("{:?}", v.name));
         if applied.done.contains(step.volume) {
             self.health.succeeded(step.volume, &name);
+            env.health.set_origin_failing(step.volume, false);
         }
         let progress = WritebackProgress {
             blocks_written: applied.blocks_written,
@@ -201,6 +202,7 @@ impl Writeback {
                 assert_eq!(id, step.volume, "a step writes only its own volume");
                 assert!(applied.failed.is_empty());
                 self.health.failed(id, &name, &e.to_string());
+                env.health.set_origin_failing(id, true);
                 Err(e)
             }
             None => Ok(progress),

@@ -2259,3 +2259,94 @@ fn more_discards_than_a_checkpoint_holds_wait_for_write_back() {
     rig.reopen_clean();
     assert_volume(rig.engine(), &model, "after a restart");
 }
+
+/// Hot clean copies (read twice) fill most of the cache; then the origin
+/// refuses writes. As the tail passes the hot copies, second chance used
+/// to move them to the head, among the new dirty records, where nothing
+/// could reclaim them before the origin was back: the cache refused writes
+/// (ENOSPC) while most of it held clean copies (seen with an RBD origin
+/// whose OSD was paused: 22% dirty, 69% clean). While a volume's origin
+/// fails, its clean blocks are neither moved forward nor added.
+#[test]
+fn hot_clean_blocks_give_way_to_writes_while_the_origin_fails_writes() {
+    const VOLUME: u64 = 8192;
+    let rig = Rig::new(cache_bytes_small() + 1024 * BS, VOLUME);
+    let e = rig.engine();
+    let cache_blocks = e.stats().cache_blocks;
+    let mut model = Model::new(VOLUME);
+    // The origin holds data; reading most of the cache's worth fills it
+    // with clean copies, read twice so they count as hot.
+    for lba in 0..VOLUME {
+        let data = pattern(7_000 + lba, BS as usize);
+        rig.origin.write_at(lba * BS, &data).expect("origin write");
+        model.write(lba * BS, &data);
+    }
+    let filled = cache_blocks * 3 / 4;
+    assert!(filled % 7919 != 0);
+    let mut buf = vec![0u8; BS as usize];
+    for _pass in 0..2 {
+        // Scattered, so the sequential cutoff does not bypass them.
+        for i in 0..filled {
+            let lba = (i * 7919) % filled;
+            e.read(lba * BS, &mut buf).expect("read fill");
+            assert!(buf == model.block(lba), "fill {lba}");
+        }
+    }
+    let before = e.stats();
+    assert_eq!(before.dirty_blocks, 0);
+    assert!(
+        before.clean_blocks * 2 > cache_blocks,
+        "the fills are cached: {before:?}"
+    );
+    assert!(
+        before.writeback_offset < before.head_offset,
+        "the fills are ahead of write-back"
+    );
+    rig.origin.fail_range(cairn_device::RangeFault {
+        kinds: cairn_device::OpKinds::WRITES,
+        start: 0,
+        end: rig.origin.size_bytes(),
+        mode: FaultMode::Sticky,
+    });
+    // Half the cache's worth of new, flushed writes: all absorbed.
+    let written = cache_blocks / 2;
+    for i in 0..written {
+        let lba = VOLUME - 1 - i;
+        let data = pattern(9_000 + i, BS as usize);
+        e.write(lba * BS, &data, false)
+            .unwrap_or_else(|err| {
+                let st = e.stats();
+                panic!(
+                    "write {i} of {written} while the origin fails: {err} (dirty {} clean {} free {}, tail {} write-back {} limit {} head {})",
+                    st.dirty_blocks, st.clean_blocks, st.free_blocks, st.tail_offset,
+                    st.writeback_offset, st.writeback_limit_offset, st.head_offset
+                )
+            });
+        model.write(lba * BS, &data);
+        // Reads of uncached blocks meanwhile (the origin still reads).
+        let cold = filled + (i * 7919) % (VOLUME / 2 - filled);
+        e.read(cold * BS, &mut buf)
+            .expect("read while the origin fails writes");
+        assert!(buf == model.block(cold), "cold read {cold}");
+        if i % 64 == 63 {
+            e.flush().expect("flush");
+            // What the daemon's write-back loop does meanwhile.
+            let _ = e.writeback_step();
+        }
+    }
+    e.flush().expect("flush");
+    let during = e.stats();
+    assert!(during.dirty_blocks >= written, "{during:?}");
+    assert_eq!(
+        during.second_chances, 0,
+        "no hot copy moved among the dirty records"
+    );
+    assert_volume(e, &model, "while the origin fails writes");
+    rig.origin.clear_faults();
+    e.drain().expect("drain once the origin takes writes");
+    assert!(
+        rig.origin.live_image() == model.image,
+        "the origin after the drain"
+    );
+    assert_volume(e, &model, "after the drain");
+}

@@ -146,6 +146,17 @@ impl Handles {
             return Err(failed(rc, "cannot parse CEPH_ARGS".into()));
         }
         if let Some(keyring) = &spec.keyring {
+            // librados reports a missing keyring as a bare ENOENT from the
+            // connect, naming nothing: name the file here.
+            if let Err(e) = std::fs::metadata(keyring) {
+                return Err(OpenFailure {
+                    error: io::Error::new(
+                        e.kind(),
+                        format!("cannot read the keyring {keyring} given as keyring=: {e}"),
+                    ),
+                    locked_by_another: false,
+                });
+            }
             handles.conf_set("keyring", keyring)?;
         }
         // SAFETY: the cluster handle is live and configured.
@@ -212,6 +223,13 @@ impl Handles {
     /// Take the image's exclusive lock, so no other client (another cairn,
     /// rbd-nbd, a VM) writes to it while cairn writes back.
     fn lock_exclusive(&mut self, spec: &RbdSpec) -> Result<(), OpenFailure> {
+        // After a holder died without releasing the lock (kill -9), Ceph
+        // gives it up only once the holder's watch times out (about 30 s):
+        // say why nothing happens meanwhile.
+        tracing::info!(
+            image = %spec.image_name(),
+            "taking the image's exclusive lock (if a previous holder died, Ceph releases its lock when its watch times out, about 30 s)"
+        );
         // SAFETY: open image handle.
         let rc = unsafe { (self.lib.rbd_lock_acquire)(self.image, LOCK_MODE_EXCLUSIVE) };
         if rc == 0 {

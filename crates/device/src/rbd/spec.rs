@@ -82,6 +82,11 @@ impl RbdSpec {
             let (key, value) = pair
                 .split_once('=')
                 .ok_or_else(|| format!("{spec:?}: parameter {pair:?} has no value; {usage}"))?;
+            if value.contains('?') {
+                return Err(format!(
+                    "{spec:?}: parameter {key:?} has a '?' in its value; separate parameters with '&' (rbd:POOL/IMAGE?conf=PATH&id=CLIENT)"
+                ));
+            }
             if value.is_empty() || value.bytes().any(|b| b == 0) {
                 return Err(format!(
                     "{spec:?}: parameter {key:?} has an empty or invalid value"
@@ -200,6 +205,11 @@ mod tests {
             ("rbd:pool/img?timeout=0", "from 1 to"),
             ("rbd:pool/img?timeout=x", "from 1 to"),
             ("rbd:pool/img?timeout=5&timeout=6", "twice"),
+            (
+                "rbd:pool/img?conf=/c?id=admin",
+                "separate parameters with '&'",
+            ),
+            ("rbd:pool/img?id=admin?x=1", "separate parameters with '&'"),
         ] {
             let err = RbdSpec::parse(spec).unwrap_err();
             assert!(err.contains(why), "{spec}: {err}");

@@ -122,6 +122,7 @@ pub(crate) fn add(
         reserved.release(&mut st);
     }
     p.writeback.forget_volume(id);
+    p.env.health.set_origin_failing(id, false);
     p.policy.set_mode_of(id, new.mode);
     env.origins.insert(VolumeOrigin::new(
         id,
@@ -261,6 +262,7 @@ pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
         tags.remove_volume(entry.id);
     }
     p.writeback.forget_volume(entry.id);
+    p.env.health.set_origin_failing(entry.id, false);
     env.origins.remove(entry.id);
     p.policy.set_mode_of(entry.id, CacheMode::WriteBack);
     tracing::info!(volume = entry.name, id = entry.id, "volume removed");
