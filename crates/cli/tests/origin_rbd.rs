@@ -11,7 +11,10 @@
 //!    serving: cached reads still work, fsync'd writes are absorbed, status
 //!    says the origin is failing; the OSD back, write-back drains, and the
 //!    image holds every write;
-//! 4. the image deleted and made again under its name is refused.
+//! 4. with cairn stopped, another cache is still refused: the image's
+//!    metadata holds this cache's claim; removed by hand, this cache is
+//!    refused too until it is set again;
+//! 5. the image deleted and made again under its name is refused.
 //!
 //! Needs ceph-mon, ceph-osd, ceph-mgr, ceph, rbd (Debian's ceph packages),
 //! fio and nbdcopy; skips without them, fails under CI=true.
@@ -218,7 +221,42 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
         1,
     );
 
-    // 4. An image deleted and made again under the same name is another
+    // 4. The image is this cache's from format on, served or not: Ceph
+    //    hands its exclusive lock to the next client once a crashed
+    //    holder's watch times out, and a second cache writing there would
+    //    be rolled back by this one's replay. With cairn stopped, another
+    //    cache is refused, naming this one and the way to release it.
+    let claim = stdout(&ceph.rbd(&["image-meta", "get", "rbd/vol", "cairn.cache"]));
+    let claim = claim.trim().to_string();
+    assert!(
+        claim.contains("cache=") && claim.contains("cache.img"),
+        "the claim names the cache: {claim:?}"
+    );
+    let refused = ctx.cairn(&[
+        "format",
+        "--cache",
+        &other.to_string_lossy(),
+        "--origin",
+        &spec,
+    ]);
+    assert_clean_failure(
+        &refused,
+        &[
+            "belongs to another cairn cache",
+            &claim,
+            "rbd image-meta remove rbd/vol cairn.cache",
+        ],
+    );
+    // Released by hand, the image is refused to this cache too (another
+    // may have written there since) until claimed again.
+    ceph.rbd(&["image-meta", "remove", "rbd/vol", "cairn.cache"]);
+    let refused = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
+    assert_clean_failure(&refused, &["carries no claim by this cache"]);
+    ceph.rbd(&["image-meta", "set", "rbd/vol", "cairn.cache", &claim]);
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
+
+    // 5. An image deleted and made again under the same name is another
     //    origin: its id differs, and the cache refuses it.
     ceph.rbd(&["rm", "rbd/vol"]);
     ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);

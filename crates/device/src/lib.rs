@@ -17,6 +17,9 @@
 
 mod allocation;
 mod buf;
+mod claim;
+mod claim_decision;
+mod claim_mode;
 mod file;
 mod flush_debt;
 mod local;
@@ -28,6 +31,9 @@ mod uring;
 
 pub use allocation::AllocationRun;
 pub use buf::{Backing, BlockBuf, BufPool, BufSlice, PooledBuf, SharedBuf, SizeClassPool};
+pub use claim::OriginClaim;
+pub use claim_decision::ClaimDecision;
+pub use claim_mode::ClaimMode;
 pub use file::{FileDevice, OpenMode};
 pub use local::{
     open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, spec_of_identity,
@@ -94,6 +100,10 @@ pub enum DeviceError {
     Busy { device: String },
     #[error("{device}: {message}")]
     Unsupported { device: String, message: String },
+    /// The origin is claimed by another cache, or by none where this
+    /// cache's claim was expected; the message says whose and what to do.
+    #[error("{device}: {message}")]
+    Claimed { device: String, message: String },
 }
 
 impl DeviceError {
@@ -102,6 +112,7 @@ impl DeviceError {
         match self {
             DeviceError::OutOfRange { .. } => libc::EINVAL,
             DeviceError::Unsupported { .. } => libc::ENOTSUP,
+            DeviceError::Claimed { .. } => libc::EBUSY,
             _ => libc::EIO,
         }
     }
@@ -151,6 +162,23 @@ pub trait Device: Send + Sync {
     }
 
     fn size_bytes(&self) -> u64;
+
+    /// Mark this origin as written back to by `claim`'s cache, or check
+    /// that it is (see [`OriginClaim`] and [`ClaimMode`]). Origins that can
+    /// store nothing of the kind (a file, an NBD export) accept every
+    /// claim: a file is locked while open, and an export's exclusivity is
+    /// its server's job.
+    fn claim(&self, claim: &OriginClaim) -> DeviceResult<()> {
+        let _ = claim;
+        Ok(())
+    }
+
+    /// Remove `cache_uuid`'s claim (its volume is gone, every block
+    /// written back). Another cache's claim is left alone.
+    fn release_claim(&self, cache_uuid: &str) -> DeviceResult<()> {
+        let _ = cache_uuid;
+        Ok(())
+    }
 
     /// Smallest unit of I/O the backend accepts.
     fn alignment_bytes(&self) -> u32 {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::{check_range, Device, DeviceError, DeviceResult};
+use crate::{check_range, ClaimDecision, Device, DeviceError, DeviceResult, OriginClaim};
 
 pub const SECTOR_BYTES: usize = 512;
 
@@ -128,6 +128,9 @@ struct SimState {
     misdirect_next_write_to: Option<u64>,
     discard_zeroes: bool,
     journal: Option<(Journal, u8)>,
+    /// `None`: claims are accepted and not kept (as a file origin does);
+    /// `Some(stored)`: the device keeps a claim as an RBD image does.
+    claims: Option<Option<String>>,
 }
 
 /// One device event, as recorded in a [`Journal`].
@@ -203,10 +206,26 @@ impl SimDevice {
                 misdirect_next_write_to: None,
                 discard_zeroes: true,
                 journal: None,
+                claims: None,
             })),
             name: name.to_string(),
             size_bytes,
         }
+    }
+
+    /// Keep claims from now on (see [`Device::claim`]), starting with none.
+    pub fn keep_claims(&self) {
+        self.lock().claims = Some(None);
+    }
+
+    /// The claim kept (with [`SimDevice::keep_claims`]), as stored.
+    pub fn stored_claim(&self) -> Option<String> {
+        self.lock().claims.clone().flatten()
+    }
+
+    /// Replace the kept claim, as an operator or another cache would.
+    pub fn set_stored_claim(&self, value: Option<String>) {
+        self.lock().claims = Some(value);
     }
 
     fn lock(&self) -> MutexGuard<'_, SimState> {
@@ -394,6 +413,36 @@ impl Device for SimDevice {
 
     fn size_bytes(&self) -> u64 {
         self.size_bytes
+    }
+
+    fn claim(&self, claim: &OriginClaim) -> DeviceResult<()> {
+        let mut st = self.lock();
+        let Some(stored) = st.claims.as_mut() else {
+            return Ok(());
+        };
+        let refused = |message: &str| DeviceError::Claimed {
+            device: self.name.clone(),
+            message: message.to_string(),
+        };
+        match claim.decide(stored.as_deref()) {
+            ClaimDecision::AlreadyOurs => Ok(()),
+            ClaimDecision::Record => {
+                *stored = Some(claim.stored_value());
+                Ok(())
+            }
+            ClaimDecision::RefuseOther => Err(refused("belongs to another cache")),
+            ClaimDecision::RefuseUnclaimed => Err(refused("carries no claim by this cache")),
+        }
+    }
+
+    fn release_claim(&self, cache_uuid: &str) -> DeviceResult<()> {
+        let mut st = self.lock();
+        if let Some(stored) = st.claims.as_mut() {
+            if stored.as_deref().map(OriginClaim::uuid_of_stored) == Some(cache_uuid) {
+                *stored = None;
+            }
+        }
+        Ok(())
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {

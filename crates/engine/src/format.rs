@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cairn_device::Device;
+use cairn_device::{ClaimMode, Device, OriginClaim};
 use cairn_format::{
     origin_identity_for_superblock, tag_pages_for, CheckpointHeader, Layout, Superblock,
     SuperblockVolumes, TagExtent, VolumeEntry, VolumePosition, VolumeState, VolumeTable,
@@ -25,9 +25,12 @@ pub(crate) fn format(
     opts: &FormatOptions,
 ) -> EngineResult<Superblock> {
     cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
+    // The cache this format replaces, whose claim on the origin (if it
+    // held one) passes to the new cache.
+    let replaced = superblocks::read_newest(cache.as_ref()).ok();
     if !opts.force {
-        if let Ok(existing) = superblocks::read_newest(cache.as_ref()) {
-            let origin = superblocks::read_table(cache.as_ref(), &existing)
+        if let Some(existing) = &replaced {
+            let origin = superblocks::read_table(cache.as_ref(), existing)
                 .ok()
                 .and_then(|t| t.volumes().first().map(|v| v.origin_identity.clone()))
                 .unwrap_or_else(|| "an unreadable volume table".into());
@@ -56,6 +59,16 @@ pub(crate) fn format(
         layout,
     })?;
     let uuid: [u8; 16] = rand::random();
+    // Before anything is written: a refused claim leaves the device as it
+    // was.
+    crate::origin_claims::claim(
+        cache.as_ref(),
+        origin.as_ref(),
+        &uuid,
+        ClaimMode::Format {
+            replaces: replaced.map(|s| OriginClaim::format_uuid(&s.uuid)),
+        },
+    )?;
     // With a reserve the area is shared out in extents, the first
     // volume's (if any) from page 0.
     let extents = reserve_pages > 0;

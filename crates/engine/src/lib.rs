@@ -35,6 +35,7 @@ mod log;
 mod open;
 mod options;
 mod origin_check;
+mod origin_claims;
 mod origin_health;
 mod origins;
 mod parts;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cairn_device::Device;
+use cairn_device::{ClaimMode, Device};
 use cairn_format::{
     origin_identity_for_superblock, Layout, Superblock, SuperblockVolumes, TagArea, VolumeEntry,
     VolumeTable,
@@ -54,6 +54,14 @@ pub(crate) fn open(
         // Only the first volume's origin is the one a user may name anew.
         let force = opts.force_origin && volume.id == first.id;
         check_origin(origin.as_ref(), &superblock, volume, force)?;
+        // A crashed cache's origin may have been claimed by another cache
+        // since: replaying this one's log over it would roll it back.
+        crate::origin_claims::claim(
+            cache.as_ref(),
+            origin.as_ref(),
+            &superblock.uuid,
+            ClaimMode::Open { adopt: force },
+        )?;
         origins.push(VolumeOrigin::new(
             volume.id,
             origin,

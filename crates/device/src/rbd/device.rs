@@ -15,7 +15,8 @@ use super::spec::RbdSpec;
 use crate::allocation::push_run;
 use crate::flush_debt::FlushDebt;
 use crate::{
-    check_range, AllocationRun, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult, OpenMode,
+    check_range, AllocationRun, BufSlice, Device, DeviceError, DeviceFuture, DeviceResult,
+    OpenMode, OriginClaim,
 };
 
 /// Extents one allocation call collects at most; the rest is data.
@@ -31,6 +32,8 @@ const MAX_STUCK_OPS: u64 = 4096;
 /// An RBD image as a device (see the module documentation).
 pub struct RbdDevice {
     name: String,
+    /// `POOL/IMAGE`, as the `rbd` command names it in advice.
+    image_path: String,
     identity: String,
     size_bytes: u64,
     lib: &'static Library,
@@ -89,6 +92,7 @@ impl RbdDevice {
         tracing::debug!(device = %name, id = %id, size_bytes, "opened RBD image");
         Ok(RbdDevice {
             identity: format!("{parsed}#{id}"),
+            image_path: format!("{}/{}", parsed.pool, parsed.image),
             name,
             size_bytes,
             lib,
@@ -364,6 +368,25 @@ impl Device for RbdDevice {
 
     fn size_bytes(&self) -> u64 {
         self.size_bytes
+    }
+
+    /// Recorded in the image's metadata (see [`super::claim`]).
+    fn claim(&self, claim: &OriginClaim) -> DeviceResult<()> {
+        super::claim::claim_image(&self.handles, &self.image_path, claim).map_err(|message| {
+            DeviceError::Claimed {
+                device: self.name.clone(),
+                message,
+            }
+        })
+    }
+
+    fn release_claim(&self, cache_uuid: &str) -> DeviceResult<()> {
+        super::claim::release_image(&self.handles, cache_uuid).map_err(|message| {
+            DeviceError::Claimed {
+                device: self.name.clone(),
+                message,
+            }
+        })
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {

@@ -4,6 +4,7 @@
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::io;
 
+use super::closing::Closing;
 use super::completion::errno_error;
 use super::library::{ImageT, IoCtxT, Library, RadosT, LOCK_MODE_EXCLUSIVE};
 use super::spec::RbdSpec;
@@ -17,6 +18,9 @@ const TIMEOUT_OPTIONS: [&str; 3] = [
     "rados_mon_op_timeout",
     "client_mount_timeout",
 ];
+
+/// How long dropping an image waits for the cluster to answer its close.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Lock owners named in an error at most.
 const MAX_LOCK_OWNERS: usize = 8;
@@ -290,6 +294,65 @@ impl Handles {
         names
     }
 
+    /// The image's metadata value under `key` (`rbd image-meta get`), or
+    /// `None` if it has none.
+    pub fn metadata_get(&self, key: &str) -> io::Result<Option<String>> {
+        let key = CString::new(key).map_err(|_| io::Error::other("a key with a NUL byte"))?;
+        let mut buf = vec![0u8; 256];
+        for _ in 0..4 {
+            let mut len = buf.len();
+            // SAFETY: open image, NUL-terminated key; `buf` has `len`
+            // writable bytes, and librbd sets `len` to the size it needs
+            // when they are too few (ERANGE).
+            let rc = unsafe {
+                (self.lib.rbd_metadata_get)(
+                    self.image,
+                    key.as_ptr(),
+                    buf.as_mut_ptr() as *mut c_char,
+                    &mut len,
+                )
+            };
+            if rc == -libc::ENOENT {
+                return Ok(None);
+            }
+            if rc == -libc::ERANGE {
+                buf = vec![0u8; len.clamp(buf.len() + 1, 64 << 10)];
+                continue;
+            }
+            if rc < 0 {
+                return Err(errno_error(rc as isize));
+            }
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+            return Ok(Some(String::from_utf8_lossy(&buf[..end]).into_owned()));
+        }
+        Err(io::Error::other(
+            "the metadata value does not fit in 64 KiB",
+        ))
+    }
+
+    /// Set the image's metadata `key` to `value` (`rbd image-meta set`).
+    pub fn metadata_set(&self, key: &str, value: &str) -> io::Result<()> {
+        let key = CString::new(key).map_err(|_| io::Error::other("a key with a NUL byte"))?;
+        let value = CString::new(value).map_err(|_| io::Error::other("a value with a NUL byte"))?;
+        // SAFETY: open image, two NUL-terminated strings.
+        let rc = unsafe { (self.lib.rbd_metadata_set)(self.image, key.as_ptr(), value.as_ptr()) };
+        if rc < 0 {
+            return Err(errno_error(rc as isize));
+        }
+        Ok(())
+    }
+
+    /// Remove the image's metadata `key`; absent already is fine.
+    pub fn metadata_remove(&self, key: &str) -> io::Result<()> {
+        let key = CString::new(key).map_err(|_| io::Error::other("a key with a NUL byte"))?;
+        // SAFETY: open image, NUL-terminated key.
+        let rc = unsafe { (self.lib.rbd_metadata_remove)(self.image, key.as_ptr()) };
+        if rc < 0 && rc != -libc::ENOENT {
+            return Err(errno_error(rc as isize));
+        }
+        Ok(())
+    }
+
     pub fn size_bytes(&self) -> io::Result<u64> {
         let mut size = 0u64;
         // SAFETY: open image, out-parameter.
@@ -324,23 +387,44 @@ impl Handles {
 }
 
 impl Drop for Handles {
+    /// Closing waits for the cluster (the lock release and the close talk
+    /// to it), which may not answer: an OSD that hangs must not hang
+    /// cairn's shutdown after its data is safe in the cache. The close
+    /// runs on its own thread for at most [`CLOSE_WAIT`]; past that it is
+    /// left behind (the handles leak, and Ceph frees the lock when their
+    /// watch times out).
     fn drop(&mut self) {
-        // SAFETY: each handle is released once, image before pool before
-        // cluster, and only if it was created. rbd_close waits for the
-        // image's ops still in flight (a read whose task was dropped: its
-        // buffer is the op's own).
-        unsafe {
-            if !self.image.is_null() {
-                if self.lock_held {
-                    let _ = (self.lib.rbd_lock_release)(self.image);
+        if self.image.is_null() && self.ioctx.is_null() && self.cluster.is_null() {
+            return;
+        }
+        let closing = Closing {
+            lib: self.lib,
+            cluster: std::mem::replace(&mut self.cluster, std::ptr::null_mut()),
+            ioctx: std::mem::replace(&mut self.ioctx, std::ptr::null_mut()),
+            image: std::mem::replace(&mut self.image, std::ptr::null_mut()),
+            lock_held: self.lock_held,
+        };
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name("rbd-close".into())
+            .spawn(move || {
+                closing.close();
+                let _ = done_tx.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                if done_rx.recv_timeout(CLOSE_WAIT).is_err() {
+                    tracing::warn!(
+                        wait_secs = CLOSE_WAIT.as_secs(),
+                        "the Ceph cluster did not answer the image's close; going on without it (Ceph releases the image's lock when this client's watch times out, about 30 s)"
+                    );
                 }
-                let _ = (self.lib.rbd_close)(self.image);
             }
-            if !self.ioctx.is_null() {
-                (self.lib.rados_ioctx_destroy)(self.ioctx);
-            }
-            if !self.cluster.is_null() {
-                (self.lib.rados_shutdown)(self.cluster);
+            // No thread (the closure and its copy of the handles were not
+            // run): close here, however long it takes.
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a thread to close the RBD image; closing inline");
+                closing.close();
             }
         }
     }

@@ -48,6 +48,10 @@ pub(super) struct Library {
     pub rbd_lock_get_owners:
         unsafe extern "C" fn(ImageT, *mut c_int, *mut *mut c_char, *mut usize) -> c_int,
     pub rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
+    pub rbd_metadata_get:
+        unsafe extern "C" fn(ImageT, *const c_char, *mut c_char, *mut usize) -> c_int,
+    pub rbd_metadata_set: unsafe extern "C" fn(ImageT, *const c_char, *const c_char) -> c_int,
+    pub rbd_metadata_remove: unsafe extern "C" fn(ImageT, *const c_char) -> c_int,
     pub rbd_aio_create_completion:
         unsafe extern "C" fn(*mut c_void, CallbackT, *mut CompletionT) -> c_int,
     pub rbd_aio_get_return_value: unsafe extern "C" fn(CompletionT) -> isize,
@@ -122,6 +126,9 @@ fn load() -> Result<Library, String> {
         rbd_lock_release: symbol!(rbd, LIBRBD, rbd_lock_release),
         rbd_lock_get_owners: symbol!(rbd, LIBRBD, rbd_lock_get_owners),
         rbd_lock_get_owners_cleanup: symbol!(rbd, LIBRBD, rbd_lock_get_owners_cleanup),
+        rbd_metadata_get: symbol!(rbd, LIBRBD, rbd_metadata_get),
+        rbd_metadata_set: symbol!(rbd, LIBRBD, rbd_metadata_set),
+        rbd_metadata_remove: symbol!(rbd, LIBRBD, rbd_metadata_remove),
         rbd_aio_create_completion: symbol!(rbd, LIBRBD, rbd_aio_create_completion),
         rbd_aio_get_return_value: symbol!(rbd, LIBRBD, rbd_aio_get_return_value),
         rbd_aio_release: symbol!(rbd, LIBRBD, rbd_aio_release),

@@ -17,8 +17,14 @@
 //! Identity: the spec, then `#ID`, the image's id, which a deleted and
 //! recreated image does not keep; the spec part reopens the image. Exclusivity: the image's exclusive lock
 //! is taken at open ([`handles`]) and held until close, so two caches
-//! never write back to one image; a second is refused naming the holder.
+//! never write back to one image at once; a second is refused naming the
+//! holder. The lock passes to another client once a crashed holder's watch
+//! times out, so a cache also claims the image in its metadata from format
+//! until its volume is removed ([`claim`]), and refuses one another cache
+//! claimed.
 
+mod claim;
+mod closing;
 mod completion;
 mod device;
 mod handles;

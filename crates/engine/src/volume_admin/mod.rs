@@ -16,7 +16,7 @@ use entry_change::{entry_of, next_table};
 
 use std::sync::Arc;
 
-use cairn_device::Device;
+use cairn_device::{ClaimMode, Device};
 use cairn_format::{
     origin_identity_for_superblock, SuperblockVolumes, VolumeEntry, VolumePosition, VolumeState,
     VolumeTable,
@@ -56,7 +56,18 @@ pub(crate) fn add(
     let blocks = origin.size_bytes() / env.block_size_bytes as u64;
     let identity = origin_identity_for_superblock(&origin.identity()).to_string();
     // What can be refused at once is, before any tag page is written.
-    check_unique(&p.state.normal(env)?.volumes, &new.name, &identity)?;
+    let uuid = {
+        let st = p.state.normal(env)?;
+        check_unique(&st.volumes, &new.name, &identity)?;
+        st.superblock.uuid
+    };
+    // Without the engine lock: the origin may be remote and slow.
+    crate::origin_claims::claim(
+        env.cache.as_ref(),
+        origin.as_ref(),
+        &uuid,
+        ClaimMode::AddVolume,
+    )?;
     // Its tag pages are written without the lock (see `tag_extent`); the
     // reservation is released when it drops, after `st` (declared later).
     let (mut tags, reserved) = match new.integrity {
@@ -200,6 +211,22 @@ pub(crate) fn reopen(p: Parts<'_>, entry: &VolumeEntry) {
 /// volume in the table with nothing cached (its origin holds all of it);
 /// `volume remove` is simply run again.
 pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
+    let (origin, uuid) = forget_locked(p, entry)?;
+    // Every block is on the origin and the volume is gone from the table:
+    // another cache may have the origin now. Without the engine lock (the
+    // origin may be remote and slow).
+    if let Some(origin) = origin {
+        crate::origin_claims::release(origin.device(), &uuid);
+    }
+    Ok(())
+}
+
+/// [`forget`]'s steps under the locks. Returns the volume's origin and the
+/// cache's uuid, for releasing its claim.
+fn forget_locked(
+    p: Parts<'_>,
+    entry: &VolumeEntry,
+) -> EngineResult<(Option<Arc<VolumeOrigin>>, [u8; 16])> {
     let env = p.env;
     // A background step of the volume may still run (the durable log grew
     // since the drain, so it looked behind), and so may a recalculation or
@@ -263,10 +290,10 @@ pub(crate) fn forget(p: Parts<'_>, entry: &VolumeEntry) -> EngineResult<()> {
     }
     p.writeback.forget_volume(entry.id);
     p.env.health.set_origin_failing(entry.id, false);
-    env.origins.remove(entry.id);
+    let origin = env.origins.remove(entry.id);
     p.policy.set_mode_of(entry.id, CacheMode::WriteBack);
     tracing::info!(volume = entry.name, id = entry.id, "volume removed");
-    Ok(())
+    Ok((origin, st.superblock.uuid))
 }
 
 #[cfg(test)]

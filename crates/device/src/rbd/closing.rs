@@ -1,0 +1,44 @@
+//! [`Closing`]: an image's handles on their way out, closed from any
+//! thread (see [`super::handles::Handles`]' Drop).
+
+use super::library::{ImageT, IoCtxT, Library, RadosT};
+
+/// The raw handles, taken out of a dropped `Handles`. `Copy`, and without
+/// a Drop of its own: exactly one copy is closed.
+#[derive(Clone, Copy)]
+pub(super) struct Closing {
+    pub lib: &'static Library,
+    pub cluster: RadosT,
+    pub ioctx: IoCtxT,
+    pub image: ImageT,
+    pub lock_held: bool,
+}
+
+// SAFETY: librados and librbd handles may be used and closed from any
+// thread; the `Handles` they came from gave them up (set its own to null).
+unsafe impl Send for Closing {}
+
+impl Closing {
+    /// Release everything, image before pool before cluster, each only if
+    /// it was created.
+    pub fn close(self) {
+        // SAFETY: each handle is live or null, owned by this value alone,
+        // released once in the order above. rbd_close waits for the
+        // image's ops still in flight (a read whose task was dropped: its
+        // buffer is the op's own).
+        unsafe {
+            if !self.image.is_null() {
+                if self.lock_held {
+                    let _ = (self.lib.rbd_lock_release)(self.image);
+                }
+                let _ = (self.lib.rbd_close)(self.image);
+            }
+            if !self.ioctx.is_null() {
+                (self.lib.rados_ioctx_destroy)(self.ioctx);
+            }
+            if !self.cluster.is_null() {
+                (self.lib.rados_shutdown)(self.cluster);
+            }
+        }
+    }
+}
