@@ -595,6 +595,21 @@ impl Engine {
                     }
                     from = resume_at;
                 }
+                WriteStep::NeedsOriginBlock {
+                    resume_at,
+                    key,
+                    stamp,
+                    sealed,
+                } => {
+                    crate::sealed::write_claimed(&self.env, sealed).await?;
+                    // The lock is not held: other requests go on while the
+                    // origin answers, within its queue depth.
+                    let data = read::read_origin_block(&self.env, key).await?;
+                    rounds
+                        .partial
+                        .fetched(write::OriginBlock { key, stamp, data });
+                    from = resume_at;
+                }
             }
         }
     }

@@ -90,6 +90,7 @@ counters!(
     write_bytes,
     write_hits,
     write_rmw,
+    write_rmw_unlocked_reads,
     fua_writes,
     flushes,
     discards,

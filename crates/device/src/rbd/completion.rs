@@ -260,5 +260,12 @@ extern "C" fn on_complete(completion: CompletionT, arg: *mut c_void) {
 
 /// librbd's negative errno as an I/O error.
 pub(super) fn errno_error(rc: isize) -> io::Error {
-    io::Error::from_raw_os_error((-rc).clamp(1, i32::MAX as isize) as i32)
+    let errno = (-rc).clamp(1, i32::MAX as isize) as i32;
+    if errno == libc::ESHUTDOWN {
+        // librbd's EBLOCKLISTED: the cluster fenced this client, for good.
+        return io::Error::other(
+            "the Ceph cluster blocklisted this client: another client took the image's lock while cairn was frozen or cut off, and nothing this process sends reaches the image again. Writes absorbed since stay in the cache; stop the other client, then restart cairn",
+        );
+    }
+    io::Error::from_raw_os_error(errno)
 }

@@ -216,6 +216,34 @@ async fn run_ios(
     (buf, failures)
 }
 
+/// One whole block of the origin (`key`), read as a task within the
+/// origin's queue depth, as a miss is: the old contents of a block a write
+/// covers in part.
+pub(crate) async fn read_origin_block(env: &Env, key: u64) -> EngineResult<Vec<u8>> {
+    let block_bytes = env.block_size_bytes;
+    let (volume, _) = env.origins.of_key(key)?;
+    let mut buf = env.read_bufs.lend(block_bytes);
+    buf.set_len(block_bytes);
+    let io = Io {
+        first: 0,
+        end: 1,
+        source: Source::Origin,
+    };
+    let (buf, failures) = run_ios(
+        env,
+        Some(volume.device()),
+        key,
+        buf,
+        std::slice::from_ref(&io),
+    )
+    .await;
+    if let Some(e) = failures.into_iter().flatten().next() {
+        Counters::add(&env.counters.origin_read_errors, 1);
+        return Err(crate::error::EngineError::Origin(e));
+    }
+    Ok(buf[..block_bytes].to_vec())
+}
+
 fn start_read<'a>(
     env: &'a Env,
     origin: Option<&'a dyn Device>,

@@ -5,6 +5,7 @@
 //! reply.
 
 mod dirty_share;
+mod origin_block;
 mod partial;
 
 pub(crate) use dirty_share::{default_dirty_share_pct, dirty_limit_blocks};
@@ -25,7 +26,9 @@ use crate::state::State;
 use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
 use crate::want::Want;
-use partial::write_partial;
+pub(crate) use origin_block::OriginBlock;
+pub(crate) use partial::PartialReads;
+use partial::{write_partial, Partial};
 
 /// A checkpoint is taken once this fraction of the log (1/N) was written
 /// since the last one: replay never covers more than that.
@@ -60,6 +63,8 @@ pub(crate) struct WaitRounds {
     /// When a step this write waited for first failed for its origin.
     failing_since: Option<Instant>,
     retry_in: Duration,
+    /// Blocks written in part, read from the origin without the lock.
+    pub(crate) partial: PartialReads,
 }
 
 impl WaitRounds {
@@ -102,6 +107,16 @@ pub(crate) enum WriteStep {
         want: Want,
         sealed: Vec<Arc<SealedRecord>>,
     },
+    /// The bytes before `resume_at` are in the log (the records they filled
+    /// claimed in `sealed`); the next block, `key`, is written in part and
+    /// is not cached: read it from the origin as a task (a miss planned
+    /// with `stamp`), give it to the write's [`PartialReads`] and resume.
+    NeedsOriginBlock {
+        resume_at: u64,
+        key: u64,
+        stamp: crate::index::WriteStamp,
+        sealed: Vec<Arc<SealedRecord>>,
+    },
 }
 
 /// A space or dirty-share check: go on, or wait for a step first.
@@ -131,8 +146,8 @@ pub(crate) fn write(
         &mut WaitRounds::default(),
     )? {
         WriteStep::Done { sealed, .. } => Ok(sealed),
-        WriteStep::NeedsWriteback { .. } => {
-            unreachable!("an inline write runs its write-back steps itself")
+        WriteStep::NeedsWriteback { .. } | WriteStep::NeedsOriginBlock { .. } => {
+            unreachable!("an inline write runs its write-back steps and origin reads itself")
         }
     }
 }
@@ -179,8 +194,19 @@ pub(crate) fn write_from(
                 let st = &mut *st;
                 st.log.append_data(env, &mut st.index, lba, src, false)?;
             } else {
-                Counters::add(&env.counters.write_rmw, 1);
-                write_partial(env, &mut st, lba, within, src)?;
+                match write_partial(env, &mut st, lba, within, src, waits, &mut rounds.partial)? {
+                    Partial::Written => Counters::add(&env.counters.write_rmw, 1),
+                    Partial::NeedsOriginBlock { stamp } => {
+                        drop(st);
+                        let sealed = p.state.normal(env)?.log.claim_filled();
+                        return Ok(WriteStep::NeedsOriginBlock {
+                            resume_at: at,
+                            key: lba,
+                            stamp,
+                            sealed,
+                        });
+                    }
+                }
             }
             at += n as u64;
         }
@@ -243,7 +269,21 @@ pub(crate) fn zero_range_logged(
         let zeroes = vec![0u8; block_bytes as usize];
         for (lba, within, n) in partial_edges(offset, end, block_bytes) {
             st = reserve_inline(p, st, 1, 0)?;
-            write_partial(env, &mut st, lba, within, &zeroes[..n])?;
+            let mut reads = PartialReads::default();
+            match write_partial(
+                env,
+                &mut st,
+                lba,
+                within,
+                &zeroes[..n],
+                Waits::Inline,
+                &mut reads,
+            )? {
+                Partial::Written => {}
+                Partial::NeedsOriginBlock { .. } => {
+                    unreachable!("an inline partial write reads the origin itself")
+                }
+            }
         }
     }
     let mut lba = first_full;
