@@ -514,6 +514,20 @@ impl Engine {
         if fua {
             Counters::add(&c.fua_writes, 1);
         }
+        self.write_at_key(volume, offset, data, fua).await
+    }
+
+    /// A write of `data` at byte `offset` of the key space (in `volume`),
+    /// counted by the caller: into the log (or, degraded, to the origin),
+    /// through to the origin in the modes other than write-back, durable
+    /// first if `fua`.
+    async fn write_at_key(
+        &self,
+        volume: u16,
+        offset: u64,
+        data: &[u8],
+        fua: bool,
+    ) -> EngineResult<()> {
         let logged_to = if self.is_degraded() {
             degrade::degraded_write(self.parts(), offset, data)?;
             None
@@ -671,9 +685,29 @@ impl Engine {
         length_bytes: u64,
         kind: RangeKind,
     ) -> EngineResult<()> {
-        let offset = self.key_offset(volume, offset, length_bytes)?;
+        let mut offset = self.key_offset(volume, offset, length_bytes)?;
+        let mut length_bytes = length_bytes;
         if length_bytes == 0 {
             return Ok(());
+        }
+        let block_bytes = self.env.block_size_bytes as u64;
+        if kind == RangeKind::Zero && !self.is_degraded() {
+            // The blocks zeroed in part are written as zeroes here, as
+            // tasks: one that is not cached reads the rest from the origin
+            // without the engine lock (see `write::write_from`). The whole
+            // blocks between stay a logged range.
+            let end = offset + length_bytes;
+            let zeroes = vec![0u8; block_bytes as usize];
+            for (lba, within, n) in write::partial_edges(offset, end, block_bytes) {
+                let at = lba * block_bytes + within as u64;
+                self.write_at_key(volume, at, &zeroes[..n], false).await?;
+            }
+            let (first_full, end_full) = (offset.div_ceil(block_bytes), end / block_bytes);
+            if first_full >= end_full {
+                return Ok(());
+            }
+            offset = first_full * block_bytes;
+            length_bytes = (end_full - first_full) * block_bytes;
         }
         let parts = self.parts();
         let logged = self.with_degrade(|degraded| {
@@ -691,7 +725,6 @@ impl Engine {
         if mode == CacheMode::WriteBack {
             return Ok(());
         }
-        let block_bytes = self.env.block_size_bytes as u64;
         let (first, end) = (
             offset / block_bytes,
             (offset + length_bytes).div_ceil(block_bytes),

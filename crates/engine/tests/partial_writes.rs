@@ -157,3 +157,59 @@ fn a_partial_write_never_merges_into_data_older_than_an_acknowledged_write() {
         );
     }
 }
+
+/// A zero of a range that starts and ends inside blocks (WRITE_ZEROES from
+/// a client, as a task): its partial edges read the origin without the
+/// lock too, and land merged; the whole blocks between read as zeroes.
+#[test]
+fn an_unaligned_zero_reads_its_edges_without_the_lock() {
+    let lba = 30u64;
+    let head = pattern(20, BS as usize);
+    let tail = pattern(21, BS as usize);
+    let inner = SimDevice::new("origin", VOLUME_BLOCKS * BS);
+    inner.write_at(lba * BS, &head).expect("seed");
+    inner
+        .write_at((lba + 1) * BS, &pattern(22, BS as usize))
+        .expect("seed");
+    inner.write_at((lba + 2) * BS, &tail).expect("seed");
+    let origin = Arc::new(GatedOrigin::new(inner.clone(), Hold::ReadBefore));
+    let engine = engine_over(&origin);
+
+    // From byte 1024 of block 30 to byte 512 of block 32.
+    let (at, len) = (lba * BS + 1024, 2 * BS - 512);
+    origin.gate.arm(Some(lba * BS));
+    let zeroer = {
+        let engine = engine.clone();
+        std::thread::spawn(move || cairn_io::block_on(engine.write_zeroes_async_in(0, at, len)))
+    };
+    origin
+        .gate
+        .wait_entered(Duration::from_secs(100), "the zero's origin read");
+    let other = {
+        let engine = engine.clone();
+        finishes_within(Duration::from_secs(20), move || {
+            engine.write(60 * BS, &pattern(6, BS as usize), false)?;
+            engine.flush()
+        })
+    };
+    origin.gate.release();
+    zeroer.join().expect("zeroer").expect("the zero");
+    other
+        .expect("a write and a flush waited for the zero's origin read")
+        .expect("a write and a flush");
+
+    let mut buf = vec![0u8; 3 * BS as usize];
+    engine.read(lba * BS, &mut buf).unwrap();
+    let zeroes = vec![0u8; BS as usize];
+    assert!(buf[..BS as usize] == merged(&head, 1024, &zeroes[..BS as usize - 1024]));
+    assert!(
+        buf[BS as usize..2 * BS as usize] == zeroes[..],
+        "the whole block"
+    );
+    assert!(buf[2 * BS as usize..] == merged(&tail, 0, &zeroes[..512]));
+    engine.drain().expect("drain");
+    engine.close().expect("close");
+    let mut on_origin = vec![0u8; 3 * BS as usize];
+    inner.read_at(lba * BS, &mut on_origin).unwrap();
+    assert!(on_origin == buf, "the origin holds what reads return");
+}
