@@ -200,6 +200,13 @@ impl Index {
         })
     }
 
+    /// If a read of `lba` would go to the origin (not cached, not in a
+    /// pending zero or discard range), its write stamp now; no side
+    /// effects (unlike [`Index::plan`]).
+    pub(crate) fn origin_stamp(&self, lba: u64) -> Option<WriteStamp> {
+        (!self.is_cached(lba) && self.range_covering(lba).is_none()).then(|| self.stamps.stamp(lba))
+    }
+
     /// May a block read from the origin for a miss planned with `stamp` be
     /// inserted as a clean copy? Only if `lba` is still not cached and
     /// nothing wrote it since.

@@ -27,8 +27,8 @@ use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
 use crate::want::Want;
 pub(crate) use origin_block::OriginBlock;
+use partial::write_partial;
 pub(crate) use partial::PartialReads;
-use partial::{write_partial, Partial};
 
 /// A checkpoint is taken once this fraction of the log (1/N) was written
 /// since the last one: replay never covers more than that.
@@ -171,6 +171,27 @@ pub(crate) fn write_from(
     // fraction of the log at once.
     let chunk_blocks = (env.layout.log_blocks / 8).max(1);
     let mut st = p.state.normal(env)?;
+    if waits == Waits::Caller && from == offset && end > offset {
+        // Blocks covered in part that are not cached are read from the
+        // origin without the lock, before anything of the write is in the
+        // log: stopping halfway would let an epoch end with part of the
+        // write, and write-back put a state on the origin that the volume
+        // never had at a flush (the crash harness caught it).
+        for (lba, _, _) in partial_edges(offset, end, block_bytes) {
+            let Some(stamp) = st.index.origin_stamp(lba) else {
+                continue;
+            };
+            if rounds.partial.wants_read(lba, stamp) {
+                let sealed = st.log.claim_filled();
+                return Ok(WriteStep::NeedsOriginBlock {
+                    resume_at: offset,
+                    key: lba,
+                    stamp,
+                    sealed,
+                });
+            }
+        }
+    }
     let mut at = from;
     while at < end {
         let first = at / block_bytes;
@@ -194,19 +215,8 @@ pub(crate) fn write_from(
                 let st = &mut *st;
                 st.log.append_data(env, &mut st.index, lba, src, false)?;
             } else {
-                match write_partial(env, &mut st, lba, within, src, waits, &mut rounds.partial)? {
-                    Partial::Written => Counters::add(&env.counters.write_rmw, 1),
-                    Partial::NeedsOriginBlock { stamp } => {
-                        drop(st);
-                        let sealed = p.state.normal(env)?.log.claim_filled();
-                        return Ok(WriteStep::NeedsOriginBlock {
-                            resume_at: at,
-                            key: lba,
-                            stamp,
-                            sealed,
-                        });
-                    }
-                }
+                Counters::add(&env.counters.write_rmw, 1);
+                write_partial(env, &mut st, lba, within, src, &mut rounds.partial)?;
             }
             at += n as u64;
         }
@@ -270,20 +280,7 @@ pub(crate) fn zero_range_logged(
         for (lba, within, n) in partial_edges(offset, end, block_bytes) {
             st = reserve_inline(p, st, 1, 0)?;
             let mut reads = PartialReads::default();
-            match write_partial(
-                env,
-                &mut st,
-                lba,
-                within,
-                &zeroes[..n],
-                Waits::Inline,
-                &mut reads,
-            )? {
-                Partial::Written => {}
-                Partial::NeedsOriginBlock { .. } => {
-                    unreachable!("an inline partial write reads the origin itself")
-                }
-            }
+            write_partial(env, &mut st, lba, within, &zeroes[..n], &mut reads)?;
         }
     }
     let mut lba = first_full;

@@ -5,7 +5,6 @@
 use cairn_format::block_checksum;
 
 use super::origin_block::OriginBlock;
-use super::Waits;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::index::{Plan, WriteStamp};
@@ -19,53 +18,68 @@ use crate::stats::Counters;
 /// under the lock (which nothing can race).
 const ORIGIN_READ_ROUNDS_MAX: usize = 8;
 
-/// How far [`write_partial`] got.
-pub(crate) enum Partial {
-    Written,
-    /// The block is not cached: the caller reads it from the origin
-    /// without the lock (a miss planned with `stamp`), puts it in
-    /// [`PartialReads`] and calls again.
-    NeedsOriginBlock {
-        stamp: WriteStamp,
-    },
-}
+/// Blocks one write covers in part: its first and its last.
+const EDGE_BLOCKS_MAX: usize = 2;
 
-/// A write's reads of the blocks it covers in part (see [`Partial`]).
+/// A write's blocks covered in part, read from the origin without the
+/// lock before any of the write went into the log (see
+/// `write::write_from`).
 #[derive(Debug, Default)]
 pub(crate) struct PartialReads {
-    fetched: Option<OriginBlock>,
+    fetched: Vec<OriginBlock>,
+    /// Reads made so far, bounded by [`ORIGIN_READ_ROUNDS_MAX`].
     rounds: usize,
 }
 
 impl PartialReads {
-    /// The caller read `block` (see [`Partial::NeedsOriginBlock`]).
+    /// The caller read `block` (see `WriteStep::NeedsOriginBlock`).
     pub(crate) fn fetched(&mut self, block: OriginBlock) {
-        self.fetched = Some(block);
+        self.fetched.retain(|b| b.key != block.key);
+        assert!(
+            self.fetched.len() < EDGE_BLOCKS_MAX,
+            "a write has two edges"
+        );
+        self.fetched.push(block);
+    }
+
+    /// Does this write hold `key` as read for a miss with `stamp`?
+    fn holds(&self, key: u64, stamp: WriteStamp) -> bool {
+        self.fetched
+            .iter()
+            .any(|b| b.key == key && b.stamp == stamp)
+    }
+
+    /// Should the write stop, before it logs anything, to read edge block
+    /// `key` (its origin stamp `stamp`) without the lock? Counts the round.
+    pub(crate) fn wants_read(&mut self, key: u64, stamp: WriteStamp) -> bool {
+        if self.holds(key, stamp) || self.rounds >= ORIGIN_READ_ROUNDS_MAX {
+            return false;
+        }
+        self.rounds += 1;
+        true
     }
 
     /// The fetched data of `key`, if it was read for a miss planned with
     /// `stamp` (the block's current one). Taken either way: a stale block
     /// is never looked at again.
     fn take(&mut self, key: u64, stamp: WriteStamp) -> Option<Vec<u8>> {
-        let fetched = self.fetched.take()?;
-        (fetched.key == key && fetched.stamp == stamp).then_some(fetched.data)
+        let at = self.fetched.iter().position(|b| b.key == key)?;
+        let fetched = self.fetched.swap_remove(at);
+        (fetched.stamp == stamp).then_some(fetched.data)
     }
 }
 
-/// Write `src` at byte `within` of block `lba`, under the engine lock.
-/// With [`Waits::Caller`], a block that is not cached is not read here
-/// (the origin may take milliseconds, and every request waits for the
-/// lock): [`Partial::NeedsOriginBlock`] says so, and the write is resumed
-/// with the block in `reads`.
+/// Write `src` at byte `within` of block `lba`, under the engine lock. A
+/// block that is not cached is merged into the copy in `reads` if it is
+/// still current, else read from the origin here.
 pub(crate) fn write_partial(
     env: &Env,
     st: &mut State,
     lba: u64,
     within: usize,
     src: &[u8],
-    waits: Waits,
     reads: &mut PartialReads,
-) -> EngineResult<Partial> {
+) -> EngineResult<()> {
     let mut block = vec![0u8; env.block_size_bytes];
     match st.plan(env, lba, &mut block)? {
         Plan::Done => {}
@@ -99,10 +113,7 @@ pub(crate) fn write_partial(
                     block.copy_from_slice(&data);
                     Counters::add(&env.counters.write_rmw_unlocked_reads, 1);
                 }
-                None if waits == Waits::Caller && reads.rounds < ORIGIN_READ_ROUNDS_MAX => {
-                    reads.rounds += 1;
-                    return Ok(Partial::NeedsOriginBlock { stamp });
-                }
+                // Not read beforehand, or written since it was.
                 None => env.read_origin(lba, &mut block)?,
             }
             // The engine lock is held, so the tag is current: a mismatch is
@@ -111,6 +122,5 @@ pub(crate) fn write_partial(
         }
     }
     block[within..within + src.len()].copy_from_slice(src);
-    st.log.append_data(env, &mut st.index, lba, &block, false)?;
-    Ok(Partial::Written)
+    st.log.append_data(env, &mut st.index, lba, &block, false)
 }
