@@ -29,16 +29,7 @@ pub(crate) fn format(
     // held one) passes to the new cache.
     let replaced = superblocks::read_newest(cache.as_ref()).ok();
     if !opts.force {
-        if let Some(existing) = &replaced {
-            let origin = superblocks::read_table(cache.as_ref(), existing)
-                .ok()
-                .and_then(|t| t.volumes().first().map(|v| v.origin_identity.clone()))
-                .unwrap_or_else(|| "an unreadable volume table".into());
-            return Err(EngineError::AlreadyFormatted {
-                device: cache.name().to_string(),
-                origin,
-            });
-        }
+        refuse_formatted(cache.as_ref(), replaced.as_ref())?;
     }
     let block_bytes = opts.block_size_bytes;
     check_origin_size(origin.as_ref(), block_bytes)?;
@@ -121,6 +112,22 @@ pub(crate) fn format(
     };
     superblocks::write_both(cache.as_ref(), &mut superblock).map_err(EngineError::Cache)?;
     Ok(superblock)
+}
+
+/// Refuses a device that already holds a cairn cache, naming the origin
+/// the cache is for.
+fn refuse_formatted(cache: &dyn Device, existing: Option<&Superblock>) -> EngineResult<()> {
+    let Some(existing) = existing else {
+        return Ok(());
+    };
+    let origin = superblocks::read_table(cache, existing)
+        .ok()
+        .and_then(|t| t.volumes().first().map(|v| v.origin_identity.clone()))
+        .unwrap_or_else(|| "an unreadable volume table".into());
+    Err(EngineError::AlreadyFormatted {
+        device: cache.name().to_string(),
+        origin,
+    })
 }
 
 /// The table of a new cache: volume 0, in write-back mode with serve's

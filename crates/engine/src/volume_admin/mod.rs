@@ -132,13 +132,22 @@ pub(crate) fn add(
     if let Some(reserved) = reserved {
         reserved.release(&mut st);
     }
+    start_serving(p, origin, &entry, new.mode);
+    Ok(entry)
+}
+
+/// After its table is written: the new volume's write-back, health,
+/// policy and origin start from nothing left by a removed volume that had
+/// its id.
+fn start_serving(p: Parts<'_>, origin: Arc<dyn Device>, entry: &VolumeEntry, mode: CacheMode) {
+    let id = entry.id;
     p.writeback.forget_volume(id);
     p.env.health.set_origin_failing(id, false);
-    p.policy.set_mode_of(id, new.mode);
-    env.origins.insert(VolumeOrigin::new(
+    p.policy.set_mode_of(id, mode);
+    p.env.origins.insert(VolumeOrigin::new(
         id,
         origin,
-        entry.origin_size_bytes / env.block_size_bytes as u64,
+        entry.origin_size_bytes / p.env.block_size_bytes as u64,
     ));
     tracing::info!(
         volume = entry.name,
@@ -146,7 +155,6 @@ pub(crate) fn add(
         origin = entry.origin_identity,
         "volume added"
     );
-    Ok(entry)
 }
 
 /// A new volume's name and origin must be no other volume's: two volumes
