@@ -11,10 +11,14 @@
 //!    serving: cached reads still work, fsync'd writes are absorbed, status
 //!    says the origin is failing; the OSD back, write-back drains, and the
 //!    image holds every write;
-//! 4. with cairn stopped, another cache is still refused: the image's
+//! 4. the image shrunk by another client while serving (librbd carries it
+//!    out for the lock's holder): writes are absorbed and held, status
+//!    says what happened and how to undo it; grown back, write-back
+//!    drains and the image holds every write;
+//! 5. with cairn stopped, another cache is still refused: the image's
 //!    metadata holds this cache's claim; removed by hand, this cache is
 //!    refused too until it is set again;
-//! 5. the image deleted and made again under its name is refused.
+//! 6. the image deleted and made again under its name is refused.
 //!
 //! Needs ceph-mon, ceph-osd, ceph-mgr, ceph, rbd (Debian's ceph packages),
 //! fio and nbdcopy; skips without them, fails under CI=true.
@@ -124,6 +128,71 @@ fn osd_outage(
     );
 }
 
+/// `rbd resize --allow-shrink` from another client while cairn serves: a
+/// write inside the new size and one past it are absorbed and held,
+/// status names the shrink and the command that undoes it; after it,
+/// write-back drains and the image holds both.
+fn image_shrunk_while_serving(
+    ctx: &Ctx,
+    ceph: &CephCluster,
+    cache: &std::path::Path,
+    serve_args: &[&str],
+) {
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(cache, &sock, serve_args);
+    let uri = server.uri();
+    wait_drained(ctx, cache);
+    ceph.rbd(&["resize", "--allow-shrink", "--size", "112M", "rbd/vol"]);
+    let inside = pattern(0x31, MIB as usize);
+    let past = pattern(0x32, MIB as usize);
+    nbd_write(&uri, 100 * MIB, &inside, true);
+    nbd_write(&uri, 120 * MIB, &past, true);
+    let held = eventually(Duration::from_secs(60), || {
+        ctx.status(cache)["volumes"][0]["origin_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("was shrunk"))
+    });
+    let st = ctx.status(cache);
+    assert!(held, "status names the shrink: {st}");
+    let error = st["volumes"][0]["origin_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains("from 134217728 to 117440512 bytes")
+            && error.contains("rbd resize --size 134217728B rbd/vol"),
+        "the error says what happened and how to undo it: {error}"
+    );
+    assert!(u64_of(&st, "dirty_blocks") > 0, "writes are held: {st}");
+    assert_eq!(nbd_read(&uri, 120 * MIB, MIB as usize), past);
+    ceph.rbd(&["resize", "--size", "134217728B", "rbd/vol"]);
+    wait_drained(ctx, cache);
+    assert!(
+        eventually(Duration::from_secs(60), || ctx.status(cache)
+            ["origin_state"]
+            == "ok"),
+        "{}",
+        ctx.status(cache)
+    );
+    let volume = volume_image(ctx, &uri, "volume-resized.img");
+    server.terminate();
+    let export = image_export(ctx, ceph, "export-resized.img");
+    assert_same_bytes(
+        "rbd export after the image's size came back",
+        &export,
+        &volume,
+    );
+    assert_same_bytes(
+        "the write inside the shrunk image",
+        &export[(100 * MIB) as usize..(101 * MIB) as usize],
+        &inside,
+    );
+    assert_same_bytes(
+        "the write past the shrunk image's end",
+        &export[(120 * MIB) as usize..(121 * MIB) as usize],
+        &past,
+    );
+}
+
 #[test]
 fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     if !require_ceph("origin_rbd") || !require_tools("origin_rbd", &["fio", "nbdcopy"]) {
@@ -221,7 +290,10 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
         1,
     );
 
-    // 4. The image is this cache's from format on, served or not: Ceph
+    // 4. Another client shrinks the image while cairn serves it.
+    image_shrunk_while_serving(&ctx, &ceph, &cache, &serve_args);
+
+    // 5. The image is this cache's from format on, served or not: Ceph
     //    hands its exclusive lock to the next client once a crashed
     //    holder's watch times out, and a second cache writing there would
     //    be rolled back by this one's replay. With cairn stopped, another
@@ -256,7 +328,7 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     let st = ctx.status(&cache);
     assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
 
-    // 5. An image deleted and made again under the same name is another
+    // 6. An image deleted and made again under the same name is another
     //    origin: its id differs, and the cache refuses it.
     ceph.rbd(&["rm", "rbd/vol"]);
     ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);

@@ -2,6 +2,7 @@
 //! thread (see [`super::handles::Handles`]' Drop).
 
 use super::library::{ImageT, IoCtxT, Library, RadosT};
+use super::update_watch::UpdateWatch;
 
 /// The raw handles, taken out of a dropped `Handles`. `Copy`, and without
 /// a Drop of its own: exactly one copy is closed.
@@ -12,10 +13,13 @@ pub(super) struct Closing {
     pub ioctx: IoCtxT,
     pub image: ImageT,
     pub lock_held: bool,
+    pub watch: Option<UpdateWatch>,
 }
 
 // SAFETY: librados and librbd handles may be used and closed from any
-// thread; the `Handles` they came from gave them up (set its own to null).
+// thread; the `Handles` they came from gave them up (set its own to null,
+// took its watch). The watch's flag is an atomic, shared with librbd's
+// callback thread by design.
 unsafe impl Send for Closing {}
 
 impl Closing {
@@ -28,6 +32,9 @@ impl Closing {
         // buffer is the op's own).
         unsafe {
             if !self.image.is_null() {
+                if let Some(watch) = self.watch {
+                    watch.unregister(self.lib, self.image);
+                }
                 if self.lock_held {
                     let _ = (self.lib.rbd_lock_release)(self.image);
                 }

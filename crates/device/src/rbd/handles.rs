@@ -8,6 +8,7 @@ use super::closing::Closing;
 use super::completion::errno_error;
 use super::library::{ImageT, IoCtxT, Library, RadosT, LOCK_MODE_EXCLUSIVE};
 use super::spec::RbdSpec;
+use super::update_watch::UpdateWatch;
 
 /// librados timeouts set to the spec's request deadline before the
 /// configuration file is read (which, like `CEPH_ARGS`, may override
@@ -32,6 +33,8 @@ pub(super) struct Handles {
     ioctx: IoCtxT,
     pub image: ImageT,
     lock_held: bool,
+    /// Raised when another client changes the header (a resize).
+    watch: Option<UpdateWatch>,
 }
 
 // SAFETY: librados clusters and librbd images are thread-safe: their C
@@ -85,6 +88,7 @@ impl Handles {
             ioctx: std::ptr::null_mut(),
             image: std::ptr::null_mut(),
             lock_held: false,
+            watch: None,
         };
         let cluster_name = c_string("cluster name", "ceph")?;
         let client = c_string("client id", &spec.client_name())?;
@@ -107,6 +111,13 @@ impl Handles {
         }
         handles.configure_and_connect(spec)?;
         handles.open_image(spec)?;
+        handles.watch = match UpdateWatch::register(lib, handles.image) {
+            Ok(watch) => Some(watch),
+            Err(e) => {
+                tracing::warn!(image = %spec.image_name(), error = %e, "cannot watch the image's header; a resize by another client will show only as failed requests");
+                None
+            }
+        };
         if exclusive {
             handles.lock_exclusive(spec)?;
         }
@@ -353,6 +364,12 @@ impl Handles {
         Ok(())
     }
 
+    /// Whether another client changed the image's header since the last
+    /// call (see [`UpdateWatch`]).
+    pub fn header_changed(&self) -> bool {
+        self.watch.is_some_and(|w| w.take_changed())
+    }
+
     pub fn size_bytes(&self) -> io::Result<u64> {
         let mut size = 0u64;
         // SAFETY: open image, out-parameter.
@@ -403,6 +420,7 @@ impl Drop for Handles {
             ioctx: std::mem::replace(&mut self.ioctx, std::ptr::null_mut()),
             image: std::mem::replace(&mut self.image, std::ptr::null_mut()),
             lock_held: self.lock_held,
+            watch: self.watch.take(),
         };
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let spawned = std::thread::Builder::new()

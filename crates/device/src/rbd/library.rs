@@ -15,6 +15,7 @@ pub(super) type IoCtxT = *mut c_void;
 pub(super) type ImageT = *mut c_void;
 pub(super) type CompletionT = *mut c_void;
 pub(super) type CallbackT = extern "C" fn(completion: CompletionT, arg: *mut c_void);
+pub(super) type UpdateCallbackT = extern "C" fn(arg: *mut c_void);
 pub(super) type DiffCallbackT =
     extern "C" fn(offset: u64, length: usize, exists: c_int, arg: *mut c_void) -> c_int;
 
@@ -52,6 +53,9 @@ pub(super) struct Library {
         unsafe extern "C" fn(ImageT, *const c_char, *mut c_char, *mut usize) -> c_int,
     pub rbd_metadata_set: unsafe extern "C" fn(ImageT, *const c_char, *const c_char) -> c_int,
     pub rbd_metadata_remove: unsafe extern "C" fn(ImageT, *const c_char) -> c_int,
+    pub rbd_update_watch:
+        unsafe extern "C" fn(ImageT, *mut u64, UpdateCallbackT, *mut c_void) -> c_int,
+    pub rbd_update_unwatch: unsafe extern "C" fn(ImageT, u64) -> c_int,
     pub rbd_aio_create_completion:
         unsafe extern "C" fn(*mut c_void, CallbackT, *mut CompletionT) -> c_int,
     pub rbd_aio_get_return_value: unsafe extern "C" fn(CompletionT) -> isize,
@@ -129,6 +133,8 @@ fn load() -> Result<Library, String> {
         rbd_metadata_get: symbol!(rbd, LIBRBD, rbd_metadata_get),
         rbd_metadata_set: symbol!(rbd, LIBRBD, rbd_metadata_set),
         rbd_metadata_remove: symbol!(rbd, LIBRBD, rbd_metadata_remove),
+        rbd_update_watch: symbol!(rbd, LIBRBD, rbd_update_watch),
+        rbd_update_unwatch: symbol!(rbd, LIBRBD, rbd_update_unwatch),
         rbd_aio_create_completion: symbol!(rbd, LIBRBD, rbd_aio_create_completion),
         rbd_aio_get_return_value: symbol!(rbd, LIBRBD, rbd_aio_get_return_value),
         rbd_aio_release: symbol!(rbd, LIBRBD, rbd_aio_release),

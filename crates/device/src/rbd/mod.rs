@@ -21,7 +21,9 @@
 //! holder. The lock passes to another client once a crashed holder's watch
 //! times out, so a cache also claims the image in its metadata from format
 //! until its volume is removed ([`claim`]), and refuses one another cache
-//! claimed.
+//! claimed. A resize by another client, which librbd carries out even
+//! against the lock, is noticed through a header watch ([`update_watch`]);
+//! a shrunk image takes no writes ([`size_check`]).
 
 mod claim;
 mod closing;
@@ -29,7 +31,9 @@ mod completion;
 mod device;
 mod handles;
 mod library;
+mod size_check;
 mod spec;
+mod update_watch;
 
 pub use device::RbdDevice;
 pub use spec::RbdSpec;
