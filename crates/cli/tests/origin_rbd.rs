@@ -164,6 +164,14 @@ fn image_shrunk_while_serving(
     );
     assert!(u64_of(&st, "dirty_blocks") > 0, "writes are held: {st}");
     assert_eq!(nbd_read(&uri, 120 * MIB, MIB as usize), past);
+    // Held means held inside the new end too: another client reading the
+    // shrunk image (reads need no lock) sees none of the write there.
+    let shrunk = image_export(ctx, ceph, "export-shrunk.img");
+    assert_eq!(shrunk.len() as u64, 112 * MIB, "the image is shrunk");
+    assert!(
+        shrunk[(100 * MIB) as usize..(101 * MIB) as usize] != inside[..],
+        "the write inside the shrunk image was held, not written back"
+    );
     ceph.rbd(&["resize", "--size", "134217728B", "rbd/vol"]);
     wait_drained(ctx, cache);
     assert!(

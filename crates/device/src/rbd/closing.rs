@@ -4,9 +4,8 @@
 use super::library::{ImageT, IoCtxT, Library, RadosT};
 use super::update_watch::UpdateWatch;
 
-/// The raw handles, taken out of a dropped `Handles`. `Copy`, and without
-/// a Drop of its own: exactly one copy is closed.
-#[derive(Clone, Copy)]
+/// The raw handles, taken out of a dropped `Handles`, without a Drop of
+/// their own: `close` (which consumes them) releases them, once.
 pub(super) struct Closing {
     pub lib: &'static Library,
     pub cluster: RadosT,

@@ -11,7 +11,7 @@ use cairn_io::{first_of, Either, Reactor};
 use super::completion::{errno_error, AioOp, Stuck};
 use super::handles::Handles;
 use super::library::{library, CompletionT, ImageT, Library};
-use super::size_check::{Access, SizeCheck};
+use super::size_check::{Access, Caller, SizeCheck};
 use super::spec::RbdSpec;
 use crate::allocation::push_run;
 use crate::flush_debt::FlushDebt;
@@ -38,9 +38,11 @@ pub struct RbdDevice {
     identity: String,
     size_bytes: u64,
     lib: &'static Library,
-    handles: Handles,
+    /// Shared with a thread that reads the image's size (see
+    /// [`SizeCheck`]).
+    handles: Arc<Handles>,
     /// Refuses writes while another client has shrunk the image.
-    size_check: SizeCheck,
+    size_check: Arc<SizeCheck>,
     /// A request not finished after this long fails with `TimedOut`.
     timeout: Duration,
     stuck: Arc<Stuck>,
@@ -96,12 +98,12 @@ impl RbdDevice {
         let image_path = format!("{}/{}", parsed.pool, parsed.image);
         Ok(RbdDevice {
             identity: format!("{parsed}#{id}"),
-            size_check: SizeCheck::new(image_path.clone(), size_bytes),
+            size_check: Arc::new(SizeCheck::new(image_path.clone(), size_bytes)),
             image_path,
             name,
             size_bytes,
             lib,
-            handles,
+            handles: Arc::new(handles),
             timeout: parsed.timeout(),
             stuck: Arc::new(Stuck::default()),
             flush_debt: FlushDebt::default(),
@@ -119,9 +121,15 @@ impl RbdDevice {
 
     /// Refuse a request the image's present size cannot take (see
     /// [`SizeCheck`]).
-    fn check_image_size(&self, access: Access, offset: u64, len: u64) -> DeviceResult<()> {
+    fn check_image_size(
+        &self,
+        caller: Caller,
+        access: Access,
+        offset: u64,
+        len: u64,
+    ) -> DeviceResult<()> {
         self.size_check
-            .check(&self.handles, access, offset, len)
+            .check(&self.handles, caller, access, offset, len)
             .map_err(|source| self.io_error(offset, len, source))
     }
 
@@ -228,7 +236,7 @@ impl RbdDevice {
         for (offset, bufs) in requests {
             let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
             check_range(&self.name, "write", *offset, len, self.size_bytes)?;
-            self.check_image_size(Access::Write, *offset, len)?;
+            self.check_image_size(Caller::MayBlock, Access::Write, *offset, len)?;
             self.check_not_stuck(*offset, len)?;
         }
         for (offset, bufs) in requests {
@@ -283,7 +291,7 @@ impl RbdDevice {
     ) -> (DeviceResult<()>, BufSlice) {
         let len = slice.len();
         if let Err(e) = check_range(&self.name, "read", offset, len as u64, self.size_bytes)
-            .and_then(|()| self.check_image_size(Access::Read, offset, len as u64))
+            .and_then(|()| self.check_image_size(Caller::Reactor, Access::Read, offset, len as u64))
             .and_then(|()| self.check_not_stuck(offset, len as u64))
         {
             return (Err(e), slice);
@@ -432,7 +440,7 @@ impl Device for RbdDevice {
                 buf.len() as u64,
                 self.size_bytes,
             )?;
-            self.check_image_size(Access::Read, *offset, buf.len() as u64)?;
+            self.check_image_size(Caller::MayBlock, Access::Read, *offset, buf.len() as u64)?;
             self.check_not_stuck(*offset, buf.len() as u64)?;
         }
         let ops: Vec<Pending> = requests
@@ -470,7 +478,7 @@ impl Device for RbdDevice {
         if len == 0 {
             return Ok(());
         }
-        self.check_image_size(Access::Write, offset, len)?;
+        self.check_image_size(Caller::MayBlock, Access::Write, offset, len)?;
         // SAFETY (in the closure): open image and a fresh completion.
         let result = self.run(offset, len, |lib, image, c| unsafe {
             (lib.rbd_aio_discard)(image, offset, len, c)
@@ -484,7 +492,7 @@ impl Device for RbdDevice {
         if len == 0 {
             return Ok(());
         }
-        self.check_image_size(Access::Write, offset, len)?;
+        self.check_image_size(Caller::MayBlock, Access::Write, offset, len)?;
         let Ok(len_usize) = usize::try_from(len) else {
             return Err(self.io_error(offset, len, io::Error::from_raw_os_error(libc::EINVAL)));
         };

@@ -3,6 +3,7 @@
 
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::io;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::closing::Closing;
 use super::completion::errno_error;
@@ -364,10 +365,9 @@ impl Handles {
         Ok(())
     }
 
-    /// Whether another client changed the image's header since the last
-    /// call (see [`UpdateWatch`]).
-    pub fn header_changed(&self) -> bool {
-        self.watch.is_some_and(|w| w.take_changed())
+    /// The header watch, if librbd gave one (see [`UpdateWatch`]).
+    pub fn watch(&self) -> Option<&UpdateWatch> {
+        self.watch.as_ref()
     }
 
     pub fn size_bytes(&self) -> io::Result<u64> {
@@ -422,11 +422,21 @@ impl Drop for Handles {
             lock_held: self.lock_held,
             watch: self.watch.take(),
         };
+        // Shared with the thread so that, should it not start, the
+        // handles come back here to be closed inline.
+        let handed_over = Arc::new(Mutex::new(Some(closing)));
+        let for_thread = Arc::clone(&handed_over);
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let spawned = std::thread::Builder::new()
             .name("rbd-close".into())
             .spawn(move || {
-                closing.close();
+                let taken = for_thread
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                if let Some(closing) = taken {
+                    closing.close();
+                }
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -438,11 +448,16 @@ impl Drop for Handles {
                     );
                 }
             }
-            // No thread (the closure and its copy of the handles were not
-            // run): close here, however long it takes.
+            // No thread: close here, however long it takes.
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start a thread to close the RBD image; closing inline");
-                closing.close();
+                let taken = handed_over
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                if let Some(closing) = taken {
+                    closing.close();
+                }
             }
         }
     }

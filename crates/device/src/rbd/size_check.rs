@@ -11,11 +11,25 @@
 //! reads inside it go on. Grown, the image still holds the whole volume:
 //! requests go on, and the next open refuses the new size (the engine
 //! compares it with the recorded one), which the log says now.
+//!
+//! Reading the size after a header change asks the cluster (librbd
+//! refreshes the header first), so it is never done on the reactor, whose
+//! one thread serves every connection's reads: there the last size seen
+//! is used, and the new one is read on a thread of its own. Requests that
+//! may block (writes, on the engine's workers) read it themselves before
+//! they go on, so a write that follows the notice of a shrink is refused.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use super::handles::Handles;
+
+/// After the size could not be read, how long before it is tried again:
+/// a cluster that does not answer must not add its timeout to every
+/// request.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// What a request does to the image.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -25,12 +39,28 @@ pub(super) enum Access {
     Write,
 }
 
+/// Whether the caller may wait for the cluster.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Caller {
+    /// An engine worker or a blocking call: reads the new size itself.
+    MayBlock,
+    /// The reactor: uses the last size seen, never waits.
+    Reactor,
+}
+
 /// The volume's size and the image's size as last seen.
 pub(super) struct SizeCheck {
     /// `POOL/IMAGE`, for the advice.
     image_path: String,
     volume_bytes: u64,
     seen_bytes: AtomicU64,
+    /// Held from taking the watch's flag to storing the size it led to,
+    /// so sizes are stored in the order they were read (a stale shrink
+    /// never outlives the growth read after it); holds when a read of
+    /// the size last failed.
+    look: Mutex<Option<Instant>>,
+    /// A reactor-started look is running on its own thread.
+    look_queued: AtomicBool,
 }
 
 impl SizeCheck {
@@ -39,19 +69,25 @@ impl SizeCheck {
             image_path,
             volume_bytes,
             seen_bytes: AtomicU64::new(volume_bytes),
+            look: Mutex::new(None),
+            look_queued: AtomicBool::new(false),
         }
     }
 
     /// Whether a request over `offset..offset + len` may go to the image.
     pub fn check(
-        &self,
-        handles: &Handles,
+        self: &Arc<Self>,
+        handles: &Arc<Handles>,
+        caller: Caller,
         access: Access,
         offset: u64,
         len: u64,
     ) -> io::Result<()> {
-        if handles.header_changed() {
-            self.look_again(handles);
+        if handles.watch().is_some_and(|w| w.is_raised()) {
+            match caller {
+                Caller::MayBlock => self.look_again(handles),
+                Caller::Reactor => self.look_again_elsewhere(handles),
+            }
         }
         let seen = self.seen_bytes.load(Ordering::Acquire);
         if seen >= self.volume_bytes {
@@ -74,17 +110,53 @@ impl SizeCheck {
         )
     }
 
+    /// Read the new size on a thread of its own, one at a time.
+    fn look_again_elsewhere(self: &Arc<Self>, handles: &Arc<Handles>) {
+        if self.look_queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let check = Arc::clone(self);
+        let handles = Arc::clone(handles);
+        let spawned = std::thread::Builder::new()
+            .name("rbd-size".into())
+            .spawn(move || {
+                check.look_again(&handles);
+                check.look_queued.store(false, Ordering::Release);
+            });
+        if let Err(e) = spawned {
+            // The next request that may block reads it instead.
+            tracing::warn!(image = %self.image_path, error = %e, "cannot start a thread to read the image's size");
+            self.look_queued.store(false, Ordering::Release);
+        }
+    }
+
     /// Read the image's size after its header changed, and say so if it
     /// is not the volume's.
     fn look_again(&self, handles: &Handles) {
+        let Some(watch) = handles.watch() else {
+            return;
+        };
+        let mut failed_at = self.look.lock().unwrap_or_else(PoisonError::into_inner);
+        if failed_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+            return;
+        }
+        // Another caller may have dealt with the change while this one
+        // waited for the lock.
+        if !watch.take() {
+            return;
+        }
         let now = match handles.size_bytes() {
             Ok(now) => now,
             Err(e) => {
-                tracing::warn!(image = %self.image_path, error = %e, "the image's header changed, and its size cannot be read");
+                watch.raise();
+                *failed_at = Some(Instant::now());
+                tracing::warn!(image = %self.image_path, error = %e, "the image's header changed, and its size cannot be read; trying again");
                 return;
             }
         };
+        *failed_at = None;
         let before = self.seen_bytes.swap(now, Ordering::AcqRel);
+        drop(failed_at);
         if now == before {
             return;
         }

@@ -7,7 +7,7 @@
 //! What cairn can do is notice. librbd calls the callback on one of its
 //! own threads, where calling back into librbd risks a deadlock with the
 //! header refresh under way, so the callback only raises a flag; the
-//! device reads the new size on its next request.
+//! device reads the new size later (see `super::size_check`).
 
 use std::ffi::c_void;
 use std::io;
@@ -17,21 +17,20 @@ use std::sync::Arc;
 use super::completion::errno_error;
 use super::library::{ImageT, Library};
 
-/// A registered watch. `Copy` so that it travels with the other raw
-/// handles to the closing thread; exactly one copy is unregistered.
-#[derive(Clone, Copy)]
+/// A registered watch. Not `Clone`: unregistering twice would free the
+/// flag librbd was given twice; it moves to the closing thread whole.
 pub(super) struct UpdateWatch {
     handle: u64,
-    /// The flag the callback raises: an `Arc` given up to librbd with
-    /// `into_raw`, taken back after the watch is unregistered (the
-    /// callback may run until then).
-    changed: *const AtomicBool,
+    /// The flag the callback raises. librbd holds a second reference,
+    /// given up with `into_raw` at registration and taken back once the
+    /// watch is unregistered (the callback may run until then).
+    changed: Arc<AtomicBool>,
 }
 
 extern "C" fn on_update(arg: *mut c_void) {
-    // SAFETY: `arg` is the flag `register` gave librbd, alive until the
-    // watch is unregistered, which librbd does not return from while a
-    // callback runs.
+    // SAFETY: `arg` is librbd's reference to the flag, from `into_raw` in
+    // `register`, alive until the watch is unregistered, which librbd does
+    // not return from while a callback runs.
     let changed = unsafe { &*(arg as *const AtomicBool) };
     changed.store(true, Ordering::Release);
 }
@@ -39,45 +38,54 @@ extern "C" fn on_update(arg: *mut c_void) {
 impl UpdateWatch {
     /// Watch `image`'s header.
     pub fn register(lib: &'static Library, image: ImageT) -> io::Result<UpdateWatch> {
-        let changed = Arc::into_raw(Arc::new(AtomicBool::new(false)));
+        let changed = Arc::new(AtomicBool::new(false));
+        let for_librbd = Arc::into_raw(Arc::clone(&changed));
         let mut handle = 0u64;
-        // SAFETY: open image, out-parameter; the callback and its argument
-        // stay valid until `unregister` (the flag is leaked until then).
+        // SAFETY: open image, out-parameter; the callback's argument stays
+        // valid until `unregister` (librbd's reference is held until then).
         let rc = unsafe {
-            (lib.rbd_update_watch)(image, &mut handle, on_update, changed as *mut c_void)
+            (lib.rbd_update_watch)(image, &mut handle, on_update, for_librbd as *mut c_void)
         };
         if rc < 0 {
-            // SAFETY: the pointer came from `into_raw` above and librbd
-            // did not keep it.
-            drop(unsafe { Arc::from_raw(changed) });
+            // SAFETY: from `into_raw` above; librbd did not keep it.
+            drop(unsafe { Arc::from_raw(for_librbd) });
             return Err(errno_error(rc as isize));
         }
         Ok(UpdateWatch { handle, changed })
     }
 
-    /// Whether the header changed since the last call (and clears it).
-    pub fn take_changed(&self) -> bool {
-        // SAFETY: the flag lives until `unregister`, which only the
-        // closing of the handles calls, after every request is done.
-        let changed = unsafe { &*self.changed };
-        changed.swap(false, Ordering::AcqRel)
+    /// Whether the header changed since the flag was last taken, leaving
+    /// it raised.
+    pub fn is_raised(&self) -> bool {
+        self.changed.load(Ordering::Acquire)
     }
 
-    /// Stop watching, then free the flag.
+    /// Whether the header changed since the flag was last taken; lowers it.
+    pub fn take(&self) -> bool {
+        self.changed.swap(false, Ordering::AcqRel)
+    }
+
+    /// Raise the flag again: a change taken but not dealt with (the new
+    /// size could not be read) must be seen by the next look.
+    pub fn raise(&self) {
+        self.changed.store(true, Ordering::Release);
+    }
+
+    /// Stop watching, then free librbd's reference to the flag.
     ///
     /// # Safety
-    /// `image` is the open image this was registered on, and no other
-    /// copy of this watch is used afterwards.
+    /// `image` is the open image this was registered on.
     pub unsafe fn unregister(self, lib: &'static Library, image: ImageT) {
         // SAFETY: the caller's contract; librbd waits for a callback in
         // progress before it returns.
         let rc = unsafe { (lib.rbd_update_unwatch)(image, self.handle) };
         if rc < 0 {
-            // librbd may still call back: leave the flag to it.
+            // librbd may still call back: its reference stays (leaked).
             tracing::warn!(error = %errno_error(rc as isize), "cannot stop watching the RBD image's header");
             return;
         }
-        // SAFETY: from `into_raw` in `register`; librbd no longer has it.
-        drop(unsafe { Arc::from_raw(self.changed) });
+        // SAFETY: librbd's reference, from `into_raw` in `register`; it
+        // no longer has it, and this runs once (`self` is consumed).
+        drop(unsafe { Arc::from_raw(Arc::as_ptr(&self.changed)) });
     }
 }
