@@ -18,7 +18,10 @@
 //! 5. with cairn stopped, another cache is still refused: the image's
 //!    metadata holds this cache's claim; removed by hand, this cache is
 //!    refused too until it is set again;
-//! 6. the image deleted and made again under its name is refused.
+//! 6. the image deleted and made again under its name is refused;
+//! 7. an image in a namespace of the pool (`rbd:POOL/NAMESPACE/IMAGE`):
+//!    a missing namespace is named, and the namespace's image, not the
+//!    default one of the same name, is claimed and written back.
 //!
 //! Needs ceph-mon, ceph-osd, ceph-mgr, ceph, rbd (Debian's ceph packages),
 //! fio and nbdcopy; skips without them, fails under CI=true.
@@ -342,4 +345,60 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);
     let refused = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
     assert_clean_failure(&refused, &["formatted for origin"]);
+
+    // 7. An image in a namespace of the pool, named like the one above.
+    image_in_a_namespace(&ctx, &ceph);
+}
+
+/// `rbd:POOL/NAMESPACE/IMAGE`: the namespace's image is the one written,
+/// claimed and checked, not the default namespace's image of that name.
+fn image_in_a_namespace(ctx: &Ctx, ceph: &CephCluster) {
+    let missing = ceph.spec("nosuch/vol");
+    let cache = ctx.file("ns-cache.img", 32 * MIB);
+    let refused = ctx.cairn(&[
+        "format",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--origin",
+        &missing,
+    ]);
+    assert_clean_failure(&refused, &["namespace \"nosuch\"", "rbd namespace ls rbd"]);
+    ceph.rbd(&["namespace", "create", "rbd/tenant"]);
+    ceph.rbd(&["create", "--size", "64M", "rbd/tenant/vol"]);
+    let spec = ceph.spec("tenant/vol");
+    ctx.format(&cache, &spec, &[]);
+    let st = ctx.status(&cache);
+    assert!(
+        st["origin"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("rbd:rbd/tenant/vol?"),
+        "the identity names the namespace: {st}"
+    );
+    let claim = stdout(&ceph.rbd(&["image-meta", "get", "rbd/tenant/vol", "cairn.cache"]));
+    assert!(
+        claim.contains("ns-cache.img"),
+        "claimed in the namespace: {claim:?}"
+    );
+    let sock = ctx.path("ns.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let data = pattern(0x77, MIB as usize);
+    nbd_write(&uri, 3 * MIB, &data, true);
+    wait_drained(ctx, &cache);
+    server.terminate();
+    let path = ctx.path("export-ns.img");
+    ceph.rbd(&["export", "rbd/tenant/vol", &path.to_string_lossy()]);
+    let export = std::fs::read(&path).unwrap();
+    assert_eq!(export.len() as u64, 64 * MIB);
+    assert_same_bytes(
+        "the namespace's image holds the write",
+        &export[(3 * MIB) as usize..(4 * MIB) as usize],
+        &data,
+    );
+    let default_ns = image_export(ctx, ceph, "export-default-ns.img");
+    assert!(
+        default_ns[(3 * MIB) as usize..(4 * MIB) as usize] != data[..],
+        "the default namespace's image of the same name is untouched"
+    );
 }

@@ -33,7 +33,7 @@ const MAX_STUCK_OPS: u64 = 4096;
 /// An RBD image as a device (see the module documentation).
 pub struct RbdDevice {
     name: String,
-    /// `POOL/IMAGE`, as the `rbd` command names it in advice.
+    /// `POOL/[NAMESPACE/]IMAGE`, as the `rbd` command names it in advice.
     image_path: String,
     identity: String,
     size_bytes: u64,
@@ -60,7 +60,7 @@ struct Pending {
 }
 
 impl RbdDevice {
-    /// Open `spec` (`rbd:POOL/IMAGE[?conf=..&id=..&keyring=..&timeout=..]`).
+    /// Open `spec` (`rbd:POOL/[NAMESPACE/]IMAGE[?conf=..&id=..&keyring=..&timeout=..]`).
     /// With [`OpenMode::Exclusive`] the image's exclusive lock is taken and
     /// held until the device is dropped; another holder makes this fail
     /// with an error naming it.
@@ -95,7 +95,7 @@ impl RbdDevice {
         let size_bytes = handles.size_bytes().map_err(describe)?;
         let id = handles.id().map_err(describe)?;
         tracing::debug!(device = %name, id = %id, size_bytes, "opened RBD image");
-        let image_path = format!("{}/{}", parsed.pool, parsed.image);
+        let image_path = parsed.image_path();
         Ok(RbdDevice {
             identity: format!("{parsed}#{id}"),
             size_check: Arc::new(SizeCheck::new(image_path.clone(), size_bytes)),

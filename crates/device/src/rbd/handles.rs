@@ -201,6 +201,12 @@ impl Handles {
             handles.ioctx = std::ptr::null_mut();
             return Err(failed(rc, format!("cannot open pool {:?}", spec.pool)));
         }
+        if let Some(namespace) = &spec.namespace {
+            let namespace = c_string("namespace name", namespace)?;
+            // SAFETY: live pool context, NUL-terminated name (copied by
+            // librados).
+            unsafe { (lib.rados_ioctx_set_namespace)(handles.ioctx, namespace.as_ptr()) };
+        }
         let image = c_string("image name", &spec.image)?;
         // SAFETY: live pool context, NUL-terminated name, out-parameter;
         // NULL snapshot: the image head, writable.
@@ -216,7 +222,13 @@ impl Handles {
             handles.image = std::ptr::null_mut();
             return Err(failed(
                 rc,
-                format!("cannot open image {:?} in pool {:?}", spec.image, spec.pool),
+                match &spec.namespace {
+                    Some(namespace) => format!(
+                        "cannot open image {:?} in namespace {namespace:?} of pool {:?} (`rbd namespace ls {}` lists the namespaces)",
+                        spec.image, spec.pool, spec.pool
+                    ),
+                    None => format!("cannot open image {:?} in pool {:?}", spec.image, spec.pool),
+                },
             ));
         }
         Ok(())

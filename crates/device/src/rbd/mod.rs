@@ -1,6 +1,6 @@
 //! A Ceph RBD image as a device, so the origin can be distributed storage.
 //!
-//! Spec: `rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]` ([`spec`]).
+//! Spec: `rbd:POOL/[NAMESPACE/]IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]` ([`spec`]).
 //! The cluster's configuration is the `conf` file, else librados' search
 //! (`$CEPH_CONF`, `/etc/ceph/ceph.conf`); `CEPH_ARGS` is honoured too, after
 //! the file, so `CEPH_ARGS="--rados_osd_op_timeout 5"` shortens the default

@@ -50,7 +50,7 @@ pub(super) enum Caller {
 
 /// The volume's size and the image's size as last seen.
 pub(super) struct SizeCheck {
-    /// `POOL/IMAGE`, for the advice.
+    /// `POOL/[NAMESPACE/]IMAGE`, for the advice.
     image_path: String,
     volume_bytes: u64,
     seen_bytes: AtomicU64,

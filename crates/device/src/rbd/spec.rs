@@ -1,5 +1,6 @@
-//! `rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]`: which image, and
-//! how to reach its cluster.
+//! `rbd:POOL/[NAMESPACE/]IMAGE[?conf=PATH&id=CLIENT&keyring=PATH]`: which
+//! image, and how to reach its cluster. The path is written as the `rbd`
+//! command writes it.
 
 use std::fmt;
 
@@ -7,6 +8,9 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RbdSpec {
     pub pool: String,
+    /// The pool's namespace (`rbd namespace create POOL/NAMESPACE`);
+    /// `None`: the pool's default one.
+    pub namespace: Option<String>,
     pub image: String,
     /// The cluster configuration file; `None`: librados' own search
     /// (`$CEPH_CONF`, `/etc/ceph/ceph.conf`, ...).
@@ -48,16 +52,18 @@ impl RbdSpec {
             Some((path, query)) => (path, Some(query)),
             None => (rest, None),
         };
-        let usage = "expected rbd:POOL/IMAGE[?conf=PATH&id=CLIENT&keyring=PATH&timeout=SECS]";
-        let (pool, image) = path
-            .split_once('/')
-            .ok_or_else(|| format!("{spec:?}: no image name; {usage}"))?;
-        if pool.is_empty() || image.is_empty() {
-            return Err(format!("{spec:?}: empty pool or image name; {usage}"));
-        }
-        if image.contains('/') {
+        let usage =
+            "expected rbd:POOL/[NAMESPACE/]IMAGE[?conf=PATH&id=CLIENT&keyring=PATH&timeout=SECS]";
+        let parts: Vec<&str> = path.split('/').collect();
+        let (pool, namespace, image) = match parts[..] {
+            [pool, image] => (pool, None, image),
+            [pool, namespace, image] => (pool, Some(namespace), image),
+            [_] => return Err(format!("{spec:?}: no image name; {usage}")),
+            _ => return Err(format!("{spec:?}: too many '/' in the image path; {usage}")),
+        };
+        if pool.is_empty() || image.is_empty() || namespace.is_some_and(str::is_empty) {
             return Err(format!(
-                "{spec:?}: RBD namespaces are not supported; {usage}"
+                "{spec:?}: empty pool, namespace or image name; {usage}"
             ));
         }
         if image.contains('@') {
@@ -65,13 +71,18 @@ impl RbdSpec {
                 "{spec:?}: a snapshot is read-only and cannot be an origin; {usage}"
             ));
         }
-        for (what, name) in [("pool", pool), ("image", image)] {
+        for (what, name) in [
+            ("pool", pool),
+            ("namespace", namespace.unwrap_or("")),
+            ("image", image),
+        ] {
             if name.bytes().any(|b| b == 0 || b.is_ascii_control()) {
                 return Err(format!("{spec:?}: the {what} name has control characters"));
             }
         }
         let mut parsed = RbdSpec {
             pool: pool.to_string(),
+            namespace: namespace.map(str::to_string),
             image: image.to_string(),
             conf: None,
             id: None,
@@ -140,9 +151,17 @@ impl RbdSpec {
         std::time::Duration::from_secs(self.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS))
     }
 
-    /// `rbd:POOL/IMAGE`, without the connection parameters.
+    /// `POOL/[NAMESPACE/]IMAGE`, as the `rbd` command names the image.
+    pub fn image_path(&self) -> String {
+        match &self.namespace {
+            Some(namespace) => format!("{}/{namespace}/{}", self.pool, self.image),
+            None => format!("{}/{}", self.pool, self.image),
+        }
+    }
+
+    /// `rbd:POOL/[NAMESPACE/]IMAGE`, without the connection parameters.
     pub fn image_name(&self) -> String {
-        format!("{RBD_PREFIX}{}/{}", self.pool, self.image)
+        format!("{RBD_PREFIX}{}", self.image_path())
     }
 }
 
@@ -183,6 +202,14 @@ mod tests {
         assert_eq!(s.timeout_secs, Some(5));
         assert_eq!(s.to_string(), full.trim_end_matches("&timeout=5"));
         assert_eq!(s.image_name(), "rbd:pool/img");
+        assert_eq!(s.namespace, None);
+        let s = RbdSpec::parse("rbd:pool/tenant/img?conf=/c").unwrap();
+        assert_eq!(
+            (s.pool.as_str(), s.namespace.as_deref(), s.image.as_str()),
+            ("pool", Some("tenant"), "img")
+        );
+        assert_eq!(s.image_path(), "pool/tenant/img");
+        assert_eq!(s.to_string(), "rbd:pool/tenant/img?conf=/c");
         assert!(RbdSpec::is_rbd("RBD:x/y"));
         assert!(!RbdSpec::is_rbd("/dev/rbd0"));
     }
@@ -193,7 +220,9 @@ mod tests {
             ("rbd:pool", "no image"),
             ("rbd:/img", "empty"),
             ("rbd:pool/", "empty"),
-            ("rbd:pool/ns/img", "namespaces"),
+            ("rbd:pool/ns/img/x", "too many '/'"),
+            ("rbd:pool//img", "empty pool, namespace"),
+            ("rbd:pool/ns/img@snap", "snapshot"),
             ("rbd:pool/img@snap", "snapshot"),
             ("rbd:pool/img?conf", "no value"),
             ("rbd:pool/img?conf=", "empty"),
