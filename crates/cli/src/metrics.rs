@@ -60,6 +60,10 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
             Box::new(|v| Some(u64::from(v.origin_error.is_some()))),
         ),
         (
+            "origin_fenced",
+            Box::new(|v| Some(u64::from(v.origin_fenced))),
+        ),
+        (
             "dirty_share_pct",
             Box::new(|v| Some(u64::from(v.dirty_share_pct))),
         ),
@@ -165,6 +169,7 @@ pub fn render_metrics(
         ("cache_degrading", s.degrading as u64),
         ("cache_failed", s.failed as u64),
         ("origin_failing", s.origin_failing as u64),
+        ("origin_fenced", s.origin_fenced as u64),
     ] {
         let _ = writeln!(out, "# TYPE cairn_{name} gauge\ncairn_{name} {value}");
     }

@@ -43,7 +43,9 @@ pub fn volumes_json(
                 json!(e.dirty_share_pct.is_none()),
             );
             m.insert("dirty_limit_blocks".into(), json!(v.dirty_limit_blocks));
-            let origin = if v.origin_error.is_some() {
+            let origin = if v.origin_fenced {
+                "fenced"
+            } else if v.origin_error.is_some() {
                 "failing"
             } else {
                 "ok"
@@ -85,7 +87,13 @@ pub fn status_json(
     m.insert("format_version".into(), json!(sb.version()));
     m.insert(
         "origin_state".into(),
-        json!(if s.origin_failing { "failing" } else { "ok" }),
+        json!(if s.origin_fenced {
+            "fenced"
+        } else if s.origin_failing {
+            "failing"
+        } else {
+            "ok"
+        }),
     );
     m.insert("block_size_bytes".into(), json!(s.block_size_bytes));
     m.insert("volume_size_bytes".into(), json!(s.volume_size_bytes));

@@ -15,11 +15,15 @@
 //!    out for the lock's holder): writes are absorbed and held, status
 //!    says what happened and how to undo it; grown back, write-back
 //!    drains and the image holds every write;
-//! 5. with cairn stopped, another cache is still refused: the image's
+//! 5. the cluster blocklists cairn's client while it serves (as when
+//!    another client breaks its lock): the writes acknowledged before are
+//!    kept, new ones fail with EIO, status says the origin is fenced; a
+//!    restart writes the kept ones back;
+//! 6. with cairn stopped, another cache is still refused: the image's
 //!    metadata holds this cache's claim; removed by hand, this cache is
 //!    refused too until it is set again;
-//! 6. the image deleted and made again under its name is refused;
-//! 7. an image in a namespace of the pool (`rbd:POOL/NAMESPACE/IMAGE`):
+//! 7. the image deleted and made again under its name is refused;
+//! 8. an image in a namespace of the pool (`rbd:POOL/NAMESPACE/IMAGE`):
 //!    a missing namespace is named, and the namespace's image, not the
 //!    default one of the same name, is claimed and written back.
 //!
@@ -204,6 +208,65 @@ fn image_shrunk_while_serving(
     );
 }
 
+/// `rbd status` names cairn's client as `watcher=ADDR client.N ...`; the
+/// cluster blocklists that address, as it does a client whose lock another
+/// client broke. cairn keeps what it acknowledged, refuses new writes
+/// (EIO) and says so; a restart (a new client) writes the kept ones back.
+fn blocklisted_while_serving(
+    ctx: &Ctx,
+    ceph: &CephCluster,
+    cache: &std::path::Path,
+    serve_args: &[&str],
+) {
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(cache, &sock, serve_args);
+    let uri = server.uri();
+    wait_drained(ctx, cache);
+    let status = stdout(&ceph.rbd(&["status", "rbd/vol"]));
+    let watcher = status
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("watcher="))
+        .unwrap_or_else(|| panic!("cairn watches the image: {status}"))
+        .to_string();
+    ceph.ceph(&["osd", "blocklist", "add", &watcher]);
+    let kept = pattern(0x51, MIB as usize);
+    nbd_write(&uri, 40 * MIB, &kept, true);
+    let fenced = eventually(Duration::from_secs(60), || {
+        ctx.status(cache)["origin_state"] == "fenced"
+    });
+    let st = ctx.status(cache);
+    assert!(fenced, "status says the origin fenced cairn: {st}");
+    assert_eq!(st["volumes"][0]["origin_state"], "fenced", "{st}");
+    assert!(
+        st["volumes"][0]["origin_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("blocklisted this client")),
+        "{st}"
+    );
+    let refused = try_nbd_write(&uri, 44 * MIB, &pattern(0x52, MIB as usize), true);
+    assert!(
+        !refused.status.success() && describe(&refused).contains("EIO"),
+        "a write after the fence fails with EIO: {}",
+        describe(&refused)
+    );
+    assert!(u64_of(&ctx.status(cache), "fenced_refusals") > 0);
+    assert_eq!(nbd_read(&uri, 40 * MIB, MIB as usize), kept, "reads go on");
+    server.terminate();
+    let mut server = ctx.serve(cache, &sock, serve_args);
+    wait_drained(ctx, cache);
+    assert_eq!(ctx.status(cache)["origin_state"], "ok");
+    let volume = volume_image(ctx, &server.uri(), "volume-fenced.img");
+    server.terminate();
+    ceph.ceph(&["osd", "blocklist", "rm", &watcher]);
+    let export = image_export(ctx, ceph, "export-fenced.img");
+    assert_same_bytes("rbd export after the restart", &export, &volume);
+    assert_same_bytes(
+        "the write acknowledged before the fence",
+        &export[(40 * MIB) as usize..(41 * MIB) as usize],
+        &kept,
+    );
+}
+
 #[test]
 fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     if !require_ceph("origin_rbd") || !require_tools("origin_rbd", &["fio", "nbdcopy"]) {
@@ -304,7 +367,10 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     // 4. Another client shrinks the image while cairn serves it.
     image_shrunk_while_serving(&ctx, &ceph, &cache, &serve_args);
 
-    // 5. The image is this cache's from format on, served or not: Ceph
+    // 5. The cluster blocklists cairn while it serves.
+    blocklisted_while_serving(&ctx, &ceph, &cache, &serve_args);
+
+    // 6. The image is this cache's from format on, served or not: Ceph
     //    hands its exclusive lock to the next client once a crashed
     //    holder's watch times out, and a second cache writing there would
     //    be rolled back by this one's replay. With cairn stopped, another
@@ -339,14 +405,14 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     let st = ctx.status(&cache);
     assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
 
-    // 6. An image deleted and made again under the same name is another
+    // 7. An image deleted and made again under the same name is another
     //    origin: its id differs, and the cache refuses it.
     ceph.rbd(&["rm", "rbd/vol"]);
     ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);
     let refused = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
     assert_clean_failure(&refused, &["formatted for origin"]);
 
-    // 7. An image in a namespace of the pool, named like the one above.
+    // 8. An image in a namespace of the pool, named like the one above.
     image_in_a_namespace(&ctx, &ceph);
 }
 

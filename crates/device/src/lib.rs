@@ -314,6 +314,15 @@ pub trait Device: Send + Sync {
         false
     }
 
+    /// Why the backend refuses this process for good, if it does: a
+    /// distributed store that fenced it (Ceph blocklists a client whose
+    /// lock another client broke) takes nothing from it until it is
+    /// restarted, while another client may write there. The engine then
+    /// stops taking writes for the volume (see the engine's fence).
+    fn fenced(&self) -> Option<String> {
+        None
+    }
+
     /// Make the range read back as zeroes.
     fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
         const CHUNK: u64 = 1 << 20;

@@ -131,6 +131,9 @@ struct SimState {
     /// `None`: claims are accepted and not kept (as a file origin does);
     /// `Some(stored)`: the device keeps a claim as an RBD image does.
     claims: Option<Option<String>>,
+    /// Set by [`SimDevice::fence`]: every operation fails, for good, and
+    /// [`Device::fenced`] says why (as a blocklisted RBD client).
+    fenced: Option<String>,
 }
 
 /// One device event, as recorded in a [`Journal`].
@@ -207,6 +210,7 @@ impl SimDevice {
                 discard_zeroes: true,
                 journal: None,
                 claims: None,
+                fenced: None,
             })),
             name: name.to_string(),
             size_bytes,
@@ -226,6 +230,13 @@ impl SimDevice {
     /// Replace the kept claim, as an operator or another cache would.
     pub fn set_stored_claim(&self, value: Option<String>) {
         self.lock().claims = Some(value);
+    }
+
+    /// Fence this process out, as a Ceph cluster blocklists a client whose
+    /// lock another one broke: every later operation fails, and
+    /// [`Device::fenced`] gives `why`. Not undone (a restart would be).
+    pub fn fence(&self, why: &str) {
+        self.lock().fenced = Some(why.to_string());
     }
 
     fn lock(&self) -> MutexGuard<'_, SimState> {
@@ -341,7 +352,7 @@ impl SimDevice {
                 }
             }
         }
-        if hit {
+        if hit || s.fenced.is_some() {
             s.injected_failures += 1;
             return Err(DeviceError::Injected {
                 device: s.name.clone(),
@@ -401,6 +412,10 @@ pub fn build_crash_image(
 impl Device for SimDevice {
     fn backend(&self) -> &'static str {
         "sim"
+    }
+
+    fn fenced(&self) -> Option<String> {
+        self.lock().fenced.clone()
     }
 
     fn name(&self) -> &str {

@@ -260,6 +260,17 @@ impl Engine {
     /// and return where `offset` is in the key space every part of the
     /// engine below the entry points works in (block `key` at byte
     /// `key * block_size_bytes`; see `cairn_format::block_key`).
+    /// A volume whose origin fenced this process takes no new data: it
+    /// would be acknowledged while another client writes the origin, and
+    /// written over that client's data after a restart. Reads go on.
+    fn refuse_if_fenced(&self, volume: u16) -> EngineResult<()> {
+        if self.env.health.origin_fenced(volume) {
+            Counters::add(&self.env.counters.fenced_refusals, 1);
+            return Err(EngineError::OriginFenced { volume_id: volume });
+        }
+        Ok(())
+    }
+
     fn key_offset(&self, volume: u16, offset: u64, length_bytes: u64) -> EngineResult<u64> {
         // A volume being removed takes no new request.
         let size_bytes = self
@@ -508,6 +519,7 @@ impl Engine {
         fua: bool,
     ) -> EngineResult<()> {
         let offset = self.key_offset(volume, offset, data.len() as u64)?;
+        self.refuse_if_fenced(volume)?;
         let c = &self.env.counters;
         Counters::add(&c.writes, 1);
         Counters::add(&c.write_bytes, data.len() as u64);
@@ -686,6 +698,7 @@ impl Engine {
         kind: RangeKind,
     ) -> EngineResult<()> {
         let mut offset = self.key_offset(volume, offset, length_bytes)?;
+        self.refuse_if_fenced(volume)?;
         let mut length_bytes = length_bytes;
         if length_bytes == 0 {
             return Ok(());
@@ -749,6 +762,7 @@ impl Engine {
         kind: RangeKind,
     ) -> EngineResult<()> {
         let offset = self.key_offset(volume, offset, length_bytes)?;
+        self.refuse_if_fenced(volume)?;
         if length_bytes == 0 {
             return Ok(());
         }
@@ -1173,6 +1187,11 @@ impl Engine {
         s.index_memory_bytes = index.memory_bytes() as u64;
         s.writeback_paused = writeback.paused();
         s.origin_failing = writeback.origin_failing();
+        s.origin_fenced = env
+            .origins
+            .all()
+            .iter()
+            .any(|o| env.health.origin_fenced(o.id));
         s.mode = policy.mode().name();
         s.policy_memory_bytes = policy.memory_bytes() as u64;
         s.failed = env.health.is_failed();

@@ -141,6 +141,8 @@ pub enum EngineError {
     },
     /// A write found no room in the cache, and the write-back that must
     /// make some kept failing for as long as writers wait.
+    #[error("volume {volume_id}'s origin fenced this cairn (another client took it over): new writes are refused until cairn is restarted; the writes acknowledged before stay in the cache")]
+    OriginFenced { volume_id: u16 },
     #[error("no room in the cache for this write: the write-back that must make room keeps failing ({cause}); writes go on once the origin takes data again")]
     NoSpace { cause: String },
 }

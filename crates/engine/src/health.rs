@@ -48,6 +48,9 @@ pub(crate) struct Health {
     /// the head, where they could not be reclaimed before the origin is
     /// back and would take the room its writes need.
     origins_failing: AtomicU32,
+    /// The volumes whose origin fenced this process (one bit per id, see
+    /// `Device::fenced`): their writes are refused until a restart.
+    origins_fenced: AtomicU32,
     reasons: Mutex<Reasons>,
 }
 
@@ -72,6 +75,24 @@ impl Health {
         } else {
             self.origins_failing.fetch_and(!bit, Ordering::SeqCst);
         }
+    }
+
+    /// Volume `id`'s origin fenced this process (`true`), or the id starts
+    /// afresh with another volume (`false`).
+    pub(crate) fn set_origin_fenced(&self, id: u16, fenced: bool) {
+        assert!((id as usize) < cairn_format::VOLUMES_MAX);
+        let bit = 1u32 << id;
+        if fenced {
+            self.origins_fenced.fetch_or(bit, Ordering::SeqCst);
+        } else {
+            self.origins_fenced.fetch_and(!bit, Ordering::SeqCst);
+        }
+    }
+
+    /// Has volume `id`'s origin fenced this process?
+    pub(crate) fn origin_fenced(&self, id: u16) -> bool {
+        (id as usize) < cairn_format::VOLUMES_MAX
+            && self.origins_fenced.load(Ordering::SeqCst) & (1u32 << id) != 0
     }
 
     /// Is volume `id`'s origin failing write-back?

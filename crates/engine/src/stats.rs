@@ -35,6 +35,9 @@ macro_rules! counters {
             pub writeback_paused: bool,
             /// Write-back to the origin is failing (retrying with backoff).
             pub origin_failing: bool,
+            /// An origin fenced this process: its volume takes no writes
+            /// until a restart (see `Device::fenced`).
+            pub origin_fenced: bool,
             pub failed: bool,
             /// A cache write failed for good and the switch to degraded
             /// mode has not completed yet (it is retried, see `degrade`).
@@ -124,6 +127,7 @@ counters!(
     writeback_requests,
     writeback_request_steps,
     no_space_refusals,
+    fenced_refusals,
     cache_barriers,
     flush_barriers,
     group_commit_joins,

@@ -16,6 +16,8 @@ pub struct VolumeStatus {
     /// The last error of this volume's origin while write-back to it keeps
     /// failing (the other volumes' write-back goes on meanwhile).
     pub origin_error: Option<String>,
+    /// Its origin fenced this process: it takes no writes until a restart.
+    pub origin_fenced: bool,
     /// The share of the log this volume's dirty data may hold while other
     /// volumes use the cache: its own setting or the default, in percent.
     pub dirty_share_pct: u8,
@@ -44,6 +46,7 @@ pub(crate) fn statuses(p: Parts<'_>) -> Vec<VolumeStatus> {
                     .volume_writeback_position(entry.id)
                     .unwrap_or_else(|| st.log.writeback_position()),
                 origin_error: p.writeback.volume_origin_error(entry.id),
+                origin_fenced: p.env.health.origin_fenced(entry.id),
                 dirty_share_pct: entry.dirty_share_pct.unwrap_or_else(|| {
                     crate::write::default_dirty_share_pct(st.volumes.volumes().len())
                 }),

@@ -203,6 +203,7 @@ impl Writeback {
                 assert!(applied.failed.is_empty());
                 self.health.failed(id, &name, &e.to_string());
                 env.health.set_origin_failing(id, true);
+                note_fence(env, id, &name);
                 Err(e)
             }
             None => Ok(progress),
@@ -376,4 +377,20 @@ struct Step {
     start: u64,
     limit: u64,
     slot_count: u64,
+}
+
+/// After a failed step: if volume `id`'s origin fenced this process, stop
+/// taking the volume's writes (see `Engine::refuse_if_fenced`).
+fn note_fence(env: &Env, id: u16, name: &str) {
+    let Some(why) = env.origins.get(id).and_then(|o| o.device().fenced()) else {
+        return;
+    };
+    if !env.health.origin_fenced(id) {
+        tracing::error!(
+            volume = name,
+            id,
+            "the origin fenced this cairn: new writes to the volume are refused (EIO) until cairn is restarted; the writes acknowledged before stay in the cache and are written back after the restart. {why}"
+        );
+    }
+    env.health.set_origin_fenced(id, true);
 }

@@ -266,9 +266,11 @@ fn print_table(volumes: &Value) -> Result<()> {
             v["mode"].as_str().unwrap_or("?"),
             n("dirty_blocks"),
             n("clean_blocks"),
-            // A failing origin shows in the state: its write-back waits.
+            // A failing or fenced origin shows in the state: its
+            // write-back waits (fenced: until a restart).
             match v["origin_state"].as_str() {
                 Some("failing") => "failing",
+                Some("fenced") => "fenced",
                 _ => v["state"].as_str().unwrap_or("?"),
             },
             v["origin"].as_str().unwrap_or("?")

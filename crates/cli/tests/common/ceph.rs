@@ -71,6 +71,16 @@ impl CephCluster {
         out
     }
 
+    /// `ceph ARGS` against this cluster, which must succeed.
+    pub fn ceph(&self, args: &[&str]) -> Output {
+        let out = run(
+            Command::new("ceph").env("CEPH_CONF", &self.conf).args(args),
+            CLUSTER_TIMEOUT,
+        );
+        assert!(out.status.success(), "ceph {args:?}: {}", describe(&out));
+        out
+    }
+
     /// The origin spec of `pool/image` on this cluster.
     pub fn spec(&self, image: &str) -> String {
         format!("rbd:rbd/{image}?conf={}", self.conf.display())

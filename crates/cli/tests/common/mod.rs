@@ -752,15 +752,7 @@ h.shutdown()
 /// Write `data` at `offset` through NBD (python3-libnbd), then FLUSH if
 /// asked.
 pub fn nbd_write(uri: &str, offset: u64, data: &[u8], flush: bool) {
-    let mut cmd = Command::new(python());
-    cmd.args([
-        "-c",
-        PY_WRITE,
-        uri,
-        &offset.to_string(),
-        if flush { "1" } else { "0" },
-    ]);
-    let out = run_with_input(&mut cmd, data, TOOL_TIMEOUT);
+    let out = try_nbd_write(uri, offset, data, flush);
     assert!(
         out.status.success(),
         "nbd write at {offset} failed: {}",
@@ -778,6 +770,19 @@ pub fn nbd_read(uri: &str, offset: u64, len: usize) -> Vec<u8> {
     );
     assert_eq!(out.stdout.len(), len, "short NBD read");
     out.stdout
+}
+
+/// [`nbd_write`], whatever its outcome.
+pub fn try_nbd_write(uri: &str, offset: u64, data: &[u8], flush: bool) -> Output {
+    let mut cmd = Command::new(python());
+    cmd.args([
+        "-c",
+        PY_WRITE,
+        uri,
+        &offset.to_string(),
+        if flush { "1" } else { "0" },
+    ]);
+    run_with_input(&mut cmd, data, TOOL_TIMEOUT)
 }
 
 pub fn try_nbd_read(uri: &str, offset: u64, len: usize) -> Output {

@@ -21,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use super::blocklisted::Blocklisted;
 use super::library::{CompletionT, Library};
 
 /// Ops given up on whose librbd call has not finished yet.
@@ -263,9 +264,7 @@ pub(super) fn errno_error(rc: isize) -> io::Error {
     let errno = (-rc).clamp(1, i32::MAX as isize) as i32;
     if errno == libc::ESHUTDOWN {
         // librbd's EBLOCKLISTED: the cluster fenced this client, for good.
-        return io::Error::other(
-            "the Ceph cluster blocklisted this client: another client took the image's lock while cairn was frozen or cut off, and nothing this process sends reaches the image again. Writes absorbed since stay in the cache; stop the other client, then restart cairn",
-        );
+        return io::Error::other(Blocklisted);
     }
     io::Error::from_raw_os_error(errno)
 }

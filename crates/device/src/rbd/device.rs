@@ -2,12 +2,13 @@
 
 use std::ffi::{c_int, c_void};
 use std::io;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cairn_io::{first_of, Either, Reactor};
 
+use super::blocklisted::Blocklisted;
 use super::completion::{errno_error, AioOp, Stuck};
 use super::handles::Handles;
 use super::library::{library, CompletionT, ImageT, Library};
@@ -49,6 +50,8 @@ pub struct RbdDevice {
     /// Allocation asks the OSDs, which see only what librbd's cache has
     /// flushed: it flushes first when a write is not yet.
     flush_debt: FlushDebt,
+    /// The cluster blocklisted this client (see [`Device::fenced`]).
+    blocklisted: AtomicBool,
 }
 
 /// One op of a batch, with what its caller needs to judge and use it.
@@ -107,10 +110,14 @@ impl RbdDevice {
             timeout: parsed.timeout(),
             stuck: Arc::new(Stuck::default()),
             flush_debt: FlushDebt::default(),
+            blocklisted: AtomicBool::new(false),
         })
     }
 
     fn io_error(&self, offset: u64, len: u64, source: io::Error) -> DeviceError {
+        if Blocklisted::is(&source) {
+            self.blocklisted.store(true, Ordering::Release);
+        }
         DeviceError::Io {
             device: self.name.clone(),
             offset,
@@ -510,6 +517,12 @@ impl Device for RbdDevice {
     /// anything else reads as zeroes. Asked of the OSDs, after a flush when
     /// a write is still in librbd's cache.
     /// A question to the server, over the network.
+    fn fenced(&self) -> Option<String> {
+        self.blocklisted
+            .load(Ordering::Acquire)
+            .then(|| Blocklisted.to_string())
+    }
+
     fn allocation_may_wait(&self) -> bool {
         true
     }

@@ -25,6 +25,7 @@
 //! against the lock, is noticed through a header watch ([`update_watch`]);
 //! a shrunk image takes no writes ([`size_check`]).
 
+mod blocklisted;
 mod claim;
 mod closing;
 mod completion;

@@ -143,6 +143,7 @@ fn start_serving(p: Parts<'_>, origin: Arc<dyn Device>, entry: &VolumeEntry, mod
     let id = entry.id;
     p.writeback.forget_volume(id);
     p.env.health.set_origin_failing(id, false);
+    p.env.health.set_origin_fenced(id, false);
     p.policy.set_mode_of(id, mode);
     p.env.origins.insert(VolumeOrigin::new(
         id,
@@ -298,6 +299,7 @@ fn forget_locked(
     }
     p.writeback.forget_volume(entry.id);
     p.env.health.set_origin_failing(entry.id, false);
+    p.env.health.set_origin_fenced(entry.id, false);
     let origin = env.origins.remove(entry.id);
     p.policy.set_mode_of(entry.id, CacheMode::WriteBack);
     tracing::info!(volume = entry.name, id = entry.id, "volume removed");
