@@ -30,6 +30,10 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 30;
 /// The longest `timeout=` accepted.
 pub const MAX_TIMEOUT_SECS: u64 = 3600;
 
+/// The spec's form, for errors.
+const USAGE: &str =
+    "expected rbd:POOL/[NAMESPACE/]IMAGE[?conf=PATH&id=CLIENT&keyring=PATH&timeout=SECS]";
+
 /// The prefix that marks an RBD origin.
 pub const RBD_PREFIX: &str = "rbd:";
 
@@ -52,34 +56,7 @@ impl RbdSpec {
             Some((path, query)) => (path, Some(query)),
             None => (rest, None),
         };
-        let usage =
-            "expected rbd:POOL/[NAMESPACE/]IMAGE[?conf=PATH&id=CLIENT&keyring=PATH&timeout=SECS]";
-        let parts: Vec<&str> = path.split('/').collect();
-        let (pool, namespace, image) = match parts[..] {
-            [pool, image] => (pool, None, image),
-            [pool, namespace, image] => (pool, Some(namespace), image),
-            [_] => return Err(format!("{spec:?}: no image name; {usage}")),
-            _ => return Err(format!("{spec:?}: too many '/' in the image path; {usage}")),
-        };
-        if pool.is_empty() || image.is_empty() || namespace.is_some_and(str::is_empty) {
-            return Err(format!(
-                "{spec:?}: empty pool, namespace or image name; {usage}"
-            ));
-        }
-        if image.contains('@') {
-            return Err(format!(
-                "{spec:?}: a snapshot is read-only and cannot be an origin; {usage}"
-            ));
-        }
-        for (what, name) in [
-            ("pool", pool),
-            ("namespace", namespace.unwrap_or("")),
-            ("image", image),
-        ] {
-            if name.bytes().any(|b| b == 0 || b.is_ascii_control()) {
-                return Err(format!("{spec:?}: the {what} name has control characters"));
-            }
-        }
+        let (pool, namespace, image) = parse_path(spec, path)?;
         let mut parsed = RbdSpec {
             pool: pool.to_string(),
             namespace: namespace.map(str::to_string),
@@ -92,7 +69,7 @@ impl RbdSpec {
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair
                 .split_once('=')
-                .ok_or_else(|| format!("{spec:?}: parameter {pair:?} has no value; {usage}"))?;
+                .ok_or_else(|| format!("{spec:?}: parameter {pair:?} has no value; {USAGE}"))?;
             if value.contains('?') {
                 return Err(format!(
                     "{spec:?}: parameter {key:?} has a '?' in its value; separate parameters with '&' (rbd:POOL/IMAGE?conf=PATH&id=CLIENT)"
@@ -163,6 +140,40 @@ impl RbdSpec {
     pub fn image_name(&self) -> String {
         format!("{RBD_PREFIX}{}", self.image_path())
     }
+}
+
+/// `POOL/[NAMESPACE/]IMAGE` of `spec`: its parts, each checked.
+fn parse_path<'a>(
+    spec: &str,
+    path: &'a str,
+) -> Result<(&'a str, Option<&'a str>, &'a str), String> {
+    let parts: Vec<&str> = path.split('/').collect();
+    let (pool, namespace, image) = match parts[..] {
+        [pool, image] => (pool, None, image),
+        [pool, namespace, image] => (pool, Some(namespace), image),
+        [_] => return Err(format!("{spec:?}: no image name; {USAGE}")),
+        _ => return Err(format!("{spec:?}: too many '/' in the image path; {USAGE}")),
+    };
+    if pool.is_empty() || image.is_empty() || namespace.is_some_and(str::is_empty) {
+        return Err(format!(
+            "{spec:?}: empty pool, namespace or image name; {USAGE}"
+        ));
+    }
+    if image.contains('@') {
+        return Err(format!(
+            "{spec:?}: a snapshot is read-only and cannot be an origin; {USAGE}"
+        ));
+    }
+    for (what, name) in [
+        ("pool", pool),
+        ("namespace", namespace.unwrap_or("")),
+        ("image", image),
+    ] {
+        if name.bytes().any(|b| b == 0 || b.is_ascii_control()) {
+            return Err(format!("{spec:?}: the {what} name has control characters"));
+        }
+    }
+    Ok((pool, namespace, image))
 }
 
 /// The spec as the identity records it: image and how the cluster is
