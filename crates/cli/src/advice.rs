@@ -19,9 +19,11 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::WrongOrigin { given, .. } => Some(format!(
             "use the origin it was formatted for (leave out --origin), or pass --force to adopt {given} (dirty data would be written to it)"
         )),
-        EngineError::OriginSizeChanged { origin, .. } => Some(format!(
-            "use the original device, or reformat the cache for this origin (data only on the cache is lost): cairn format --force --cache CACHE --origin {origin}"
-        )),
+        EngineError::OriginSizeChanged {
+            origin,
+            recorded_bytes,
+            given_bytes,
+        } => Some(origin_size_advice(origin, *recorded_bytes, *given_bytes)),
         EngineError::VolumeNotFound { .. } => {
             Some("`cairn volume list --cache CACHE` shows the volumes".into())
         }
@@ -119,6 +121,29 @@ pub fn for_error(e: &anyhow::Error) -> Option<String> {
     })
 }
 
+/// The cache's unwritten data needs the origin at the size it recorded:
+/// give it that size back first (for an RBD image, the `rbd resize` that
+/// does it); reformatting, which drops that data, comes last.
+fn origin_size_advice(origin: &str, recorded_bytes: u64, given_bytes: u64) -> String {
+    let restore = match origin.strip_prefix("rbd:") {
+        Some(rest) => {
+            let image = rest.split(['?', '#']).next().unwrap_or(rest);
+            let shrink = if given_bytes > recorded_bytes {
+                " --allow-shrink"
+            } else {
+                ""
+            };
+            format!("give the image its recorded size back, then start cairn again: `rbd resize --size {recorded_bytes}B{shrink} {image}`")
+        }
+        None => format!(
+            "give the origin its recorded size back ({recorded_bytes} bytes), or use the original device"
+        ),
+    };
+    format!(
+        "{restore}. Only if the data on the cache that is not yet on the origin is not wanted, reformat the cache for the origin as it is now (that data is lost): cairn format --force --cache CACHE --origin {origin}"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +175,42 @@ mod tests {
 
     /// The engine's own messages no longer name CLI flags or commands;
     /// the advice does.
+    #[test]
+    fn a_resized_origin_is_restored_before_anything_is_reformatted() {
+        let shrunk = for_engine(&EngineError::OriginSizeChanged {
+            origin: "rbd:rbd/vol4?conf=/c#1025".into(),
+            recorded_bytes: 268_435_456,
+            given_bytes: 67_108_864,
+        })
+        .unwrap_or_default();
+        assert!(
+            shrunk.starts_with("give the image its recorded size back")
+                && shrunk.contains("`rbd resize --size 268435456B rbd/vol4`"),
+            "{shrunk}"
+        );
+        let grown = for_engine(&EngineError::OriginSizeChanged {
+            origin: "rbd:rbd/ns/vol4".into(),
+            recorded_bytes: 268_435_456,
+            given_bytes: 314_572_800,
+        })
+        .unwrap_or_default();
+        assert!(
+            grown.contains("`rbd resize --size 268435456B --allow-shrink rbd/ns/vol4`"),
+            "{grown}"
+        );
+        let file = for_engine(&EngineError::OriginSizeChanged {
+            origin: "/dev/sdb".into(),
+            recorded_bytes: 4096,
+            given_bytes: 8192,
+        })
+        .unwrap_or_default();
+        assert!(
+            file.starts_with("give the origin its recorded size back (4096 bytes)")
+                && file.find("format --force") > file.find("recorded size"),
+            "{file}"
+        );
+    }
+
     #[test]
     fn engine_messages_say_what_happened_only() {
         let errors = [

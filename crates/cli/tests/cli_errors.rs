@@ -177,7 +177,10 @@ fn origin_that_changed_size_is_refused() {
                 &[
                     &format!("is {new_size} bytes"),
                     &format!("recorded {} bytes", 64 * MIB),
-                    "use the original device",
+                    &format!(
+                        "give the origin its recorded size back ({} bytes)",
+                        64 * MIB
+                    ),
                 ],
             );
         }

@@ -269,7 +269,22 @@ impl RbdDevice {
         if !ops.is_empty() {
             self.flush_debt.write_finished();
         }
-        result
+        result?;
+        let (first, end) = requests
+            .iter()
+            .fold((u64::MAX, 0), |(first, end), (offset, bufs)| {
+                let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+                (first.min(*offset), end.max(offset + len))
+            });
+        self.confirm_written(first.min(end), end.saturating_sub(first))
+    }
+
+    /// After writes completed: the image still holds the whole volume (see
+    /// [`SizeCheck::confirm_written`]).
+    fn confirm_written(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        self.size_check
+            .confirm_written(&self.handles)
+            .map_err(|source| self.io_error(offset, len, source))
     }
 
     /// One op without data, waited for.
@@ -491,7 +506,8 @@ impl Device for RbdDevice {
             (lib.rbd_aio_discard)(image, offset, len, c)
         });
         self.flush_debt.write_finished();
-        result
+        result?;
+        self.confirm_written(offset, len)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
@@ -509,7 +525,16 @@ impl Device for RbdDevice {
             (lib.rbd_aio_write_zeroes)(image, offset, len_usize, c, 0, 0)
         });
         self.flush_debt.write_finished();
-        result
+        result?;
+        self.confirm_written(offset, len)
+    }
+
+    /// Set once librbd answered EBLOCKLISTED: the cluster fenced this
+    /// client for good.
+    fn fenced(&self) -> Option<String> {
+        self.blocklisted
+            .load(Ordering::Acquire)
+            .then(|| Blocklisted.to_string())
     }
 
     /// The image's allocated objects (`rbd_diff_iterate2` from its creation,
@@ -517,12 +542,6 @@ impl Device for RbdDevice {
     /// anything else reads as zeroes. Asked of the OSDs, after a flush when
     /// a write is still in librbd's cache.
     /// A question to the server, over the network.
-    fn fenced(&self) -> Option<String> {
-        self.blocklisted
-            .load(Ordering::Acquire)
-            .then(|| Blocklisted.to_string())
-    }
-
     fn allocation_may_wait(&self) -> bool {
         true
     }

@@ -130,6 +130,41 @@ impl SizeCheck {
         }
     }
 
+    /// After writes (or zeroes, discards) to the image completed: whether
+    /// the image still holds the whole volume. librbd cuts a write that
+    /// crosses the image's end short and reports success, so a shrink
+    /// carried out while a write-back was on its way would otherwise lose
+    /// the cut part silently; reading the size now (librbd's own, which
+    /// the cut used) turns it into a failed write, held and written again
+    /// once the image has its size back. A size that cannot be read fails
+    /// the writes too: they are written again, which is harmless.
+    pub fn confirm_written(&self, handles: &Handles) -> io::Result<()> {
+        let mut failed_at = self.look.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(watch) = handles.watch() {
+            watch.take();
+        }
+        let now = match handles.size_bytes() {
+            Ok(now) => now,
+            Err(e) => {
+                if let Some(watch) = handles.watch() {
+                    watch.raise();
+                }
+                *failed_at = Some(Instant::now());
+                return Err(e);
+            }
+        };
+        *failed_at = None;
+        self.record(now);
+        drop(failed_at);
+        if now < self.volume_bytes {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                self.shrunk_message(now),
+            ));
+        }
+        Ok(())
+    }
+
     /// Read the image's size after its header changed, and say so if it
     /// is not the volume's.
     fn look_again(&self, handles: &Handles) {
@@ -155,8 +190,13 @@ impl SizeCheck {
             }
         };
         *failed_at = None;
+        self.record(now);
+    }
+
+    /// Store the size just read (the caller holds `look`, so sizes are
+    /// stored in the order they were read), and say so if it changed.
+    fn record(&self, now: u64) {
         let before = self.seen_bytes.swap(now, Ordering::AcqRel);
-        drop(failed_at);
         if now == before {
             return;
         }
