@@ -346,6 +346,12 @@ fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> 
         get("origin_queue_in_flight"),
         get("origin_queue_waits")
     )?;
+    for volume in v["volumes"].as_array().into_iter().flatten() {
+        if let Some(error) = volume["origin_error"].as_str() {
+            let name = volume["name"].as_str().unwrap_or("");
+            writeln!(out, "  origin of volume {name:?}: {error}")?;
+        }
+    }
     writeln!(out, "  integrity: {}", integrity_line(v))?;
     writeln!(
         out,

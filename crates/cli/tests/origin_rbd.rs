@@ -150,6 +150,24 @@ fn image_shrunk_while_serving(
     let uri = server.uri();
     wait_drained(ctx, cache);
     ceph.rbd(&["resize", "--allow-shrink", "--size", "112M", "rbd/vol"]);
+    // Status names the shrink before any request meets it.
+    let named = eventually(Duration::from_secs(30), || {
+        let st = ctx.status(cache);
+        st["origin_state"] == "failing"
+            && st["volumes"][0]["origin_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("was shrunk"))
+    });
+    assert!(
+        named,
+        "status names the shrink at once: {}",
+        ctx.status(cache)
+    );
+    let human = stdout(&ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]));
+    assert!(
+        human.contains("origin of volume \"\": the image rbd/vol was shrunk"),
+        "{human}"
+    );
     let inside = pattern(0x31, MIB as usize);
     let past = pattern(0x32, MIB as usize);
     nbd_write(&uri, 100 * MIB, &inside, true);

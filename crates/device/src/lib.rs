@@ -323,6 +323,13 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// A condition known without waiting for I/O that fails writes to the
+    /// backend now (an RBD image shrunk by another client), for status to
+    /// show before a write-back meets it. Never blocks.
+    fn known_problem(&self) -> Option<String> {
+        None
+    }
+
     /// Make the range read back as zeroes.
     fn write_zeroes(&self, offset: u64, len: u64) -> DeviceResult<()> {
         const CHUNK: u64 = 1 << 20;

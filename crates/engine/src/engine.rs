@@ -1186,7 +1186,12 @@ impl Engine {
         s.tail_offset = log.tail();
         s.index_memory_bytes = index.memory_bytes() as u64;
         s.writeback_paused = writeback.paused();
-        s.origin_failing = writeback.origin_failing();
+        s.origin_failing = writeback.origin_failing()
+            || env
+                .origins
+                .all()
+                .iter()
+                .any(|o| o.device().known_problem().is_some());
         s.origin_fenced = env
             .origins
             .all()

@@ -45,7 +45,12 @@ pub(crate) fn statuses(p: Parts<'_>) -> Vec<VolumeStatus> {
                     .log
                     .volume_writeback_position(entry.id)
                     .unwrap_or_else(|| st.log.writeback_position()),
-                origin_error: p.writeback.volume_origin_error(entry.id),
+                origin_error: p.writeback.volume_origin_error(entry.id).or_else(|| {
+                    p.env
+                        .origins
+                        .get(entry.id)
+                        .and_then(|o| o.device().known_problem())
+                }),
                 origin_fenced: p.env.health.origin_fenced(entry.id),
                 dirty_share_pct: entry.dirty_share_pct.unwrap_or_else(|| {
                     crate::write::default_dirty_share_pct(st.volumes.volumes().len())

@@ -529,6 +529,10 @@ impl Device for RbdDevice {
         self.confirm_written(offset, len)
     }
 
+    fn known_problem(&self) -> Option<String> {
+        self.size_check.known_problem(&self.handles)
+    }
+
     /// Set once librbd answered EBLOCKLISTED: the cluster fenced this
     /// client for good.
     fn fenced(&self) -> Option<String> {

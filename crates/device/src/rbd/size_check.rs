@@ -102,6 +102,17 @@ impl SizeCheck {
         ))
     }
 
+    /// The shrink, if the image is smaller than the volume as last seen;
+    /// a change not yet looked at is looked at on a thread of its own (the
+    /// caller, status, must not wait for the cluster).
+    pub fn known_problem(self: &Arc<Self>, handles: &Arc<Handles>) -> Option<String> {
+        if handles.watch().is_some_and(|w| w.is_raised()) {
+            self.look_again_elsewhere(handles);
+        }
+        let seen = self.seen_bytes.load(Ordering::Acquire);
+        (seen < self.volume_bytes).then(|| self.shrunk_message(seen))
+    }
+
     fn shrunk_message(&self, seen: u64) -> String {
         format!(
             "the image {image} was shrunk from {volume} to {seen} bytes by another client while cairn served it, and its data past {seen} bytes is gone; cairn holds the volume's writes (nothing is dropped) until the image has its size back: `rbd resize --size {volume}B {image}`",
