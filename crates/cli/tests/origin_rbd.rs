@@ -485,4 +485,25 @@ fn image_in_a_namespace(ctx: &Ctx, ceph: &CephCluster) {
         default_ns[(3 * MIB) as usize..(4 * MIB) as usize] != data[..],
         "the default namespace's image of the same name is untouched"
     );
+
+    // The device formatted again for another image: the first image's
+    // claim is from an earlier cache on this same device, and its refusal
+    // says so rather than naming the device as another cache.
+    ceph.rbd(&["create", "--size", "64M", "rbd/tenant/other"]);
+    ctx.format(&cache, &ceph.spec("tenant/other"), &["--force"]);
+    let refused = ctx.cairn(&[
+        "format",
+        "--force",
+        "--cache",
+        &cache.to_string_lossy(),
+        "--origin",
+        &spec,
+    ]);
+    assert_clean_failure(
+        &refused,
+        &[
+            "an earlier cache on this same device",
+            "rbd image-meta remove rbd/tenant/vol cairn.cache",
+        ],
+    );
 }

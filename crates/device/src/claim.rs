@@ -34,6 +34,14 @@ impl OriginClaim {
         value.split_whitespace().next().unwrap_or("")
     }
 
+    /// Whether `stored` was made by a cache at the same host and device as
+    /// this claim's (an earlier format of the device this cache is on).
+    pub fn same_place_as(&self, stored: &str) -> bool {
+        let stored = stored.trim_start();
+        let uuid = OriginClaim::uuid_of_stored(stored);
+        stored[uuid.len()..].trim() == self.description.trim()
+    }
+
     /// What to do about the claim `stored` on the origin (its value, if
     /// any): record this one, leave it, or refuse.
     pub fn decide(&self, stored: Option<&str>) -> ClaimDecision {
@@ -109,6 +117,16 @@ mod tests {
         assert_eq!(open.decide(None), RefuseUnclaimed);
         assert_eq!(adopt.decide(None), Record);
         assert_eq!(adopt.decide(Some("old")), RefuseOther);
+    }
+
+    #[test]
+    fn a_claim_from_the_same_host_and_device_is_told_apart() {
+        let c = claim("a", ClaimMode::Format { replaces: None });
+        assert!(c.same_place_as("old host=h cache=c"));
+        assert!(c.same_place_as("  old   host=h cache=c "));
+        assert!(!c.same_place_as("old host=h cache=d"));
+        assert!(!c.same_place_as("old host=g cache=c"));
+        assert!(!c.same_place_as("old"), "a bare uuid names no place");
     }
 
     #[test]

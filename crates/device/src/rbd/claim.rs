@@ -47,6 +47,12 @@ pub(super) fn claim_image(
                 uuid = claim.cache_uuid
             ));
         }
+        ClaimDecision::RefuseOther if stored.as_deref().is_some_and(|s| claim.same_place_as(s)) => {
+            return Err(format!(
+                "the image is claimed by an earlier cache on this same device ({}), which has been formatted again since (for another origin, with no claim on this image passed on). If that earlier cache's unwritten data was wanted, it is gone with that format; release the stale claim with `rbd image-meta remove {image_path} {CLAIM_KEY}` and try again",
+                stored.as_deref().unwrap_or_default()
+            ));
+        }
         ClaimDecision::RefuseOther => {
             return Err(format!(
                 "the image belongs to another cairn cache ({}): two caches writing back to one image roll back each other's writes. Use that cache; if it is gone for good and none of its unwritten data is wanted, release the image with `rbd image-meta remove {image_path} {CLAIM_KEY}` and try again",
