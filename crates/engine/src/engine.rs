@@ -899,11 +899,7 @@ impl Engine {
                 .all()
                 .iter()
                 .any(|o| o.device().known_problem().is_some());
-        s.origin_fenced = env
-            .origins
-            .all()
-            .iter()
-            .any(|o| env.health.origin_fenced(o.id));
+        s.origin_fenced = env.health.any_origin_fenced();
         s.mode = policy.mode().name();
         s.policy_memory_bytes = policy.memory_bytes() as u64;
         s.failed = env.health.is_failed();

@@ -68,37 +68,28 @@ impl Health {
 
     /// Volume `id`'s origin failed (`true`) or took a write-back step.
     pub(crate) fn set_origin_failing(&self, id: u16, failing: bool) {
-        assert!((id as usize) < cairn_format::VOLUMES_MAX);
-        let bit = 1u32 << id;
-        if failing {
-            self.origins_failing.fetch_or(bit, Ordering::SeqCst);
-        } else {
-            self.origins_failing.fetch_and(!bit, Ordering::SeqCst);
-        }
+        set_volume_bit(&self.origins_failing, id, failing);
     }
 
     /// Volume `id`'s origin fenced this process (`true`), or the id starts
     /// afresh with another volume (`false`).
     pub(crate) fn set_origin_fenced(&self, id: u16, fenced: bool) {
-        assert!((id as usize) < cairn_format::VOLUMES_MAX);
-        let bit = 1u32 << id;
-        if fenced {
-            self.origins_fenced.fetch_or(bit, Ordering::SeqCst);
-        } else {
-            self.origins_fenced.fetch_and(!bit, Ordering::SeqCst);
-        }
+        set_volume_bit(&self.origins_fenced, id, fenced);
     }
 
     /// Has volume `id`'s origin fenced this process?
     pub(crate) fn origin_fenced(&self, id: u16) -> bool {
-        (id as usize) < cairn_format::VOLUMES_MAX
-            && self.origins_fenced.load(Ordering::SeqCst) & (1u32 << id) != 0
+        volume_bit(&self.origins_fenced, id)
+    }
+
+    /// Has any volume's origin fenced this process?
+    pub(crate) fn any_origin_fenced(&self) -> bool {
+        self.origins_fenced.load(Ordering::SeqCst) != 0
     }
 
     /// Is volume `id`'s origin failing write-back?
     pub(crate) fn origin_failing(&self, id: u16) -> bool {
-        (id as usize) < cairn_format::VOLUMES_MAX
-            && self.origins_failing.load(Ordering::SeqCst) & (1u32 << id) != 0
+        volume_bit(&self.origins_failing, id)
     }
 
     pub(crate) fn is_degraded(&self) -> bool {
@@ -242,4 +233,21 @@ impl Health {
         self.reasons().failed = Some(reason);
         self.failed.store(true, Ordering::SeqCst);
     }
+}
+
+/// Set or clear volume `id`'s bit in a per-volume mask.
+fn set_volume_bit(mask: &AtomicU32, id: u16, on: bool) {
+    assert!((id as usize) < cairn_format::VOLUMES_MAX);
+    let bit = 1u32 << id;
+    if on {
+        mask.fetch_or(bit, Ordering::SeqCst);
+    } else {
+        mask.fetch_and(!bit, Ordering::SeqCst);
+    }
+}
+
+/// Volume `id`'s bit in a per-volume mask (false for an id past the
+/// last volume).
+fn volume_bit(mask: &AtomicU32, id: u16) -> bool {
+    (id as usize) < cairn_format::VOLUMES_MAX && mask.load(Ordering::SeqCst) & (1u32 << id) != 0
 }

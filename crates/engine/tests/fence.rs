@@ -8,7 +8,7 @@
 mod common;
 use common::*;
 
-use cairn_device::{Device, SimDevice};
+use cairn_device::SimDevice;
 use cairn_engine::EngineError;
 
 const VOLUME_BLOCKS: u64 = 64;
@@ -80,8 +80,13 @@ fn a_fenced_origin_stops_new_writes_keeps_reads_and_the_restart_writes_back() {
             .all(|&b| b == 0),
         "the refused write and zeroes left no trace"
     );
+    let taken = pattern(5, BS as usize);
     engine
-        .write(2 * BS, &pattern(5, BS as usize), true)
+        .write(2 * BS, &taken, true)
         .expect("writes are taken again");
-    assert_eq!(origin.size_bytes(), VOLUME_BLOCKS * BS);
+    engine.drain().expect("drain the new write");
+    assert!(
+        origin.live_image()[2 * BS as usize..3 * BS as usize] == taken[..],
+        "the write after the restart reached the origin"
+    );
 }

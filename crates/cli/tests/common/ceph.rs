@@ -61,23 +61,22 @@ impl CephCluster {
         out
     }
 
-    /// `rbd ARGS` against this cluster.
+    /// `rbd ARGS` against this cluster, which must succeed.
     pub fn rbd(&self, args: &[&str]) -> Output {
-        let out = run(
-            Command::new("rbd").env("CEPH_CONF", &self.conf).args(args),
-            CLUSTER_TIMEOUT,
-        );
-        assert!(out.status.success(), "rbd {args:?}: {}", describe(&out));
-        out
+        self.client("rbd", args)
     }
 
     /// `ceph ARGS` against this cluster, which must succeed.
     pub fn ceph(&self, args: &[&str]) -> Output {
+        self.client("ceph", args)
+    }
+
+    fn client(&self, tool: &str, args: &[&str]) -> Output {
         let out = run(
-            Command::new("ceph").env("CEPH_CONF", &self.conf).args(args),
+            Command::new(tool).env("CEPH_CONF", &self.conf).args(args),
             CLUSTER_TIMEOUT,
         );
-        assert!(out.status.success(), "ceph {args:?}: {}", describe(&out));
+        assert!(out.status.success(), "{tool} {args:?}: {}", describe(&out));
         out
     }
 

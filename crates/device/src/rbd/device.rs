@@ -270,6 +270,9 @@ impl RbdDevice {
             self.flush_debt.write_finished();
         }
         result?;
+        if ops.is_empty() {
+            return Ok(());
+        }
         let (first, end) = requests
             .iter()
             .fold((u64::MAX, 0), |(first, end), (offset, bufs)| {

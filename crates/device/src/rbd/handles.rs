@@ -437,18 +437,19 @@ impl Drop for Handles {
         // Shared with the thread so that, should it not start, the
         // handles come back here to be closed inline.
         let handed_over = Arc::new(Mutex::new(Some(closing)));
+        // Whoever takes the handles first closes them, once.
+        let close_taken = |slot: &Mutex<Option<Closing>>| {
+            let taken = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some(closing) = taken {
+                closing.close();
+            }
+        };
         let for_thread = Arc::clone(&handed_over);
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let spawned = std::thread::Builder::new()
             .name("rbd-close".into())
             .spawn(move || {
-                let taken = for_thread
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
-                if let Some(closing) = taken {
-                    closing.close();
-                }
+                close_taken(&for_thread);
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -463,13 +464,7 @@ impl Drop for Handles {
             // No thread: close here, however long it takes.
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start a thread to close the RBD image; closing inline");
-                let taken = handed_over
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
-                if let Some(closing) = taken {
-                    closing.close();
-                }
+                close_taken(&handed_over);
             }
         }
     }

@@ -151,21 +151,7 @@ impl SizeCheck {
     /// the writes too: they are written again, which is harmless.
     pub fn confirm_written(&self, handles: &Handles) -> io::Result<()> {
         let mut failed_at = self.look.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(watch) = handles.watch() {
-            watch.take();
-        }
-        let now = match handles.size_bytes() {
-            Ok(now) => now,
-            Err(e) => {
-                if let Some(watch) = handles.watch() {
-                    watch.raise();
-                }
-                *failed_at = Some(Instant::now());
-                return Err(e);
-            }
-        };
-        *failed_at = None;
-        self.record(now);
+        let now = self.read_size(handles, &mut failed_at)?;
         drop(failed_at);
         if now < self.volume_bytes {
             return Err(io::Error::new(
@@ -179,29 +165,42 @@ impl SizeCheck {
     /// Read the image's size after its header changed, and say so if it
     /// is not the volume's.
     fn look_again(&self, handles: &Handles) {
-        let Some(watch) = handles.watch() else {
-            return;
-        };
         let mut failed_at = self.look.lock().unwrap_or_else(PoisonError::into_inner);
         if failed_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
             return;
         }
         // Another caller may have dealt with the change while this one
         // waited for the lock.
-        if !watch.take() {
+        if !handles.watch().is_some_and(|w| w.is_raised()) {
             return;
         }
-        let now = match handles.size_bytes() {
-            Ok(now) => now,
-            Err(e) => {
-                watch.raise();
-                *failed_at = Some(Instant::now());
-                tracing::warn!(image = %self.image_path, error = %e, "the image's header changed, and its size cannot be read; trying again");
-                return;
+        if let Err(e) = self.read_size(handles, &mut failed_at) {
+            tracing::warn!(image = %self.image_path, error = %e, "the image's header changed, and its size cannot be read; trying again");
+        }
+    }
+
+    /// Take the watch's flag, read the size and record it; the caller
+    /// holds `look` (given as `failed_at`). A failed read raises the flag
+    /// again, so the change is looked at once more.
+    fn read_size(&self, handles: &Handles, failed_at: &mut Option<Instant>) -> io::Result<u64> {
+        let watch = handles.watch();
+        if let Some(watch) = watch {
+            watch.take();
+        }
+        match handles.size_bytes() {
+            Ok(now) => {
+                *failed_at = None;
+                self.record(now);
+                Ok(now)
             }
-        };
-        *failed_at = None;
-        self.record(now);
+            Err(e) => {
+                if let Some(watch) = watch {
+                    watch.raise();
+                }
+                *failed_at = Some(Instant::now());
+                Err(e)
+            }
+        }
     }
 
     /// Store the size just read (the caller holds `look`, so sizes are
