@@ -223,7 +223,7 @@ fn insert_extras(
 }
 
 /// The NBD server's counters and limits, by name (status and metrics).
-pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 16] {
+pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 18] {
     [
         ("connections_active", n.connections_active),
         ("connections_accepted", n.connections_accepted),
@@ -237,6 +237,8 @@ pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 16] {
         ("requests", n.requests),
         ("in_flight_limit_waits", n.in_flight_limit_waits),
         ("buffer_budget_waits", n.buffer_budget_waits),
+        ("reply_sends_short", n.reply_sends_short),
+        ("reply_send_waits", n.reply_send_waits),
         ("buffered_bytes", n.buffered_bytes),
         ("max_connections", n.max_connections),
         (
@@ -397,12 +399,14 @@ fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "  limits hit: in-flight per connection {} times (max {}), buffer budget {} times (max {} bytes, {} in use)",
+        "  limits hit: in-flight per connection {} times (max {}), buffer budget {} times (max {} bytes, {} in use); clients slow to read: {} reply sends found the socket full, {} waited for room",
         get("nbd_in_flight_limit_waits"),
         get("nbd_max_in_flight_per_connection"),
         get("nbd_buffer_budget_waits"),
         get("nbd_max_buffered_bytes"),
-        get("nbd_buffered_bytes")
+        get("nbd_buffered_bytes"),
+        get("nbd_reply_sends_short"),
+        get("nbd_reply_send_waits")
     )?;
     Ok(())
 }

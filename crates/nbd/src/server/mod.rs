@@ -298,6 +298,13 @@ pub struct ServerStats {
     pub in_flight_limit_waits: u64,
     /// A request waited for `max_buffered_bytes` of payload budget.
     pub buffer_budget_waits: u64,
+    /// Reply sends that found the client's socket full (it took part of
+    /// the replies or none): the client reads slower than it is answered.
+    pub reply_sends_short: u64,
+    /// Reply sends that waited on the ring for room in the client's socket.
+    /// Each short send leads to at most one; far more of either than the
+    /// client's reads would be a writer spinning on a full socket.
+    pub reply_send_waits: u64,
     /// Payload bytes buffered right now, across connections.
     pub buffered_bytes: u64,
     /// The limits themselves (`ServerConfig`).
@@ -317,6 +324,8 @@ pub(crate) struct Counters {
     protocol_errors: AtomicU64,
     requests: AtomicU64,
     pub(crate) in_flight_limit_waits: AtomicU64,
+    pub(crate) reply_sends_short: AtomicU64,
+    pub(crate) reply_send_waits: AtomicU64,
 }
 
 /// Reads a running server's counters from any thread (status, metrics),
@@ -374,6 +383,8 @@ impl Shared {
             requests: c.requests.load(Ordering::Relaxed),
             in_flight_limit_waits: c.in_flight_limit_waits.load(Ordering::Relaxed),
             buffer_budget_waits: self.budget.waits(),
+            reply_sends_short: c.reply_sends_short.load(Ordering::Relaxed),
+            reply_send_waits: c.reply_send_waits.load(Ordering::Relaxed),
             buffered_bytes: self.budget.total() - self.budget.available(),
             max_connections: self.config.max_connections as u64,
             max_in_flight_per_connection: self.config.max_in_flight_per_connection as u64,

@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::Shutdown;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use cairn_io::{Deadline, LocalNotify};
@@ -253,7 +254,14 @@ enum Sent {
 fn send_at_once(conn: &Conn, batch: ReplyBatch) -> Sent {
     let output = &conn.output;
     let total = batch.unsent_bytes();
-    match cairn_io::send_now(conn.stream.raw_fd(), &batch) {
+    let outcome = cairn_io::send_now(conn.stream.raw_fd(), &batch);
+    if !matches!(outcome, Ok(sent) if sent == total) {
+        conn.shared
+            .counters
+            .reply_sends_short
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    match outcome {
         Ok(sent) if sent == total => {
             output.requeue(batch, sent);
             Sent::All
@@ -289,6 +297,10 @@ async fn send_on_ring(conn: &Conn, batch: ReplyBatch, deadline: &mut Option<Dead
         bytes = total,
         "replies left to the ring"
     );
+    conn.shared
+        .counters
+        .reply_send_waits
+        .fetch_add(1, Ordering::Relaxed);
     let send = conn.reactor.send_owned(conn.stream.raw_fd(), batch);
     let outcome = match deadline {
         None => Some(send.await),
