@@ -23,6 +23,7 @@
 mod block_on;
 mod buf;
 mod deadline;
+mod huge_pages;
 mod join;
 mod notify;
 mod offload;
@@ -34,6 +35,7 @@ mod send_now;
 pub use block_on::block_on;
 pub use buf::{StableBuf, StableBufMut, StableBufs};
 pub use deadline::Deadline;
+pub use huge_pages::{HugeTable, ZeroIsValid};
 pub use join::{first_of, join_all, Either, FirstOf, JoinAll};
 pub use notify::LocalNotify;
 pub use offload::offload;

@@ -6,6 +6,7 @@
 //! the block's crc32c (4 bytes): 11 bytes per slot.
 
 use cairn_format::KEY_MAX;
+use cairn_io::HugeTable;
 
 /// Slot state bits.
 pub(crate) mod state {
@@ -26,19 +27,22 @@ pub(crate) mod state {
 }
 
 pub(crate) struct SlotTable {
-    key_low: Vec<u32>,
-    key_high: Vec<u16>,
-    state: Vec<u8>,
-    crc: Vec<u32>,
+    key_low: HugeTable<u32>,
+    key_high: HugeTable<u16>,
+    state: HugeTable<u8>,
+    crc: HugeTable<u32>,
 }
 
 impl SlotTable {
     pub(crate) fn new(slot_count: usize) -> SlotTable {
+        // Zeroed tables cost memory only as slots are used; read at random
+        // places for every lookup, they live on huge pages (see
+        // `cairn_io::HugeTable`).
         SlotTable {
-            key_low: vec![0; slot_count],
-            key_high: vec![0; slot_count],
-            state: vec![0; slot_count],
-            crc: vec![0; slot_count],
+            key_low: HugeTable::zeroed(slot_count),
+            key_high: HugeTable::zeroed(slot_count),
+            state: HugeTable::zeroed(slot_count),
+            crc: HugeTable::zeroed(slot_count),
         }
     }
 
