@@ -172,10 +172,6 @@ impl<T: Copy> HugeTable<T> {
             *cell = value;
         }
     }
-
-    pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of_val(&**self)
-    }
 }
 
 impl<T: Copy> Deref for HugeTable<T> {
