@@ -302,7 +302,53 @@ fn fio_nbd_engine_verify_crc32c() {
     // 48 MiB written through a 16 MiB cache: verification reads come from
     // both the cache and the origin, after write-back under pressure.
     let (cache, _) = ctx.setup(16 * MIB, 64 * MIB);
-    fio_verify_through(&ctx, &cache, &[]);
+    fio_verify_through(&ctx, &cache, &[], &[]);
+}
+
+/// The same where io_uring is forbidden (a container's seccomp profile,
+/// `kernel.io_uring_disabled`), forced here with `CAIRN_IO_BACKEND=pread`:
+/// the event loop waits in poll(2) and the devices use pread/pwrite, and
+/// every written block still verifies. Then a kill -9 and a restart on
+/// the same backend: the flushed data is all there.
+#[test]
+fn fio_verify_and_kill9_without_io_uring() {
+    if !require_tools("no_io_uring", &["fio"]) {
+        return;
+    }
+    let ctx = Ctx::new("no_io_uring");
+    let (cache, _) = ctx.setup(16 * MIB, 64 * MIB);
+    let env = [("CAIRN_IO_BACKEND", "pread")];
+    fio_verify_through(&ctx, &cache, &[], &env);
+    let log = std::fs::read_to_string(ctx.path("serve-0.log")).expect("serve log");
+    assert!(
+        log.contains("event loop without io_uring"),
+        "the serve log does not say the event loop ran without io_uring:\n{log}"
+    );
+    // Fsync'd writes, kill -9, restart, verify only.
+    let socket = ctx.path("nbd2.sock");
+    let mut server = ctx.serve_env(&cache, &socket, &[], &env);
+    let uri = server.uri();
+    run_ok(
+        tool("fio")
+            .current_dir(&ctx.dir.path)
+            .args(fio_verified_args(&uri, 7, false)),
+        TOOL_TIMEOUT,
+    );
+    server.kill9();
+    let mut server = ctx.serve_env(&cache, &socket, &[], &env);
+    let out = run_ok(
+        tool("fio")
+            .current_dir(&ctx.dir.path)
+            .args(fio_verified_args(&uri, 7, true)),
+        TOOL_TIMEOUT,
+    );
+    let json = json_in(&stdout(&out));
+    assert_eq!(json["jobs"][0]["error"], 0, "{json}");
+    assert!(
+        u64_of(&json["jobs"][0]["read"], "io_bytes") > 0,
+        "nothing verified: {json}"
+    );
+    assert!(server.terminate().success());
 }
 
 /// The same with the cache on a raw block device (a loop device), where
@@ -355,6 +401,7 @@ fn fio_verify_with_the_cache_on_a_block_device() {
             "--size=48M",
             "--loops=2",
         ],
+        &[],
     );
     eprintln!(
         "{loop_dev}: hit_rereads_ok {} read_hits {}",
@@ -366,8 +413,13 @@ fn fio_verify_with_the_cache_on_a_block_device() {
 /// Run three verifying fio writers (plus `extra` jobs) through a served
 /// cache; check every written block was verified, write-back ran and no
 /// checksum failed. Returns the final status.
-fn fio_verify_through(ctx: &Ctx, cache: &Path, extra: &[&str]) -> serde_json::Value {
-    let mut server = ctx.serve(cache, &ctx.path("nbd.sock"), &[]);
+fn fio_verify_through(
+    ctx: &Ctx,
+    cache: &Path,
+    extra: &[&str],
+    serve_env: &[(&str, &str)],
+) -> serde_json::Value {
+    let mut server = ctx.serve_env(cache, &ctx.path("nbd.sock"), &[], serve_env);
     let uri = server.uri();
     let uri_arg = format!("--uri={uri}");
     let mut args = vec![

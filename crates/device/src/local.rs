@@ -13,47 +13,7 @@ use crate::file::{open_locked, OpenedFile};
 use crate::uring::{OpenFileFn, RingPool, UringDevice, UringOptions};
 use crate::{Device, DeviceError, DeviceResult, FileDevice, NbdDevice, OpenMode};
 
-/// The environment variable that forces a backend for [`open_local`].
-pub const IO_BACKEND_ENV: &str = "CAIRN_IO_BACKEND";
-
-/// Which backend [`open_local_with`] uses for a local path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum IoBackend {
-    /// io_uring if it works here, else pread/pwrite.
-    #[default]
-    Auto,
-    /// pread/pwrite ([`FileDevice`]).
-    Pread,
-    /// io_uring ([`UringDevice`]); an error if io_uring is unavailable.
-    Uring,
-}
-
-impl IoBackend {
-    /// Parse a value of [`IO_BACKEND_ENV`]: `auto`, `pread` or `uring`
-    /// (case-insensitive; empty means `auto`).
-    pub fn parse(value: &str) -> Option<IoBackend> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Some(IoBackend::Auto),
-            "pread" => Some(IoBackend::Pread),
-            "uring" | "io_uring" | "io-uring" => Some(IoBackend::Uring),
-            _ => None,
-        }
-    }
-
-    /// The backend [`IO_BACKEND_ENV`] asks for ([`IoBackend::Auto`] if unset),
-    /// or a message saying what is wrong with its value.
-    pub fn from_env() -> Result<IoBackend, String> {
-        match std::env::var(IO_BACKEND_ENV) {
-            Ok(value) => IoBackend::parse(&value).ok_or_else(|| {
-                format!("{IO_BACKEND_ENV}={value:?} is not one of pread, uring, auto")
-            }),
-            Err(std::env::VarError::NotPresent) => Ok(IoBackend::Auto),
-            Err(std::env::VarError::NotUnicode(value)) => Err(format!(
-                "{IO_BACKEND_ENV}={value:?} is not one of pread, uring, auto"
-            )),
-        }
-    }
-}
+pub use cairn_io::{IoBackend, IO_BACKEND_ENV};
 
 /// Options for [`open_local_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -20,6 +20,7 @@
 //! [`block_on`]) it does the I/O synchronously. So the engine has one
 //! async algorithm that also runs deterministically in simulation.
 
+mod backend;
 mod block_on;
 mod buf;
 mod deadline;
@@ -32,6 +33,7 @@ mod reactor;
 mod semaphore;
 mod send_now;
 
+pub use backend::{IoBackend, IO_BACKEND_ENV};
 pub use block_on::block_on;
 pub use buf::{StableBuf, StableBufMut, StableBufs};
 pub use deadline::Deadline;

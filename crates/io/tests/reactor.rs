@@ -8,18 +8,23 @@ use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use cairn_io::{block_on, oneshot, LocalNotify, Reactor, ReactorOptions};
+use cairn_io::{block_on, oneshot, IoBackend, LocalNotify, Reactor, ReactorOptions};
 
-fn reactor(entries: u32) -> Reactor {
-    Reactor::new(&ReactorOptions {
+/// A reactor on `backend`: every test here runs twice, with io_uring and
+/// with plain system calls (the fallback where io_uring is forbidden), by
+/// `on_both_backends!` at the end of the file.
+fn reactor(backend: IoBackend, entries: u32) -> Reactor {
+    let r = Reactor::new(&ReactorOptions {
         ring_entries: entries,
+        backend,
     })
-    .expect("io_uring available")
+    .expect("a reactor on this backend");
+    assert_eq!(r.uses_io_uring(), backend == IoBackend::Uring);
+    r
 }
 
-#[test]
-fn spawned_tasks_run_and_join() {
-    let r = reactor(32);
+fn spawned_tasks_run_and_join(backend: IoBackend) {
+    let r = reactor(backend, 32);
     let r2 = r.clone();
     let total = r.run(async move {
         let handles: Vec<_> = (0..100u64)
@@ -34,11 +39,10 @@ fn spawned_tasks_run_and_join() {
     assert_eq!(total, (0..100u64).map(|i| i * 2).sum::<u64>());
 }
 
-#[test]
-fn file_reads_and_writes_through_the_ring() {
+fn file_reads_and_writes_through_the_ring(backend: IoBackend) {
     let file = tempfile::tempfile().unwrap();
     let fd = file.as_raw_fd();
-    let r = reactor(16);
+    let r = reactor(backend, 16);
     let r2 = r.clone();
     r.run(async move {
         let (n, _) = r2.write_at(fd, 4096, vec![7u8; 4096]).await;
@@ -62,12 +66,11 @@ fn file_reads_and_writes_through_the_ring() {
     });
 }
 
-#[test]
-fn more_operations_than_ring_entries_all_complete() {
+fn more_operations_than_ring_entries_all_complete(backend: IoBackend) {
     let file = tempfile::tempfile().unwrap();
     file.set_len(1 << 20).unwrap();
     let fd = file.as_raw_fd();
-    let r = reactor(8);
+    let r = reactor(backend, 8);
     let r2 = r.clone();
     let done = r.run(async move {
         let handles: Vec<_> = (0..500u64)
@@ -89,9 +92,8 @@ fn more_operations_than_ring_entries_all_complete() {
     assert_eq!(done, 500);
 }
 
-#[test]
-fn another_thread_wakes_a_sleeping_reactor() {
-    let r = reactor(16);
+fn another_thread_wakes_a_sleeping_reactor(backend: IoBackend) {
+    let r = reactor(backend, 16);
     let (tx, rx) = oneshot::channel::<u64>();
     let sender = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(50));
@@ -108,11 +110,10 @@ fn another_thread_wakes_a_sleeping_reactor() {
     assert!(r.run(rx).is_err());
 }
 
-#[test]
-fn socket_readiness_and_sleep() {
+fn socket_readiness_and_sleep(backend: IoBackend) {
     let (a, mut b) = UnixStream::pair().unwrap();
     let fd = a.as_raw_fd();
-    let r = reactor(16);
+    let r = reactor(backend, 16);
     let r2 = r.clone();
     let writer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(20));
@@ -128,15 +129,14 @@ fn socket_readiness_and_sleep() {
     drop(a);
 }
 
-#[test]
-fn dropped_operations_and_a_dropped_reactor_free_nothing_in_use() {
+fn dropped_operations_and_a_dropped_reactor_free_nothing_in_use(backend: IoBackend) {
     let (a, _b) = UnixStream::pair().unwrap();
     let fd = a.as_raw_fd();
     let file = tempfile::tempfile().unwrap();
     file.set_len(1 << 16).unwrap();
     let ffd = file.as_raw_fd();
     {
-        let r = reactor(16);
+        let r = reactor(backend, 16);
         let r2 = r.clone();
         r.run(async move {
             // A poll that never completes, left running in a task.
@@ -145,20 +145,25 @@ fn dropped_operations_and_a_dropped_reactor_free_nothing_in_use() {
                 let _ = r3.poll(fd, libc::POLLIN as u32).await;
             }));
             // An operation whose future is dropped once submitted.
+            let waker = std::task::Waker::from(std::sync::Arc::new(NoWake));
+            let mut cx = std::task::Context::from_waker(&waker);
             let mut read = Box::pin(r2.read_at(ffd, 0, vec![0u8; 4096]));
-            let waker = std::task::Waker::noop();
-            let mut cx = std::task::Context::from_waker(waker);
-            assert!(read.as_mut().poll(&mut cx).is_pending());
+            // Without a ring a file read is made at once, in the poll.
+            let pending = read.as_mut().poll(&mut cx).is_pending();
+            assert_eq!(pending, backend == IoBackend::Uring);
             drop(read);
+            // A receive on a silent socket pends on either backend.
+            let mut recv = Box::pin(r2.recv(fd, vec![0u8; 4096]));
+            assert!(recv.as_mut().poll(&mut cx).is_pending());
+            drop(recv);
             r2.sleep(Duration::from_millis(5)).await;
         });
         // Dropping the reactor cancels the pending poll and waits for it.
     }
 }
 
-#[test]
-fn block_on_inside_a_task_has_no_current_reactor() {
-    let r = reactor(16);
+fn block_on_inside_a_task_has_no_current_reactor(backend: IoBackend) {
+    let r = reactor(backend, 16);
     let seen = r.run(async move {
         assert!(Reactor::current().is_some());
         let inside = block_on(async { Reactor::current().is_some() });
@@ -168,9 +173,8 @@ fn block_on_inside_a_task_has_no_current_reactor() {
     assert!(Reactor::current().is_none());
 }
 
-#[test]
-fn local_notify_wakes_every_waiter() {
-    let r = reactor(16);
+fn local_notify_wakes_every_waiter(backend: IoBackend) {
+    let r = reactor(backend, 16);
     let r2 = r.clone();
     let woken = r.run(async move {
         let notify = Rc::new(LocalNotify::default());
@@ -194,8 +198,7 @@ fn local_notify_wakes_every_waiter() {
     assert_eq!(woken, 5);
 }
 
-#[test]
-fn direct_io_with_aligned_buffers() {
+fn direct_io_with_aligned_buffers(backend: IoBackend) {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let path = dir.path().join("direct");
@@ -237,7 +240,7 @@ fn direct_io_with_aligned_buffers() {
     // SAFETY: a non-zero-sized layout.
     let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
     let buf = Aligned(ptr, layout);
-    let r = reactor(16);
+    let r = reactor(backend, 16);
     let r2 = r.clone();
     let ok = r.run(async move {
         let (n, buf) = r2.read_at(fd, 8192, buf).await;
@@ -248,11 +251,10 @@ fn direct_io_with_aligned_buffers() {
     assert!(ok);
 }
 
-#[test]
-fn an_abandoned_long_timeout_gives_its_slot_back() {
+fn an_abandoned_long_timeout_gives_its_slot_back(backend: IoBackend) {
     // A ring of 8: were the dropped 60 s sleeps left in flight, the ring
     // would be full after a few and every later operation would wait.
-    let r = reactor(8);
+    let r = reactor(backend, 8);
     let r2 = r.clone();
     let done = r.run(async move {
         for _ in 0..100 {
@@ -270,9 +272,8 @@ fn an_abandoned_long_timeout_gives_its_slot_back() {
     assert!(done <= 2, "{done} operations still in flight");
 }
 
-#[test]
-fn a_deadline_lets_quick_operations_through_with_one_timer() {
-    let r = reactor(8);
+fn a_deadline_lets_quick_operations_through_with_one_timer(backend: IoBackend) {
+    let r = reactor(backend, 8);
     let r2 = r.clone();
     let (finished, started, in_flight) = r.run(async move {
         let mut deadline = cairn_io::Deadline::new(r2.clone(), Duration::from_secs(60));
@@ -292,9 +293,8 @@ fn a_deadline_lets_quick_operations_through_with_one_timer() {
     assert!(in_flight <= 1, "{in_flight} operations in flight");
 }
 
-#[test]
-fn a_deadline_stops_a_slow_operation_at_its_limit_not_before() {
-    let r = reactor(16);
+fn a_deadline_stops_a_slow_operation_at_its_limit_not_before(backend: IoBackend) {
+    let r = reactor(backend, 16);
     let r2 = r.clone();
     let limit = Duration::from_millis(40);
     let outcomes = r.run(async move {
@@ -328,14 +328,13 @@ fn a_deadline_stops_a_slow_operation_at_its_limit_not_before() {
 /// it was never woken when the wake-ups went to waiters that no longer
 /// needed room (stale duplicates of tasks already done); seen as NBD reads
 /// that never got a reply after a cache was recovered.
-#[test]
-fn many_tasks_joining_many_operations_on_a_full_ring_all_finish() {
+fn many_tasks_joining_many_operations_on_a_full_ring_all_finish(backend: IoBackend) {
     let file = tempfile::tempfile().unwrap();
     file.set_len(1 << 20).unwrap();
     let fd = file.as_raw_fd();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let r = reactor(8);
+        let r = reactor(backend, 8);
         let r2 = r.clone();
         let finished = r.run(async move {
             let mut finished = 0u64;
@@ -371,3 +370,100 @@ fn many_tasks_joining_many_operations_on_a_full_ring_all_finish() {
         .expect("tasks waiting for room in the ring were never woken");
     assert_eq!(finished, (0..40u64).map(|round| 2 + round % 5).sum::<u64>());
 }
+
+/// Sockets without a ring: a send larger than the socket buffer waits for
+/// room (POLLOUT) and goes out in parts, a receive waits for data (POLLIN),
+/// and a peer that hangs up ends the receive with 0 bytes, not a hang.
+fn sockets_wait_for_room_and_data_and_see_a_hang_up(backend: IoBackend) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let (fa, fb) = (a.as_raw_fd(), b.as_raw_fd());
+    const TOTAL: usize = 8 << 20;
+    let r = reactor(backend, 16);
+    let r2 = r.clone();
+    let received = r.run(async move {
+        let r3 = r2.clone();
+        let sender = r2.spawn(async move {
+            let data: Vec<u8> = (0..TOTAL).map(|i| (i % 251) as u8).collect();
+            let mut sent = 0;
+            while sent < TOTAL {
+                let (n, _) = r3.send_owned(fa, Chunk(data[sent..].to_vec())).await;
+                let n = n.expect("send");
+                assert!(n > 0, "a blocking-style send took nothing");
+                sent += n;
+            }
+            drop(a);
+        });
+        let mut received = Vec::with_capacity(TOTAL);
+        loop {
+            let (n, buf) = r2.recv(fb, vec![0u8; 64 << 10]).await;
+            let n = n.expect("recv");
+            if n == 0 {
+                break;
+            }
+            received.extend_from_slice(&buf[..n]);
+            assert!(received.len() <= TOTAL, "more bytes than were sent");
+        }
+        sender.await;
+        received
+    });
+    assert_eq!(received.len(), TOTAL);
+    assert!(received
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == (i % 251) as u8));
+    drop(b);
+}
+
+/// A waker that does nothing (`Waker::noop` needs Rust 1.85).
+struct NoWake;
+
+impl std::task::Wake for NoWake {
+    fn wake(self: std::sync::Arc<Self>) {}
+}
+
+/// One owned buffer for `send_owned`.
+struct Chunk(Vec<u8>);
+
+// SAFETY: the Vec is owned by the value and not changed while it lives.
+unsafe impl cairn_io::StableBufs for Chunk {
+    fn iovecs(&self) -> Vec<libc::iovec> {
+        vec![libc::iovec {
+            iov_base: self.0.as_ptr() as *mut libc::c_void,
+            iov_len: self.0.len(),
+        }]
+    }
+}
+
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod with_io_uring {
+            $(#[test]
+            fn $name() {
+                super::$name(cairn_io::IoBackend::Uring)
+            })*
+        }
+        mod without_io_uring {
+            $(#[test]
+            fn $name() {
+                super::$name(cairn_io::IoBackend::Pread)
+            })*
+        }
+    };
+}
+
+on_both_backends!(
+    spawned_tasks_run_and_join,
+    file_reads_and_writes_through_the_ring,
+    more_operations_than_ring_entries_all_complete,
+    another_thread_wakes_a_sleeping_reactor,
+    socket_readiness_and_sleep,
+    dropped_operations_and_a_dropped_reactor_free_nothing_in_use,
+    block_on_inside_a_task_has_no_current_reactor,
+    local_notify_wakes_every_waiter,
+    direct_io_with_aligned_buffers,
+    an_abandoned_long_timeout_gives_its_slot_back,
+    a_deadline_lets_quick_operations_through_with_one_timer,
+    a_deadline_stops_a_slow_operation_at_its_limit_not_before,
+    many_tasks_joining_many_operations_on_a_full_ring_all_finish,
+    sockets_wait_for_room_and_data_and_see_a_hang_up,
+);

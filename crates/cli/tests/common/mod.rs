@@ -489,19 +489,42 @@ impl Ctx {
 
     /// Spawn `cairn serve --cache C --socket S EXTRA` without waiting.
     pub fn spawn_serve(&self, cache: &Path, socket: &Path, extra: &[&str]) -> Proc {
+        self.spawn_serve_env(cache, socket, extra, &[])
+    }
+
+    /// [`Ctx::spawn_serve`] with more environment variables.
+    pub fn spawn_serve_env(
+        &self,
+        cache: &Path,
+        socket: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Proc {
         let c = cache.to_string_lossy();
         let s = socket.to_string_lossy();
         let mut args = vec!["serve", "--cache", &c, "--socket", &s];
         args.extend_from_slice(extra);
         let mut cmd = self.cmd(&args);
         cmd.env("CAIRN_LOG", serve_log_filter());
+        cmd.envs(env.iter().copied());
         let log = self.path(&format!("serve-{}.log", self.next_serial()));
         Proc::spawn("cairn serve", &mut cmd, log)
     }
 
     /// Start `cairn serve` and wait until it accepts connections.
     pub fn serve(&self, cache: &Path, socket: &Path, extra: &[&str]) -> Server {
-        let proc = self.spawn_serve(cache, socket, extra);
+        self.serve_env(cache, socket, extra, &[])
+    }
+
+    /// [`Ctx::serve`] with more environment variables.
+    pub fn serve_env(
+        &self,
+        cache: &Path,
+        socket: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Server {
+        let proc = self.spawn_serve_env(cache, socket, extra, env);
         let mut server = Server {
             proc,
             socket: socket.to_path_buf(),

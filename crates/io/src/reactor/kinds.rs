@@ -1,9 +1,11 @@
 //! The operations a reactor submits.
 
 use std::io;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
 
+use super::fallback::{poll_now, socket_attempt, syscall, Attempt};
 use super::op::OpKind;
 use crate::buf::{StableBuf, StableBufMut, StableBufs};
 
@@ -35,6 +37,15 @@ impl<B: StableBufMut> OpKind for ReadAt<B> {
             .build()
     }
 
+    fn attempt(&mut self) -> Attempt {
+        let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX);
+        let ptr = self.buf.stable_mut_ptr();
+        // SAFETY: `ptr` is valid for `len` bytes, owned by this op.
+        Attempt::Done(syscall(|| unsafe {
+            libc::pread(self.fd, ptr.cast(), len, offset_of(self.offset))
+        }))
+    }
+
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
         (result(res), self.buf)
     }
@@ -56,6 +67,15 @@ impl<B: StableBuf> OpKind for WriteAt<B> {
             .build()
     }
 
+    fn attempt(&mut self) -> Attempt {
+        let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX);
+        let ptr = self.buf.stable_ptr();
+        // SAFETY: `ptr` is valid for `len` bytes, owned by this op.
+        Attempt::Done(syscall(|| unsafe {
+            libc::pwrite(self.fd, ptr.cast(), len, offset_of(self.offset))
+        }))
+    }
+
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
         (result(res), self.buf)
     }
@@ -73,14 +93,7 @@ impl<B: StableBuf> OpKind for WritevAt<B> {
     type Output = (io::Result<usize>, Vec<B>);
 
     fn entry(&mut self) -> squeue::Entry {
-        self.iovecs = self
-            .bufs
-            .iter()
-            .map(|b| libc::iovec {
-                iov_base: b.stable_ptr() as *mut libc::c_void,
-                iov_len: b.stable_len(),
-            })
-            .collect();
+        self.fill_iovecs();
         opcode::Writev::new(
             types::Fd(self.fd),
             self.iovecs.as_ptr(),
@@ -90,8 +103,31 @@ impl<B: StableBuf> OpKind for WritevAt<B> {
         .build()
     }
 
+    fn attempt(&mut self) -> Attempt {
+        self.fill_iovecs();
+        let count = self.iovecs.len().min(libc::c_int::MAX as usize) as libc::c_int;
+        let iovecs = self.iovecs.as_ptr();
+        // SAFETY: the iovecs point into buffers this op owns.
+        Attempt::Done(syscall(|| unsafe {
+            libc::pwritev(self.fd, iovecs, count, offset_of(self.offset))
+        }))
+    }
+
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
         (result(res), self.bufs)
+    }
+}
+
+impl<B: StableBuf> WritevAt<B> {
+    fn fill_iovecs(&mut self) {
+        self.iovecs = self
+            .bufs
+            .iter()
+            .map(|b| libc::iovec {
+                iov_base: b.stable_ptr() as *mut libc::c_void,
+                iov_len: b.stable_len(),
+            })
+            .collect();
     }
 }
 
@@ -109,6 +145,16 @@ impl OpKind for Fsync {
             op = op.flags(types::FsyncFlags::DATASYNC);
         }
         op.build()
+    }
+
+    fn attempt(&mut self) -> Attempt {
+        let fd = self.fd;
+        // SAFETY: plain system calls on a descriptor; no memory passed.
+        Attempt::Done(if self.datasync {
+            syscall(|| unsafe { libc::fdatasync(fd) } as isize)
+        } else {
+            syscall(|| unsafe { libc::fsync(fd) } as isize)
+        })
     }
 
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
@@ -129,6 +175,10 @@ impl OpKind for PollFd {
         opcode::PollAdd::new(types::Fd(self.fd), self.events).build()
     }
 
+    fn attempt(&mut self) -> Attempt {
+        poll_now(self.fd, self.events as i16)
+    }
+
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
         result(res).map(|r| r as u32)
     }
@@ -136,6 +186,9 @@ impl OpKind for PollFd {
 
 pub(crate) struct Sleep {
     pub(crate) timespec: types::Timespec,
+    pub(crate) duration: Duration,
+    /// Without a ring: when it ends, set at the first attempt.
+    pub(crate) deadline: Option<Instant>,
 }
 
 impl OpKind for Sleep {
@@ -143,6 +196,16 @@ impl OpKind for Sleep {
 
     fn entry(&mut self) -> squeue::Entry {
         opcode::Timeout::new(&self.timespec).build()
+    }
+
+    fn attempt(&mut self) -> Attempt {
+        let now = Instant::now();
+        let deadline = *self.deadline.get_or_insert(now + self.duration);
+        if deadline <= now {
+            Attempt::Done(-libc::ETIME)
+        } else {
+            Attempt::WaitUntil(deadline)
+        }
     }
 
     fn finish(self: Box<Self>, _res: i32) {
@@ -164,6 +227,16 @@ impl<B: StableBufMut> OpKind for Recv<B> {
         opcode::Recv::new(types::Fd(self.fd), self.buf.stable_mut_ptr(), len).build()
     }
 
+    fn attempt(&mut self) -> Attempt {
+        let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX);
+        let ptr = self.buf.stable_mut_ptr();
+        let fd = self.fd;
+        // SAFETY: `ptr` is valid for `len` bytes, owned by this op.
+        socket_attempt(fd, libc::POLLIN, || unsafe {
+            libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT)
+        })
+    }
+
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
         (result(res), self.buf)
     }
@@ -182,18 +255,40 @@ impl<B: StableBufs> OpKind for SendOwned<B> {
     type Output = (io::Result<usize>, B);
 
     fn entry(&mut self) -> squeue::Entry {
+        self.fill_header();
+        opcode::SendMsg::new(types::Fd(self.fd), &*self.header as *const libc::msghdr)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+    }
+
+    fn attempt(&mut self) -> Attempt {
+        self.fill_header();
+        let fd = self.fd;
+        let header = &*self.header as *const libc::msghdr;
+        // SAFETY: the header points to iovecs into buffers this op owns.
+        socket_attempt(fd, libc::POLLOUT, || unsafe {
+            libc::sendmsg(fd, header, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        })
+    }
+
+    fn finish(self: Box<Self>, res: i32) -> Self::Output {
+        (result(res), self.owner)
+    }
+}
+
+impl<B: StableBufs> SendOwned<B> {
+    fn fill_header(&mut self) {
         self.iovecs = self.owner.iovecs();
         // SAFETY: an all-zero msghdr is a valid empty header.
         let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
         header.msg_iov = self.iovecs.as_mut_ptr();
         header.msg_iovlen = self.iovecs.len() as _;
         *self.header = header;
-        opcode::SendMsg::new(types::Fd(self.fd), &*self.header as *const libc::msghdr)
-            .flags(libc::MSG_NOSIGNAL as u32)
-            .build()
     }
+}
 
-    fn finish(self: Box<Self>, res: i32) -> Self::Output {
-        (result(res), self.owner)
-    }
+/// A file offset for pread(2) and friends; one past `off_t`'s range is
+/// refused by the kernel with EINVAL, as io_uring refuses it.
+fn offset_of(offset: u64) -> libc::off_t {
+    libc::off_t::try_from(offset).unwrap_or(-1)
 }

@@ -1,5 +1,6 @@
 //! One thread's io_uring and the tasks it drives.
 
+mod fallback;
 mod kinds;
 mod op;
 mod shared;
@@ -12,17 +13,20 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::Duration;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
+use fallback::{Attempt, Waits};
 use kinds::{Fsync, PollFd, ReadAt, Recv, SendOwned, Sleep, WriteAt, WritevAt};
 use op::{Op, OpKind, OpTable};
 use shared::Shared;
 use tasks::{with_join, Tasks};
 
+use crate::backend::{IoBackend, IO_BACKEND_ENV};
 use crate::buf::{StableBuf, StableBufMut, StableBufs};
 
 /// User data of the eventfd read (remote wake-ups).
@@ -41,18 +45,32 @@ const SHUTDOWN_WAIT_MS: u64 = 5_000;
 #[derive(Debug, Clone)]
 pub struct ReactorOptions {
     /// Submission queue entries; at most this many operations are in
-    /// flight at once (more wait for room, they never fail).
+    /// flight at once (more wait for room, they never fail). Without a
+    /// ring, the same bound on operations in flight.
     pub ring_entries: u32,
+    /// io_uring, or plain system calls (see [`IoBackend`]); `Auto` falls
+    /// back to system calls, with one warning, where io_uring fails.
+    pub backend: IoBackend,
 }
 
 impl Default for ReactorOptions {
     fn default() -> Self {
-        ReactorOptions { ring_entries: 256 }
+        ReactorOptions {
+            ring_entries: 256,
+            backend: IoBackend::Auto,
+        }
     }
 }
 
+/// The event loop's running without io_uring has been logged (once per
+/// process, not once per connection).
+static FALLBACK_WARNED: AtomicBool = AtomicBool::new(false);
+
 struct Inner {
-    ring: RefCell<IoUring>,
+    /// None: no io_uring here; operations are system calls ([`fallback`]).
+    ring: Option<RefCell<IoUring>>,
+    /// Without a ring: the operations waiting for a socket or a timer.
+    waits: RefCell<Waits>,
     ops: RefCell<OpTable>,
     tasks: RefCell<Tasks>,
     shared: Arc<Shared>,
@@ -96,19 +114,41 @@ pub type RemoteWaker = Waker;
 impl Reactor {
     /// A reactor for the calling thread. Single-issuer with deferred task
     /// work where the kernel has it (completions are processed only when
-    /// this thread enters the ring, not by interrupting it).
+    /// this thread enters the ring, not by interrupting it). Without
+    /// io_uring (see [`ReactorOptions::backend`]) the loop makes the same
+    /// operations with system calls and waits in poll(2).
     pub fn new(options: &ReactorOptions) -> io::Result<Reactor> {
         let entries = options.ring_entries.clamp(8, 4096);
-        let ring = IoUring::builder()
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            .setup_taskrun_flag()
-            .setup_cqsize(entries * 2)
-            .build(entries)
-            .or_else(|_| IoUring::builder().setup_cqsize(entries * 2).build(entries))?;
+        let ring = match options.backend {
+            IoBackend::Pread => {
+                if !FALLBACK_WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        "event loop without io_uring ({IO_BACKEND_ENV}=pread): poll(2) and \
+                         plain system calls"
+                    );
+                }
+                None
+            }
+            IoBackend::Uring => Some(Self::ring(entries)?),
+            IoBackend::Auto => match Self::ring(entries) {
+                Ok(ring) => Some(ring),
+                Err(e) => {
+                    if !FALLBACK_WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %e,
+                            "io_uring is unavailable; event loop without io_uring: poll(2) \
+                             and plain system calls ({IO_BACKEND_ENV}=pread makes this choice \
+                             without trying io_uring)"
+                        );
+                    }
+                    None
+                }
+            },
+        };
         Ok(Reactor {
             inner: Rc::new(Inner {
-                ring: RefCell::new(ring),
+                ring: ring.map(RefCell::new),
+                waits: RefCell::new(Waits::default()),
                 ops: RefCell::new(OpTable::default()),
                 tasks: RefCell::new(Tasks::default()),
                 shared: Arc::new(Shared::new()?),
@@ -119,6 +159,21 @@ impl Reactor {
                 ops_started: Cell::new(0),
             }),
         })
+    }
+
+    fn ring(entries: u32) -> io::Result<IoUring> {
+        IoUring::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_taskrun_flag()
+            .setup_cqsize(entries * 2)
+            .build(entries)
+            .or_else(|_| IoUring::builder().setup_cqsize(entries * 2).build(entries))
+    }
+
+    /// Does this loop use io_uring (or plain system calls)?
+    pub fn uses_io_uring(&self) -> bool {
+        self.inner.ring.is_some()
     }
 
     /// The reactor running the current task, if any. `None` outside a
@@ -224,10 +279,14 @@ impl Reactor {
     /// Submit what is queued and reap completions, sleeping in the kernel
     /// for at least one completion if no task is ready.
     fn turn(&self) {
+        let Some(ring) = &self.inner.ring else {
+            self.turn_without_ring();
+            return;
+        };
         self.arm_eventfd();
         let wait = self.inner.shared.prepare_sleep();
         let submitted = {
-            let ring = self.inner.ring.borrow();
+            let ring = ring.borrow();
             if wait {
                 ring.submit_and_wait(1)
             } else {
@@ -253,11 +312,53 @@ impl Reactor {
         self.reap();
     }
 
+    /// [`Reactor::turn`] without a ring: one poll(2) for the eventfd,
+    /// every socket an operation waits for and the nearest timer (no
+    /// wait if a task is ready), then each operation whose wait is over
+    /// is tried again.
+    fn turn_without_ring(&self) {
+        let block = self.inner.shared.prepare_sleep();
+        let over = self
+            .inner
+            .waits
+            .borrow_mut()
+            .wait(self.inner.shared.eventfd(), block);
+        self.inner.shared.woke();
+        let mut wakers = Vec::new();
+        for key in over {
+            if let Some(w) = self.attempt(key) {
+                wakers.push(w);
+            }
+        }
+        for waker in wakers {
+            waker.wake();
+        }
+        self.wake_room_waiters();
+    }
+
+    /// Without a ring: try operation `key` now; it completes or waits
+    /// again. Returns the waker to wake if it completed.
+    fn attempt(&self, key: usize) -> Option<Waker> {
+        let attempt = self.inner.ops.borrow_mut().attempt(key);
+        match attempt {
+            // Orphaned or unknown: nothing waits for it any more.
+            None => self.inner.ops.borrow_mut().complete(key, -libc::ECANCELED),
+            Some(Attempt::Done(result)) => self.inner.ops.borrow_mut().complete(key, result),
+            Some(wait) => {
+                self.inner.waits.borrow_mut().push(key, wait);
+                None
+            }
+        }
+    }
+
     /// Handle every completion in the queue.
     fn reap(&self) {
+        let Some(ring) = &self.inner.ring else {
+            return;
+        };
         let mut wakers = Vec::new();
         {
-            let mut ring = self.inner.ring.borrow_mut();
+            let mut ring = ring.borrow_mut();
             let mut ops = self.inner.ops.borrow_mut();
             for cqe in ring.completion() {
                 match cqe.user_data() {
@@ -280,7 +381,7 @@ impl Reactor {
     /// Keep a read of the eventfd pending, so a wake-up from another
     /// thread completes it and ends the loop's sleep.
     fn arm_eventfd(&self) {
-        if self.inner.eventfd_armed.get() {
+        if self.inner.eventfd_armed.get() || self.inner.ring.is_none() {
             return;
         }
         let ptr = self.inner.eventfd_buf.borrow_mut().as_mut_ptr();
@@ -294,7 +395,10 @@ impl Reactor {
 
     /// Push one entry, making room by submitting if the queue is full.
     fn push_entry(&self, entry: squeue::Entry) -> bool {
-        let mut ring = self.inner.ring.borrow_mut();
+        let Some(ring) = &self.inner.ring else {
+            return false;
+        };
+        let mut ring = ring.borrow_mut();
         // SAFETY: every pointer in `entry` targets memory kept alive until
         // its completion (the op table, or the reactor's eventfd buffer).
         let pushed = unsafe { ring.submission().push(&entry) }.is_ok();
@@ -351,6 +455,13 @@ impl Reactor {
     /// Ask the kernel to end operation `key` early (its future is gone);
     /// it completes with -ECANCELED, or normally if it was already done.
     fn cancel(&self, key: usize) {
+        if self.inner.ring.is_none() {
+            // Nothing in the kernel: stop waiting and free the slot.
+            self.inner.waits.borrow_mut().remove(key);
+            let waker = self.inner.ops.borrow_mut().complete(key, -libc::ECANCELED);
+            debug_assert!(waker.is_none(), "an abandoned operation has no waiter");
+            return;
+        }
         let entry = opcode::AsyncCancel::new(key as u64)
             .build()
             .user_data(CANCEL_USER_DATA);
@@ -364,9 +475,18 @@ impl Reactor {
         self.inner.ops.borrow_mut()
     }
 
-    /// Record the operation and queue its entry.
-    fn submit<K: OpKind>(&self, entry: squeue::Entry, kind: Box<K>) -> usize {
+    /// Record the operation and queue its entry (without a ring: try it
+    /// now; it completes at once or waits for its socket or timer).
+    fn submit<K: OpKind>(&self, mut kind: Box<K>) -> usize {
         self.inner.ops_started.set(self.inner.ops_started.get() + 1);
+        if self.inner.ring.is_none() {
+            let key = self.inner.ops.borrow_mut().start(kind);
+            // Nobody polled it yet: there is no waker to wake.
+            let waker = self.attempt(key);
+            debug_assert!(waker.is_none(), "a new operation has no waiter");
+            return key;
+        }
+        let entry = kind.entry();
         let key = self.inner.ops.borrow_mut().start(kind);
         let pushed = self.push_entry(entry.user_data(key as u64));
         if !pushed {
@@ -467,6 +587,8 @@ impl Reactor {
             self.clone(),
             Sleep {
                 timespec: types::Timespec::from(duration),
+                duration,
+                deadline: None,
             },
         )
     }
@@ -477,13 +599,18 @@ impl Drop for Inner {
         // Drop every task first: their operations become orphans.
         drop(self.tasks.get_mut().clear());
         let keys = self.ops.get_mut().in_flight_keys();
+        let Some(ring) = self.ring.as_mut() else {
+            // Without a ring nothing is in the kernel: the buffers go with
+            // the op table.
+            return;
+        };
         if keys.is_empty() {
             return;
         }
         // Cancel what is still in flight (socket polls never end on their
         // own) and wait for the completions: only then may the buffers the
         // kernel writes into be freed.
-        let ring = self.ring.get_mut();
+        let ring = ring.get_mut();
         for key in &keys {
             let entry = opcode::AsyncCancel::new(*key as u64)
                 .build()

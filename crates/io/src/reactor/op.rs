@@ -13,29 +13,49 @@ use std::task::{Context, Poll, Waker};
 
 use io_uring::squeue;
 
+use super::fallback::Attempt;
 use super::Reactor;
 
 /// What an operation is: how to build its ring entry from its (boxed,
-/// stable) self, and what its completion yields.
+/// stable) self, how to make it without a ring, and what its completion
+/// yields.
 pub trait OpKind: 'static {
     type Output;
     /// The entry, pointing into `self` (which no longer moves).
     fn entry(&mut self) -> squeue::Entry;
+    /// Without a ring: try the operation now with a plain system call.
+    fn attempt(&mut self) -> Attempt;
     /// The output, from the completion's result (`-errno` or a count).
     fn finish(self: Box<Self>, result: i32) -> Self::Output;
+}
+
+/// An operation in the table, its kind erased.
+pub(crate) trait ErasedOp: Any {
+    fn attempt(&mut self) -> Attempt;
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+}
+
+impl<K: OpKind> ErasedOp for K {
+    fn attempt(&mut self) -> Attempt {
+        OpKind::attempt(self)
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
 }
 
 enum SlotState {
     Free,
     InFlight {
         waker: Option<Waker>,
-        keep: Box<dyn Any>,
+        keep: Box<dyn ErasedOp>,
         /// The future is gone: free the slot when the completion comes.
         orphaned: bool,
     },
     Done {
         result: i32,
-        keep: Box<dyn Any>,
+        keep: Box<dyn ErasedOp>,
     },
 }
 
@@ -52,7 +72,7 @@ impl OpTable {
         self.in_flight
     }
 
-    pub(crate) fn start(&mut self, keep: Box<dyn Any>) -> usize {
+    pub(crate) fn start(&mut self, keep: Box<dyn ErasedOp>) -> usize {
         let key = self.free.pop().unwrap_or_else(|| {
             self.slots.push(SlotState::Free);
             self.slots.len() - 1
@@ -96,8 +116,20 @@ impl OpTable {
         }
     }
 
+    /// Without a ring: try operation `key` (in flight, not orphaned) again.
+    pub(crate) fn attempt(&mut self, key: usize) -> Option<Attempt> {
+        match self.slots.get_mut(key) {
+            Some(SlotState::InFlight {
+                keep,
+                orphaned: false,
+                ..
+            }) => Some(keep.attempt()),
+            _ => None,
+        }
+    }
+
     /// Poll `key`: its result and what it kept, once done.
-    fn poll(&mut self, key: usize, waker: &Waker) -> Option<(i32, Box<dyn Any>)> {
+    fn poll(&mut self, key: usize, waker: &Waker) -> Option<(i32, Box<dyn ErasedOp>)> {
         let slot = &mut self.slots[key];
         match slot {
             SlotState::InFlight { waker: w, .. } => {
@@ -183,13 +215,12 @@ impl<K: OpKind> Future for Op<K> {
         let this = &mut *self;
         loop {
             match std::mem::replace(&mut this.state, OpState::Finished) {
-                OpState::Unsubmitted(mut kind) => {
+                OpState::Unsubmitted(kind) => {
                     if !this.reactor.has_room(cx.waker()) {
                         this.state = OpState::Unsubmitted(kind);
                         return Poll::Pending;
                     }
-                    let entry = kind.entry();
-                    let key = this.reactor.submit(entry, kind);
+                    let key = this.reactor.submit(kind);
                     this.state = OpState::Submitted(key);
                 }
                 OpState::Submitted(key) => {
@@ -199,6 +230,7 @@ impl<K: OpKind> Future for Op<K> {
                         return Poll::Pending;
                     };
                     let kind = keep
+                        .into_any()
                         .downcast::<K>()
                         .expect("an operation keeps its own kind");
                     return Poll::Ready(kind.finish(result));

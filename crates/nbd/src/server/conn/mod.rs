@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cairn_io::{Reactor, ReactorOptions};
+use cairn_io::{IoBackend, Reactor, ReactorOptions};
 
 use super::listener::Stream;
 use super::Shared;
@@ -234,5 +234,7 @@ fn ring_options(max_in_flight: usize) -> ReactorOptions {
         ring_entries: u32::try_from(wanted)
             .unwrap_or(u32::MAX)
             .max(defaults.ring_entries),
+        // A bad value was refused when the cache was opened; `auto` then.
+        backend: IoBackend::from_env().unwrap_or_default(),
     }
 }
