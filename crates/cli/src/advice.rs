@@ -16,6 +16,15 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::AlreadyFormatted { device, .. } => Some(format!(
             "formatting would destroy it; if that is what you want, pass --force: cairn format --force --cache {device} --origin ORIGIN"
         )),
+        EngineError::HoldsData { device, what } if what.contains("cairn") => Some(format!(
+            "it may hold data not yet written back to its origin, which formatting destroys; format it only if that data is not wanted: cairn format --force --cache {device} --origin ORIGIN"
+        )),
+        EngineError::SuperblocksMissing { device } => Some(format!(
+            "its data not yet written back cannot be reached without them: restore the first 8 KiB of {device} if you have a copy; `cairn format --force` would discard it"
+        )),
+        EngineError::HoldsData { device, .. } => Some(format!(
+            "check that {device} is the device you mean (`blkid {device}`, `lsblk`); formatting destroys what it holds. If it is, pass --force: cairn format --force --cache {device} --origin ORIGIN"
+        )),
         EngineError::WrongOrigin { given, .. } => Some(format!(
             "use the origin it was formatted for (leave out --origin), or pass --force to adopt {given} (dirty data would be written to it)"
         )),

@@ -3,7 +3,7 @@
 
 use std::io::Write as _;
 use std::net::TcpListener;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cairn_engine::Engine;
@@ -95,35 +95,95 @@ fn render_volumes(out: &mut String, engine: &Engine, exports: Option<&[cairn_nbd
     }
 }
 
-/// Answer every connection with the current metrics, whatever it asked.
+/// Scrapes answered at once; a connection beyond them is closed unanswered.
+const SCRAPES_IN_FLIGHT_MAX: usize = 16;
+/// How long a scraper may take to send its request head.
+const REQUEST_HEAD_TIMEOUT_MS: u64 = 2_000;
+/// Largest request head read.
+const REQUEST_HEAD_BYTES_MAX: usize = 16 * 1024;
+
+/// Answer `GET /metrics` (and `GET /`) with the current metrics, each
+/// connection on a thread of its own, so one client that connects and
+/// says nothing cannot hold back the scrapes of others (one at a time, a
+/// silent connection delayed every scrape by its whole timeout, and a few
+/// hundred of them blinded monitoring). At most
+/// [`SCRAPES_IN_FLIGHT_MAX`] at once.
 pub fn metrics_loop(
     listener: TcpListener,
     engine: &Engine,
     latencies: &Latencies,
     server: &cairn_nbd::StatsReader,
 ) {
-    for conn in listener.incoming() {
-        let Ok(mut stream) = conn else { continue };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-        // Read the whole request head before answering: closing a socket
-        // with unread request bytes resets the connection, and the client
-        // may lose the response.
-        let mut head = Vec::new();
-        let mut buf = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
-            match std::io::Read::read(&mut stream, &mut buf) {
-                Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
-                _ => break,
+    let in_flight = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for conn in listener.incoming() {
+            let Ok(stream) = conn else { continue };
+            if in_flight.fetch_add(1, Ordering::AcqRel) >= SCRAPES_IN_FLIGHT_MAX {
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+                tracing::debug!("metrics: too many connections at once; one closed unanswered");
+                continue;
+            }
+            let in_flight = &in_flight;
+            let spawned = std::thread::Builder::new()
+                .name("metrics-scrape".into())
+                .spawn_scoped(scope, move || {
+                    answer(stream, engine, latencies, server);
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            if let Err(e) = spawned {
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+                tracing::warn!(error = %e, "metrics: cannot start a thread for a scrape");
             }
         }
-        let exports = server.exports();
-        let body = render_metrics(engine, latencies, Some(&server.stats()), Some(&exports));
-        let response = format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        let _ = stream.write_all(response.as_bytes());
+    });
+}
+
+/// Read one request head and answer it.
+fn answer(
+    mut stream: std::net::TcpStream,
+    engine: &Engine,
+    latencies: &Latencies,
+    server: &cairn_nbd::StatsReader,
+) {
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(REQUEST_HEAD_TIMEOUT_MS)));
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(REQUEST_HEAD_TIMEOUT_MS)));
+    // Read the whole request head before answering: closing a socket
+    // with unread request bytes resets the connection, and the client
+    // may lose the response.
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < REQUEST_HEAD_BYTES_MAX {
+        match std::io::Read::read(&mut stream, &mut buf) {
+            Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
     }
+    let request_line = head
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or(&[]);
+    let mut words = request_line.split(|&b| b == b' ');
+    let (method, path) = (words.next().unwrap_or(&[]), words.next().unwrap_or(&[]));
+    let path = path.split(|&b| b == b'?').next().unwrap_or(&[]);
+    let (status, body) = match (method, path) {
+        (b"GET" | b"HEAD", b"/metrics" | b"/") => {
+            let exports = server.exports();
+            let body = render_metrics(engine, latencies, Some(&server.stats()), Some(&exports));
+            ("200 OK", body)
+        }
+        (b"GET" | b"HEAD", _) => ("404 Not Found", "metrics are at /metrics\n".to_string()),
+        _ => ("405 Method Not Allowed", "only GET\n".to_string()),
+    };
+    let body = if method == b"HEAD" {
+        String::new()
+    } else {
+        body
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes());
 }
 
 pub fn render_metrics(

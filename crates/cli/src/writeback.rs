@@ -289,7 +289,7 @@ fn decide_and_step(
         if last_epoch.elapsed() >= Duration::from_millis(policy.epoch_interval_ms)
             && s.dirty_blocks > 0
         {
-            if let Err(e) = engine.flush() {
+            if let Err(e) = engine.end_epoch() {
                 tracing::warn!("periodic epoch end failed: {e}");
             }
             last_epoch = Instant::now();

@@ -783,3 +783,29 @@ fn admin_socket_refuses_bad_requests_clearly() {
     assert!(server.proc.try_status().is_none(), "the daemon died");
     assert!(server.terminate().success());
 }
+
+/// The daemon's periodic epoch end (every second while blocks are dirty)
+/// is the engine's own flush: it counts in `internal_flushes`, not in the
+/// clients' `flushes` and `flush_barriers` (it did, so a client that never
+/// flushed showed flushes, and flushes per barrier were off).
+#[test]
+fn the_periodic_epoch_end_is_not_counted_as_a_client_flush() {
+    if !require_python_nbd("epoch_end_counters") {
+        return;
+    }
+    let ctx = Ctx::new("epoch_end_counters");
+    let (cache, _) = ctx.setup(32 << 20, 64 << 20);
+    let server = ctx.serve(&cache, &ctx.path("nbd.sock"), &[]);
+    nbd_write(&server.uri(), 1 << 20, &pattern(5, 64 << 10), false);
+    let ended = eventually(Duration::from_secs(20), || {
+        u64_of(&ctx.status(&cache), "internal_flushes") > 0
+    });
+    let st = ctx.status(&cache);
+    assert!(ended, "no periodic epoch end within 20 s: {st}");
+    assert_eq!(u64_of(&st, "flushes"), 0, "{st}");
+    assert_eq!(u64_of(&st, "flush_barriers"), 0, "{st}");
+    // A client's flush still counts as one.
+    nbd_write(&server.uri(), 2 << 20, &pattern(6, 4096), true);
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "flushes"), 1, "{st}");
+}

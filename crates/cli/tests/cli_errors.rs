@@ -265,6 +265,135 @@ fn format_over_a_formatted_cache_needs_force() {
     assert!(stdout(&out).contains("formatted"), "{}", describe(&out));
 }
 
+/// Write `bytes` at `offset` of `path`, in place.
+fn poke(path: &std::path::Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect("open for poke");
+    f.write_all_at(bytes, offset).expect("poke");
+}
+
+/// A filesystem's or a partition table's signature on the cache: format
+/// refuses without --force and names what it found, as mkfs does, and
+/// leaves every byte as it was.
+#[test]
+fn format_over_a_filesystem_or_a_partition_table_needs_force() {
+    let ctx = Ctx::new("format_over_fs");
+    let origin = ctx.file("origin.img", 64 * MIB);
+    let o = origin.to_string_lossy();
+    for (name, offset, magic, what) in [
+        (
+            "ext4",
+            1080u64,
+            &[0x53u8, 0xEF][..],
+            "an ext2/ext3/ext4 filesystem",
+        ),
+        ("xfs", 0, &b"XFSB"[..], "an XFS filesystem"),
+        ("gpt", 512, &b"EFI PART"[..], "a GPT partition table"),
+        ("lvm", 512, &b"LABELONE"[..], "an LVM physical volume"),
+    ] {
+        let cache = ctx.file(&format!("{name}.img"), 32 * MIB);
+        poke(&cache, offset, magic);
+        let c = cache.to_string_lossy();
+        let before = std::fs::read(&cache).expect("read cache");
+        let out = ctx.cairn(&["format", "--cache", &c, "--origin", &o]);
+        assert_clean_failure(&out, &[&c, what, "refusing to format", "--force", "blkid"]);
+        assert!(
+            std::fs::read(&cache).expect("read cache") == before,
+            "a refused format changed {name}"
+        );
+        ctx.cairn_ok(&["format", "--cache", &c, "--origin", &o, "--force"]);
+    }
+}
+
+/// A cache whose two superblocks were overwritten still holds its volume
+/// table, checkpoints and dirty records: `status` says the superblocks
+/// are gone (not "format it first"), and format refuses without --force.
+#[test]
+fn a_cache_whose_superblocks_were_overwritten_is_not_offered_for_format() {
+    let ctx = Ctx::new("superblocks_lost");
+    let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy();
+    let o = origin.to_string_lossy();
+    poke(&cache, 0, &vec![0u8; 8192]);
+    let out = ctx.cairn(&["status", "--cache", &c]);
+    assert_clean_failure(
+        &out,
+        &[
+            &c,
+            "superblocks were overwritten",
+            "restore the first 8 KiB",
+        ],
+    );
+    assert!(
+        !stderr(&out).contains("format it first"),
+        "{}",
+        describe(&out)
+    );
+    let out = ctx.cairn(&["format", "--cache", &c, "--origin", &o]);
+    assert_clean_failure(
+        &out,
+        &[
+            "structures of a cairn cache",
+            "not yet written back",
+            "--force",
+        ],
+    );
+    ctx.cairn_ok(&["format", "--cache", &c, "--origin", &o, "--force"]);
+    ctx.cairn_ok(&["status", "--cache", &c]);
+}
+
+/// A read-only block device (root can open it for writing, and its
+/// writes then fail) is refused as origin and as cache when it is opened,
+/// before a client is told a write is safe that could never be written
+/// back.
+#[test]
+fn a_read_only_block_device_is_refused_as_origin_and_as_cache() {
+    let test = "read_only_blockdev";
+    if !require_tools(test, &["losetup"]) {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        skip(test, "losetup needs root");
+        return;
+    }
+    let ctx = Ctx::new(test);
+    let backing = ctx.file("ro-backing.img", 64 * MIB);
+    let out = run(
+        tool("losetup")
+            .args(["--read-only", "--find", "--show"])
+            .arg(&backing),
+        TOOL_TIMEOUT,
+    );
+    if !out.status.success() {
+        // A container may deny loop devices even to root.
+        skip(test, &format!("losetup failed: {}", describe(&out)));
+        return;
+    }
+    let loop_dev = stdout(&out).trim().to_string();
+    struct Detach(String);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = tool("losetup").args(["-d", &self.0]).status();
+        }
+    }
+    let _detach = Detach(loop_dev.clone());
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let c = cache.to_string_lossy();
+    let origin = ctx.file("origin.img", 64 * MIB);
+    let o = origin.to_string_lossy();
+    let out = ctx.cairn(&["format", "--cache", &c, "--origin", &loop_dev]);
+    assert_clean_failure(
+        &out,
+        &["origin", &loop_dev, "read-only", "blockdev --setrw"],
+    );
+    let out = ctx.cairn(&["format", "--cache", &loop_dev, "--origin", &o]);
+    assert_clean_failure(&out, &["cache", &loop_dev, "read-only"]);
+}
+
 #[test]
 fn socket_in_use_by_a_live_server_is_refused_and_not_stolen() {
     if !require_python_nbd("socket_in_use") {

@@ -87,3 +87,38 @@ fn every_metric_the_dashboard_queries_is_exported() {
         missing.join("\n")
     );
 }
+
+/// Clients that connect to the metrics port and say nothing do not hold
+/// back a scrape (they were served one at a time, each holding the others
+/// for its whole read timeout), and only `GET /metrics` gets the metrics.
+#[test]
+fn silent_connections_do_not_hold_back_a_scrape() {
+    let ctx = Ctx::new("metrics_silent");
+    let (cache, _origin) = ctx.setup(8 << 20, 16 << 20);
+    let sock = ctx.path("nbd.sock");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _server = ctx.serve(&cache, &sock, &["--metrics", &addr]);
+    let silent: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    let started = std::time::Instant::now();
+    let body = get_metrics(&addr);
+    let took = started.elapsed();
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    assert!(body.contains("cairn_"), "{body}");
+    // The old server took at least 8 x 5 s here; the request head
+    // timeout alone is 2 s.
+    assert!(
+        took < Duration::from_millis(1_500),
+        "a scrape behind 8 silent connections took {took:?}"
+    );
+    drop(silent);
+
+    let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /nope HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 404"), "{reply}");
+    assert!(!reply.contains("cairn_"), "{reply}");
+}

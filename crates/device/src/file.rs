@@ -30,6 +30,8 @@ pub struct FileDevice {
 
 // From <linux/fs.h>: _IOR(0x12, 114, size_t).
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+/// `BLKROGET` from <linux/fs.h>: whether a block device is read-only.
+const BLKROGET: libc::c_ulong = 0x125E;
 // _IO(0x12, 119)
 const BLKDISCARD: libc::c_ulong = 0x1277;
 // _IO(0x12, 127)
@@ -104,6 +106,29 @@ pub(crate) fn open_locked(
             return Err(DeviceError::Open {
                 device: name,
                 source: std::io::Error::last_os_error(),
+            });
+        }
+        // Root may open a read-only block device for writing; its writes
+        // then fail. A cache must write, and so must an origin, to write
+        // back what clients were told is safe: refuse it now, not after
+        // acknowledging writes that can never reach it.
+        let mut read_only: libc::c_int = 0;
+        // SAFETY: BLKROGET writes one int through the pointer, which points
+        // at a live, properly aligned c_int.
+        let rc = unsafe {
+            libc::ioctl(
+                file.as_raw_fd(),
+                BLKROGET,
+                &mut read_only as *mut libc::c_int,
+            )
+        };
+        if rc == 0 && read_only != 0 {
+            return Err(DeviceError::Unsupported {
+                device: name,
+                message: "the block device is read-only (`blockdev --getro`); cairn writes to \
+                          both its cache and its origin: make it writable \
+                          (`blockdev --setrw`, or a loop device without -r)"
+                    .into(),
             });
         }
         size

@@ -23,6 +23,7 @@ use cairn_io::oneshot;
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
+use crate::flush_by::FlushBy;
 use crate::log::BarrierPlan;
 use crate::retry::retrying_cache_write;
 use crate::sealed::SealedRecord;
@@ -51,12 +52,14 @@ impl GroupCommit {
     }
 
     /// Wait until every record up to `target` is durable, making the
-    /// barrier if nobody else is.
+    /// barrier if nobody else is. A barrier counts in `flush_barriers`
+    /// when a client's flush leads it.
     pub(crate) async fn wait_durable(
         &self,
         env: &Env,
         state: &StateLock,
         target: u64,
+        by: FlushBy,
     ) -> EngineResult<()> {
         let mut followed = false;
         for _ in 0..WAIT_ROUNDS_MAX {
@@ -88,7 +91,7 @@ impl GroupCommit {
                 // Gives up the lead and wakes the followers when the
                 // barrier ends, also if it unwinds.
                 let _leading = Leading(self);
-                barrier(env, state)
+                barrier(env, state, by)
             };
             result?;
         }
@@ -118,7 +121,7 @@ impl Drop for Leading<'_> {
 }
 
 /// One barrier over everything sealed so far, outside the engine lock.
-fn barrier(env: &Env, state: &StateLock) -> EngineResult<()> {
+fn barrier(env: &Env, state: &StateLock, by: FlushBy) -> EngineResult<()> {
     let plan = {
         let mut st = state.normal(env)?;
         if st.log.durable_sequence() >= st.log.last_sequence() {
@@ -137,7 +140,9 @@ fn barrier(env: &Env, state: &StateLock) -> EngineResult<()> {
         return Err(env.health.cache_write_failed("sealing a log record", e));
     }
     Counters::add(&env.counters.cache_barriers, 1);
-    Counters::add(&env.counters.flush_barriers, 1);
+    if by == FlushBy::Client {
+        Counters::add(&env.counters.flush_barriers, 1);
+    }
     let mut st = state.normal(env)?;
     // A record another call wrote may have failed: that is a failed
     // barrier too (the queue reports it).

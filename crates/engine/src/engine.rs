@@ -18,6 +18,7 @@ use crate::commit::GroupCommit;
 use crate::degrade;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
+use crate::flush_by::FlushBy;
 use crate::format;
 use crate::integrity::{self, RecalcProgress, ScrubOptions, ScrubReport};
 use crate::open::{self, OriginResolver};
@@ -510,7 +511,7 @@ impl Engine {
     async fn flush_volumes(&self, volume: Option<u16>) -> EngineResult<()> {
         Counters::add(&self.env.counters.flushes, 1);
         if !self.is_degraded() {
-            self.flush_cached().await?;
+            self.flush_cached(FlushBy::Client).await?;
         }
         if self.is_degraded() {
             return degrade::degraded_flush(self.parts(), volume);
@@ -521,8 +522,8 @@ impl Engine {
     /// A client flush on the normal path; a cache write that failed for
     /// good switches to degraded mode here (the caller then flushes the
     /// origin: `drain` wrote every acknowledged write there).
-    async fn flush_cached(&self) -> EngineResult<()> {
-        match write::flush(self.parts()).await {
+    async fn flush_cached(&self, by: FlushBy) -> EngineResult<()> {
+        match write::flush(self.parts(), by).await {
             // Another thread may have finished the switch meanwhile:
             // `enter` is idempotent.
             Err(e) if self.env.health.wants_degraded_path()? => {
@@ -532,6 +533,19 @@ impl Engine {
             }
             result => result,
         }
+    }
+
+    /// End the epoch in progress, so write-back can go on with it: a
+    /// barrier like a client's flush (made outside the engine lock, shared
+    /// with client flushes in progress), counted as `internal_flushes`.
+    /// For the daemon's periodic epoch end; degraded, nothing is cached to
+    /// end an epoch of.
+    pub fn end_epoch(&self) -> EngineResult<()> {
+        Counters::add(&self.env.counters.internal_flushes, 1);
+        if self.is_degraded() {
+            return Ok(());
+        }
+        cairn_io::block_on(self.flush_cached(FlushBy::Engine))
     }
 
     /// A flush the engine needs for itself (not counted as a client flush).

@@ -10,6 +10,10 @@ pub enum EngineError {
         "{device} already holds a cairn cache (formatted for origin {origin}); refusing to format over it"
     )]
     AlreadyFormatted { device: String, origin: String },
+    #[error("{device} has no cairn superblock left, but holds the other structures of a cairn cache (volume table, checkpoints or log records): its superblocks were overwritten. The cache cannot be opened")]
+    SuperblocksMissing { device: String },
+    #[error("{device} holds {what}; refusing to format over it")]
+    HoldsData { device: String, what: &'static str },
     #[error("{device}: both superblock copies are damaged (copy A: {copy_a}; copy B: {copy_b}). The cache cannot be opened")]
     SuperblockDamaged {
         device: String,

@@ -118,7 +118,7 @@ pub(crate) fn format(
 /// the cache is for.
 fn refuse_formatted(cache: &dyn Device, existing: Option<&Superblock>) -> EngineResult<()> {
     let Some(existing) = existing else {
-        return Ok(());
+        return refuse_known_contents(cache);
     };
     let origin = superblocks::read_table(cache, existing)
         .ok()
@@ -128,6 +128,19 @@ fn refuse_formatted(cache: &dyn Device, existing: Option<&Superblock>) -> Engine
         device: cache.name().to_string(),
         origin,
     })
+}
+
+/// A device with no cairn superblock may still hold a filesystem, a
+/// volume manager's or a partition table's data, or a cairn cache whose
+/// superblocks are damaged (its dirty data may exist nowhere else).
+fn refuse_known_contents(cache: &dyn Device) -> EngineResult<()> {
+    match superblocks::existing_contents(cache)? {
+        None => Ok(()),
+        Some(what) => Err(EngineError::HoldsData {
+            device: cache.name().to_string(),
+            what,
+        }),
+    }
 }
 
 /// The table of a new cache: volume 0, in write-back mode with serve's

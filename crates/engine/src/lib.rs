@@ -25,6 +25,7 @@ mod degrade;
 mod engine;
 mod env;
 mod error;
+mod flush_by;
 mod format;
 mod group;
 mod health;

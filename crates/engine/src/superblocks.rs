@@ -45,15 +45,30 @@ pub(crate) fn read_newest(cache: &dyn Device) -> EngineResult<Superblock> {
     let unformatted = no_magic(&copy_a) && no_magic(&copy_b);
     match Superblock::newest(copy_a, copy_b) {
         Ok(superblock) => Ok(superblock),
-        Err(_) if unformatted => Err(EngineError::NotFormatted {
-            device: cache.name().to_string(),
-        }),
+        Err(_) if unformatted => match existing_contents(cache)? {
+            Some(what) if what.contains("cairn") => Err(EngineError::SuperblocksMissing {
+                device: cache.name().to_string(),
+            }),
+            _ => Err(EngineError::NotFormatted {
+                device: cache.name().to_string(),
+            }),
+        },
         Err((copy_a, copy_b)) => Err(EngineError::SuperblockDamaged {
             device: cache.name().to_string(),
             copy_a,
             copy_b,
         }),
     }
+}
+
+/// What the start of `cache` shows it holds, if anything known (see
+/// `cairn_format::existing_contents`).
+pub(crate) fn existing_contents(cache: &dyn Device) -> EngineResult<Option<&'static str>> {
+    // Whole 4 KiB pages, which any device reads (O_DIRECT included).
+    let probe_bytes = cairn_format::SIGNATURE_PROBE_BYTES.min(cache.size_bytes() as usize) & !4095;
+    let mut head = vec![0u8; probe_bytes];
+    cache.read_at(0, &mut head).map_err(EngineError::Cache)?;
+    Ok(cairn_format::existing_contents(&head))
 }
 
 /// Write both copies (format): no superblock of an earlier format survives.

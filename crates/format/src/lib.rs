@@ -24,6 +24,7 @@ mod lifetime;
 mod origin_v1;
 mod records;
 mod settings;
+mod signatures;
 mod superblock;
 mod superblock_volumes;
 mod tag_area;
@@ -44,6 +45,7 @@ pub use records::{
     PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES, RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
 pub use settings::{StoredSettings, SETTINGS_COUNT, STORED_SETTINGS_BYTES};
+pub use signatures::{existing_contents, SIGNATURE_PROBE_BYTES};
 pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY_MAX_BYTES};
 pub use superblock_volumes::SuperblockVolumes;
 pub use tag_area::{TagArea, TagExtent};

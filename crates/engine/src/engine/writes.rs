@@ -103,7 +103,7 @@ impl Engine {
             }
         }
         if fua {
-            self.flush_cached().await?;
+            self.flush_cached(crate::flush_by::FlushBy::Client).await?;
         }
         Ok(())
     }

@@ -18,6 +18,7 @@ use cairn_format::{key_volume, RangeKind, PENDING_RANGES_MAX};
 use crate::checkpoint;
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
+use crate::flush_by::FlushBy;
 use crate::parts::Parts;
 use crate::policy::CacheMode;
 use crate::sealed::SealedRecord;
@@ -312,7 +313,7 @@ pub(crate) fn partial_edges(offset: u64, end: u64, block_bytes: u64) -> Vec<(u64
 /// A client flush: seal what is open and wait (as a task) until it and
 /// everything sealed before it is durable, sharing the barrier with every
 /// flush that arrives meanwhile (see `crate::commit`).
-pub(crate) async fn flush(p: Parts<'_>) -> EngineResult<()> {
+pub(crate) async fn flush(p: Parts<'_>, by: FlushBy) -> EngineResult<()> {
     let env = p.env;
     let target = {
         let mut st = p.state.normal(env)?;
@@ -321,7 +322,7 @@ pub(crate) async fn flush(p: Parts<'_>) -> EngineResult<()> {
     };
     match target {
         None => Ok(()),
-        Some(target) => p.commit.wait_durable(env, p.state, target).await,
+        Some(target) => p.commit.wait_durable(env, p.state, target, by).await,
     }
 }
 
