@@ -25,6 +25,15 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::HoldsData { device, .. } => Some(format!(
             "check that {device} is the device you mean (`blkid {device}`, `lsblk`); formatting destroys what it holds. If it is, pass --force: cairn format --force --cache {device} --origin ORIGIN"
         )),
+        EngineError::WrongOrigin { recorded, given }
+            if cairn_device::identity_without_inode(recorded)
+                == cairn_device::identity_without_inode(given) =>
+        {
+            Some(format!(
+                "the file at {} is not the one this cache was formatted for (another inode: it was replaced, restored or copied since). If it holds the same data, pass --force to adopt it (dirty data would be written to it); otherwise put the original back",
+                cairn_device::spec_of_identity(given)
+            ))
+        }
         EngineError::WrongOrigin { given, .. } => Some(format!(
             "use the origin it was formatted for (leave out --origin), or pass --force to adopt {given} (dirty data would be written to it)"
         )),
@@ -33,6 +42,9 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
             recorded_bytes,
             given_bytes,
         } => Some(origin_size_advice(origin, *recorded_bytes, *given_bytes)),
+        EngineError::ModeSetNotDrained { .. } => Some(
+            "cairn writes them back once the origin takes writes again (`cairn status` shows origin_state); `cairn flush` tries now".into(),
+        ),
         EngineError::VolumeNotFound { .. } => {
             Some("`cairn volume list --cache CACHE` shows the volumes".into())
         }

@@ -214,6 +214,7 @@ pub fn render_metrics(
         ("clean_blocks", s.clean_blocks),
         ("free_blocks", s.free_blocks),
         ("corrupt_blocks", s.corrupt_blocks),
+        ("lost_blocks", s.lost_blocks),
         ("cache_blocks", s.cache_blocks),
         ("block_size_bytes", s.block_size_bytes),
         ("volume_size_bytes", s.volume_size_bytes),

@@ -153,6 +153,52 @@ fn cache_formatted_for_another_origin_is_refused() {
     assert!(server.terminate().success());
 }
 
+/// Another file put at the origin's path (a backup restored, an image
+/// moved over it) is not the origin: serving it would mix the cache's
+/// blocks with another disk's and write dirty data into it. It is refused
+/// with or without --origin, named as replaced; --force adopts it; the
+/// original put back is served again.
+#[test]
+fn an_origin_file_replaced_at_the_same_path_is_refused() {
+    let ctx = Ctx::new("origin_replaced");
+    let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy();
+    let o = origin.to_string_lossy();
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy();
+    let kept = ctx.path("origin-original.img");
+    std::fs::rename(&origin, &kept).expect("move the origin away");
+    let impostor = ctx.file("origin.img", 64 * MIB);
+    assert_eq!(impostor, origin);
+    for args in [
+        vec!["serve", "--cache", &c, "--socket", &s],
+        vec!["serve", "--cache", &c, "--origin", &o, "--socket", &s],
+        vec!["status", "--cache", &c],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(
+            &out,
+            &[
+                "not the one this cache was formatted for",
+                "replaced",
+                "--force",
+            ],
+        );
+    }
+    assert!(!sock.exists());
+    std::fs::rename(&origin, ctx.path("impostor.img")).expect("move the impostor away");
+    std::fs::rename(&kept, &origin).expect("put the original back");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+    // A copy of the original is a new file; --force adopts it.
+    std::fs::copy(&origin, ctx.path("copy.img")).expect("copy");
+    std::fs::rename(ctx.path("copy.img"), &origin).expect("copy over");
+    let mut server = ctx.serve(&cache, &sock, &["--force"]);
+    assert!(server.terminate().success());
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+}
+
 #[test]
 fn origin_that_changed_size_is_refused() {
     let ctx = Ctx::new("origin_resized");

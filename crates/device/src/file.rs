@@ -141,9 +141,10 @@ pub(crate) fn open_locked(
         });
     };
     let canonical: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let inode = (!is_block_device).then(|| std::os::unix::fs::MetadataExt::ino(&meta));
     Ok(OpenedFile {
         file,
-        identity: format!("file:{}", canonical.display()),
+        identity: crate::identity::local_identity(&canonical, inode),
         name,
         size_bytes,
         is_block_device,

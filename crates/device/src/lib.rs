@@ -22,6 +22,7 @@ mod claim_decision;
 mod claim_mode;
 mod file;
 mod flush_debt;
+mod identity;
 mod local;
 mod nbd;
 mod rbd;
@@ -35,6 +36,7 @@ pub use claim::OriginClaim;
 pub use claim_decision::ClaimDecision;
 pub use claim_mode::ClaimMode;
 pub use file::{FileDevice, OpenMode};
+pub use identity::identity_without_inode;
 pub use local::{
     open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, spec_of_identity,
     IoBackend, LocalOptions, IO_BACKEND_ENV,

@@ -97,6 +97,7 @@ pub fn spec_of_identity(identity: &str) -> &str {
             .rsplit_once('#')
             .map_or(identity, |(spec, _id)| spec);
     }
+    let identity = crate::identity::identity_without_inode(identity);
     identity.strip_prefix("file:").unwrap_or(identity)
 }
 
@@ -171,6 +172,11 @@ mod tests {
     #[test]
     fn identities_turn_back_into_specs() {
         assert_eq!(spec_of_identity("file:/dev/sdb"), "/dev/sdb");
+        assert_eq!(spec_of_identity("file:/srv/o.img#ino=42"), "/srv/o.img");
+        // A '#' in a path is not an inode mark.
+        assert_eq!(spec_of_identity("file:/srv/a#b.img"), "/srv/a#b.img");
+        assert_eq!(spec_of_identity("file:/srv/a#ino=x"), "/srv/a#ino=x");
+
         assert_eq!(
             spec_of_identity("rbd:rbd/vol?conf=/c#a1b2"),
             "rbd:rbd/vol?conf=/c"

@@ -615,7 +615,14 @@ impl Engine {
             // Only this volume's dirty data must reach its origin now: its
             // new writes go through, and a volume left dirty would be
             // written back to an origin the user now trusts to be current.
+            // The mode is recorded already; a drain that fails says so, so
+            // the user knows what state the volume is in.
             self.drain_cached(VolumeSet::single(id), &mut progress)
+                .map_err(|e| EngineError::ModeSetNotDrained {
+                    mode: mode.name(),
+                    dirty_blocks: self.stats().dirty_blocks,
+                    source: Box::new(e),
+                })
         })
     }
 

@@ -12,6 +12,13 @@ pub enum EngineError {
     AlreadyFormatted { device: String, origin: String },
     #[error("{device} has no cairn superblock left, but holds the other structures of a cairn cache (volume table, checkpoints or log records): its superblocks were overwritten. The cache cannot be opened")]
     SuperblocksMissing { device: String },
+    #[error("the mode is now {mode} (new writes follow it), but the dirty data written before could not all be written back yet ({dirty_blocks} dirty blocks left in the cache): {source}")]
+    ModeSetNotDrained {
+        mode: &'static str,
+        dirty_blocks: u64,
+        #[source]
+        source: Box<EngineError>,
+    },
     #[error("{device} holds {what}; refusing to format over it")]
     HoldsData { device: String, what: &'static str },
     #[error("{device}: both superblock copies are damaged (copy A: {copy_a}; copy B: {copy_b}). The cache cannot be opened")]

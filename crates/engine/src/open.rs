@@ -169,7 +169,14 @@ fn check_origin(
     // The table holds the identity as format stored it (cut to the
     // limit), so that is what is compared.
     let identity = origin.identity();
-    if origin_identity_for_superblock(&identity) != volume.origin_identity && !force {
+    let recorded = volume.origin_identity.as_str();
+    let same = origin_identity_for_superblock(&identity) == recorded
+        // Recorded before a file's identity named its inode: the path
+        // decides, as it did then.
+        || (cairn_device::identity_without_inode(recorded) == recorded
+            && origin_identity_for_superblock(cairn_device::identity_without_inode(&identity))
+                == recorded);
+    if !same && !force {
         return Err(EngineError::WrongOrigin {
             recorded: volume.origin_identity.clone(),
             given: origin.identity(),

@@ -2351,3 +2351,46 @@ fn hot_clean_blocks_give_way_to_writes_while_the_origin_fails_writes() {
     );
     assert_volume(e, &model, "after the drain");
 }
+
+/// Leaving write-back while the origin refuses writes: the mode is
+/// recorded (new writes follow it) and the drain fails; the error says
+/// both, and how much is left, instead of a bare origin error that reads
+/// as if nothing had changed. Once the origin works, a flush drains it.
+#[test]
+fn a_mode_switch_whose_drain_fails_says_the_mode_is_set() {
+    let rig = Rig::new(cache_bytes_small(), 256);
+    let e = rig.engine();
+    for lba in 0..8u64 {
+        e.write(lba * BS, &pattern(lba, BS as usize), false)
+            .expect("write");
+    }
+    e.flush().expect("flush");
+    rig.origin.fail_range(cairn_device::RangeFault {
+        kinds: cairn_device::OpKinds::WRITES,
+        start: 0,
+        end: rig.origin.size_bytes(),
+        mode: FaultMode::Sticky,
+    });
+    let err = e
+        .set_mode(cairn_engine::CacheMode::WriteThrough, |_| {})
+        .expect_err("the drain cannot succeed");
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            cairn_engine::EngineError::ModeSetNotDrained {
+                dirty_blocks: 8,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        text.contains("the mode is now writethrough") && text.contains("8 dirty blocks"),
+        "{text}"
+    );
+    assert_eq!(e.mode(), cairn_engine::CacheMode::WriteThrough);
+    rig.origin.clear_faults();
+    e.drain().expect("drain once the origin works");
+    assert_eq!(e.stats().dirty_blocks, 0);
+}
