@@ -199,6 +199,35 @@ fn an_origin_file_replaced_at_the_same_path_is_refused() {
     assert!(server.terminate().success());
 }
 
+/// The cache given as its own origin, by its name, a symlink or a hard
+/// link: said as such (it read "in use by another process").
+#[test]
+fn the_cache_given_as_its_own_origin_is_named_as_such() {
+    let ctx = Ctx::new("same_file");
+    let cache = ctx.file("cache.img", 64 * MIB);
+    let c = cache.to_string_lossy();
+    let link = ctx.path("link.img");
+    std::os::unix::fs::symlink(&cache, &link).expect("symlink");
+    let hard = ctx.path("hard.img");
+    std::fs::hard_link(&cache, &hard).expect("hard link");
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy();
+    let origins = [cache.clone(), link, hard];
+    for origin in &origins {
+        let o = origin.to_string_lossy();
+        let out = ctx.cairn(&["format", "--cache", &c, "--origin", &o]);
+        assert_clean_failure(&out, &["are the same file", "--origin"]);
+    }
+    // Formatted for a real origin, then served with itself as the origin.
+    let real = ctx.file("origin.img", 64 * MIB);
+    ctx.format(&cache, &real.to_string_lossy(), &[]);
+    for origin in &origins {
+        let o = origin.to_string_lossy();
+        let out = ctx.cairn(&["serve", "--cache", &c, "--origin", &o, "--socket", &s]);
+        assert_clean_failure(&out, &["are the same file"]);
+    }
+}
+
 #[test]
 fn origin_that_changed_size_is_refused() {
     let ctx = Ctx::new("origin_resized");

@@ -46,6 +46,7 @@ pub struct FormatArgs {
 }
 
 pub fn run(args: &FormatArgs) -> Result<()> {
+    crate::devices::refuse_same_file(&args.cache, &args.origin)?;
     let cache_dev = open_cache(&args.cache, OpenMode::Exclusive)?;
     let origin_dev = open_origin(&args.origin)?;
     let sb = Engine::format(

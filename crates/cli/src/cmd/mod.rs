@@ -68,6 +68,7 @@ pub fn open_engine_with(
         Some(o) => o.to_string(),
         None => recorded_origin(cache.as_ref())?,
     };
+    crate::devices::refuse_same_file(cache_path, &origin_spec)?;
     let origin = open_origin_with(&origin_spec, Some(config.origin_queue_depth))?;
     tracing::info!(
         cache_backend = cache.backend(),
