@@ -94,9 +94,7 @@ pub(crate) fn open(
     if env.integrity {
         state.tags = Some(load_tags(&env, &mut state)?);
     }
-    if opts.force_origin {
-        record_new_identity(&env, &mut state, first.id)?;
-    }
+    record_new_identities(&env, &mut state, opts.force_origin.then_some(first.id))?;
     // Bump the generation and make everything replayed durable before
     // anything new is written. A failure here refuses the open (nothing
     // new was written yet).
@@ -106,19 +104,37 @@ pub(crate) fn open(
     Ok(Opened { env, state, modes })
 }
 
-/// With `--force-origin`: the first volume's origin is the one given now;
-/// record its identity if it changed.
-fn record_new_identity(env: &Env, state: &mut State, id: u16) -> EngineResult<()> {
-    let identity = env.origins.first().device().identity();
-    let identity = origin_identity_for_superblock(&identity);
+/// With `--force-origin`, the `forced` volume's origin is the one given
+/// now: record its identity if it changed. An origin file recorded by its
+/// path alone (formatted before identities named the inode) is only
+/// reported: recording its inode unasked would make the cache unopenable
+/// by an older cairn, so it takes `--force` once.
+fn record_new_identities(env: &Env, state: &mut State, forced: Option<u16>) -> EngineResult<()> {
     let mut volumes = state.volumes.volumes().to_vec();
     let mut changed = false;
-    for v in volumes
-        .iter_mut()
-        .filter(|v| v.id == id && v.origin_identity != identity)
-    {
-        v.origin_identity = identity.to_string();
-        changed = true;
+    for v in volumes.iter_mut() {
+        let Some(origin) = env.origins.get(v.id) else {
+            continue;
+        };
+        let identity = origin.device().identity();
+        let identity = origin_identity_for_superblock(&identity);
+        let recorded = v.origin_identity.as_str();
+        let legacy = cairn_device::identity_without_inode(recorded) == recorded
+            && cairn_device::identity_without_inode(identity) == recorded
+            && identity != recorded;
+        if legacy && forced != Some(v.id) {
+            tracing::warn!(
+                volume = v.name.as_str(),
+                origin = recorded,
+                "this cache knows its origin file by path only, so another file put at that \
+                 path would not be noticed; `cairn serve --force` once records the file's inode \
+                 too (an older cairn then needs --origin PATH --force to open it)"
+            );
+        }
+        if forced == Some(v.id) && identity != recorded {
+            v.origin_identity = identity.to_string();
+            changed = true;
+        }
     }
     if !changed {
         return Ok(());
