@@ -49,6 +49,25 @@ pub fn parse_range(s: &str) -> Result<(u64, u64), String> {
     Ok((parse_size(a)?, parse_size(b)?))
 }
 
+/// A volume's name, its NBD export name: UTF-8 (clap checks), at most
+/// `VOLUME_NAME_MAX_BYTES` bytes, and no control characters (a newline
+/// in a name broke `volume list`'s table and the status lines).
+pub fn parse_volume_name(s: &str) -> Result<String, String> {
+    let max = cairn_format::VOLUME_NAME_MAX_BYTES;
+    if s.len() > max {
+        return Err(format!(
+            "{} bytes; a volume name has at most {max}",
+            s.len()
+        ));
+    }
+    if let Some(c) = s.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "it holds the control character {c:?}; use printable characters"
+        ));
+    }
+    Ok(s.to_string())
+}
+
 pub fn parse_block_size(s: &str) -> Result<u32, String> {
     let t = s.trim();
     let (num, mult) = match t.strip_suffix(['K', 'k']) {
@@ -83,6 +102,19 @@ mod tests {
         assert_eq!(parse_block_size("8K"), Ok(8192));
         assert!(parse_block_size("6K").unwrap_err().contains("power of two"));
         assert!(parse_block_size("99999999999999999K").is_err());
+    }
+
+    #[test]
+    fn volume_names() {
+        assert_eq!(parse_volume_name(""), Ok(String::new()));
+        assert_eq!(parse_volume_name("db-1 ü"), Ok("db-1 ü".to_string()));
+        let max = "n".repeat(cairn_format::VOLUME_NAME_MAX_BYTES);
+        assert_eq!(parse_volume_name(&max), Ok(max.clone()));
+        assert!(parse_volume_name(&format!("{max}n"))
+            .unwrap_err()
+            .contains("at most"));
+        assert!(parse_volume_name("a\nb").unwrap_err().contains("control"));
+        assert!(parse_volume_name("a\tb").is_err());
     }
 
     /// Hostile spellings are errors, never panics: empty, a bare suffix,

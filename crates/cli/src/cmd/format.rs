@@ -24,7 +24,7 @@ pub struct FormatArgs {
     pub force: bool,
     /// The volume's name: the NBD export name clients ask for. The default,
     /// the empty name, is what clients get when they name no export.
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", value_parser = crate::args::parse_volume_name)]
     pub name: String,
     /// Keep an integrity tag (crc32c of address and data) for every origin
     /// block, on the cache device, so origin blocks that rot, tear or land

@@ -27,7 +27,7 @@ pub enum VolumeCommand {
         #[arg(long)]
         cache: PathBuf,
         /// The volume's name: its NBD export name (UTF-8, at most 128 bytes).
-        #[arg(long)]
+        #[arg(long, value_parser = crate::args::parse_volume_name)]
         name: String,
         /// The new volume's origin: a device, a file, or an nbd:// or rbd: URI.
         #[arg(long)]
