@@ -4,7 +4,7 @@
 //! plain system calls. File reads, writes and syncs run at once on the
 //! loop's thread (they block it, as the pread backend's devices do);
 //! socket receives and sends are tried without blocking and, when the
-//! socket is not ready, wait in one poll(2) per loop turn together with
+//! socket is not ready, wait in one ppoll(2) per loop turn together with
 //! the eventfd and the nearest timer.
 
 use std::time::Instant;
@@ -120,21 +120,35 @@ impl Waits {
                 revents: 0,
             });
         }
-        let timeout_ms: i32 = if !block {
-            0
+        // ppoll(2), not poll(2): a timer's wait to the microsecond, as
+        // io_uring's timeouts, not rounded up to the next millisecond.
+        let timeout: Option<libc::timespec> = if !block {
+            Some(libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            })
         } else {
-            match nearest {
-                None => -1,
-                Some(at) => {
-                    let left = at.saturating_duration_since(Instant::now());
-                    // Round up: waking before the timer is due costs a turn.
-                    let ms = left.as_micros().div_ceil(1000);
-                    i32::try_from(ms).unwrap_or(i32::MAX)
+            nearest.map(|at| {
+                let left = at.saturating_duration_since(Instant::now());
+                libc::timespec {
+                    tv_sec: libc::time_t::try_from(left.as_secs()).unwrap_or(libc::time_t::MAX),
+                    tv_nsec: left.subsec_nanos() as libc::c_long,
                 }
-            }
+            })
         };
-        // SAFETY: `pollfds` is a valid array of its length for the call.
-        let polled = unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as _, timeout_ms) };
+        let timeout_ptr = timeout
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: `pollfds` is a valid array of its length for the call;
+        // the timeout, if any, lives until it returns; no signal mask.
+        let polled = unsafe {
+            libc::ppoll(
+                pollfds.as_mut_ptr(),
+                pollfds.len() as _,
+                timeout_ptr,
+                std::ptr::null(),
+            )
+        };
         if polled < 0 {
             // EINTR (a signal) or ENOMEM: look again next turn.
             return Vec::new();

@@ -312,7 +312,7 @@ impl Reactor {
         self.reap();
     }
 
-    /// [`Reactor::turn`] without a ring: one poll(2) for the eventfd,
+    /// [`Reactor::turn`] without a ring: one ppoll(2) for the eventfd,
     /// every socket an operation waits for and the nearest timer (no
     /// wait if a task is ready), then each operation whose wait is over
     /// is tried again.
