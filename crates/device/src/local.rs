@@ -84,7 +84,27 @@ pub fn open_path_or_uri_with(
         }
         return Ok(Box::new(NbdDevice::open_with(spec, options)?));
     }
+    if let Some(scheme) = uri_scheme(spec).filter(|_| !Path::new(spec).exists()) {
+        return Err(DeviceError::Unsupported {
+            device: spec.to_string(),
+            message: format!(
+                "{scheme}:// is not an origin cairn can open; use a local device or file, \
+                 nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, nbds://..., or \
+                 rbd:POOL/IMAGE"
+            ),
+        });
+    }
     open_local(Path::new(spec), mode)
+}
+
+/// The scheme of `spec` if it looks like a URI (`scheme://...`).
+fn uri_scheme(spec: &str) -> Option<&str> {
+    let (scheme, _) = spec.split_once("://")?;
+    let mut chars = scheme.chars();
+    let first = chars.next()?;
+    (first.is_ascii_alphabetic()
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+    .then_some(scheme)
 }
 
 /// The spec that opens a device again from the identity it reported
@@ -167,6 +187,23 @@ mod tests {
             .set_len(size_bytes)
             .unwrap();
         path
+    }
+
+    #[test]
+    fn unknown_uri_schemes_are_named() {
+        assert_eq!(uri_scheme("http://x/y"), Some("http"));
+        assert_eq!(uri_scheme("iscsi+tcp://h/t"), Some("iscsi+tcp"));
+        assert_eq!(uri_scheme("/srv/origin.img"), None);
+        assert_eq!(uri_scheme("./odd:/name"), None);
+        assert_eq!(uri_scheme("1x://y"), None);
+        let err = open_path_or_uri("http://example.invalid/disk", OpenMode::Exclusive)
+            .err()
+            .expect("refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("http:// is not an origin") && text.contains("nbd://"),
+            "{text}"
+        );
     }
 
     #[test]
