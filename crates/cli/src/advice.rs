@@ -16,7 +16,10 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         EngineError::AlreadyFormatted { device, .. } => Some(format!(
             "formatting would destroy it; if that is what you want, pass --force: cairn format --force --cache {device} --origin ORIGIN"
         )),
-        EngineError::HoldsData { device, what } if what.contains("cairn") => Some(format!(
+        EngineError::HoldsData {
+            device,
+            what: cairn_format::ExistingContents::CairnCache,
+        } => Some(format!(
             "it may hold data not yet written back to its origin, which formatting destroys; format it only if that data is not wanted: cairn format --force --cache {device} --origin ORIGIN"
         )),
         EngineError::SuperblocksMissing { device } => Some(format!(

@@ -427,35 +427,12 @@ fn a_cache_whose_superblocks_were_overwritten_is_not_offered_for_format() {
 #[test]
 fn a_read_only_block_device_is_refused_as_origin_and_as_cache() {
     let test = "read_only_blockdev";
-    if !require_tools(test, &["losetup"]) {
-        return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        skip(test, "losetup needs root");
-        return;
-    }
     let ctx = Ctx::new(test);
     let backing = ctx.file("ro-backing.img", 64 * MIB);
-    let out = run(
-        tool("losetup")
-            .args(["--read-only", "--find", "--show"])
-            .arg(&backing),
-        TOOL_TIMEOUT,
-    );
-    if !out.status.success() {
-        // A container may deny loop devices even to root.
-        skip(test, &format!("losetup failed: {}", describe(&out)));
+    let Some(device) = LoopDevice::attach(test, &backing, true) else {
         return;
-    }
-    let loop_dev = stdout(&out).trim().to_string();
-    struct Detach(String);
-    impl Drop for Detach {
-        fn drop(&mut self) {
-            let _ = tool("losetup").args(["-d", &self.0]).status();
-        }
-    }
-    let _detach = Detach(loop_dev.clone());
+    };
+    let loop_dev = device.0.clone();
     let cache = ctx.file("cache.img", 32 * MIB);
     let c = cache.to_string_lossy();
     let origin = ctx.file("origin.img", 64 * MIB);

@@ -359,34 +359,16 @@ fn fio_verify_and_kill9_without_io_uring() {
 #[test]
 fn fio_verify_with_the_cache_on_a_block_device() {
     let test = "fio_verify_blockdev";
-    if !require_tools(test, &["fio", "losetup"]) {
-        return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        skip(test, "losetup needs root");
+    if !require_tools(test, &["fio"]) {
         return;
     }
     let ctx = Ctx::new(test);
     let backing = ctx.file("cache-backing.img", 16 * MIB);
     let origin = ctx.file("origin.img", 64 * MIB);
-    let out = run(
-        tool("losetup").args(["--find", "--show"]).arg(&backing),
-        TOOL_TIMEOUT,
-    );
-    if !out.status.success() {
-        // A container may deny loop devices even to root.
-        skip(test, &format!("losetup failed: {}", describe(&out)));
+    let Some(device) = LoopDevice::attach(test, &backing, false) else {
         return;
-    }
-    let loop_dev = stdout(&out).trim().to_string();
-    struct Detach(String);
-    impl Drop for Detach {
-        fn drop(&mut self) {
-            let _ = tool("losetup").args(["-d", &self.0]).status();
-        }
-    }
-    let _detach = Detach(loop_dev.clone());
+    };
+    let loop_dev = device.0.clone();
     let cache = PathBuf::from(&loop_dev);
     ctx.format(&cache, &origin.to_string_lossy(), &[]);
     let st = fio_verify_through(

@@ -20,7 +20,10 @@ pub enum EngineError {
         source: Box<EngineError>,
     },
     #[error("{device} holds {what}; refusing to format over it")]
-    HoldsData { device: String, what: &'static str },
+    HoldsData {
+        device: String,
+        what: cairn_format::ExistingContents,
+    },
     #[error("{device}: both superblock copies are damaged (copy A: {copy_a}; copy B: {copy_b}). The cache cannot be opened")]
     SuperblockDamaged {
         device: String,

@@ -104,6 +104,30 @@ pub(crate) fn open(
     Ok(Opened { env, state, modes })
 }
 
+/// How an origin's identity now matches the one recorded (both compared
+/// as the table stores them, cut to its limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdentityMatch {
+    Same,
+    /// Recorded by its path alone, before a file's identity named its
+    /// inode: the path matches, which is all that was checked then.
+    PathOnly,
+    Different,
+}
+
+fn identity_match(recorded: &str, identity: &str) -> IdentityMatch {
+    if origin_identity_for_superblock(identity) == recorded {
+        IdentityMatch::Same
+    } else if cairn_device::identity_without_inode(recorded) == recorded
+        && origin_identity_for_superblock(cairn_device::identity_without_inode(identity))
+            == recorded
+    {
+        IdentityMatch::PathOnly
+    } else {
+        IdentityMatch::Different
+    }
+}
+
 /// With `--force-origin`, the `forced` volume's origin is the one given
 /// now: record its identity if it changed. An origin file recorded by its
 /// path alone (formatted before identities named the inode) is only
@@ -117,12 +141,9 @@ fn record_new_identities(env: &Env, state: &mut State, forced: Option<u16>) -> E
             continue;
         };
         let identity = origin.device().identity();
-        let identity = origin_identity_for_superblock(&identity);
         let recorded = v.origin_identity.as_str();
-        let legacy = cairn_device::identity_without_inode(recorded) == recorded
-            && cairn_device::identity_without_inode(identity) == recorded
-            && identity != recorded;
-        if legacy && forced != Some(v.id) {
+        let matched = identity_match(recorded, &identity);
+        if matched == IdentityMatch::PathOnly && forced != Some(v.id) {
             tracing::warn!(
                 volume = v.name.as_str(),
                 origin = recorded,
@@ -131,8 +152,8 @@ fn record_new_identities(env: &Env, state: &mut State, forced: Option<u16>) -> E
                  too (an older cairn then needs --origin PATH --force to open it)"
             );
         }
-        if forced == Some(v.id) && identity != recorded {
-            v.origin_identity = identity.to_string();
+        if forced == Some(v.id) && matched != IdentityMatch::Same {
+            v.origin_identity = origin_identity_for_superblock(&identity).to_string();
             changed = true;
         }
     }
@@ -185,14 +206,8 @@ fn check_origin(
     // The table holds the identity as format stored it (cut to the
     // limit), so that is what is compared.
     let identity = origin.identity();
-    let recorded = volume.origin_identity.as_str();
-    let same = origin_identity_for_superblock(&identity) == recorded
-        // Recorded before a file's identity named its inode: the path
-        // decides, as it did then.
-        || (cairn_device::identity_without_inode(recorded) == recorded
-            && origin_identity_for_superblock(cairn_device::identity_without_inode(&identity))
-                == recorded);
-    if !same && !force {
+    let matched = identity_match(&volume.origin_identity, &identity);
+    if matched == IdentityMatch::Different && !force {
         return Err(EngineError::WrongOrigin {
             recorded: volume.origin_identity.clone(),
             given: origin.identity(),
@@ -376,4 +391,41 @@ fn tag_area(
         )));
     }
     Ok(area)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{identity_match, IdentityMatch};
+    use cairn_format::ORIGIN_IDENTITY_MAX_BYTES;
+
+    #[test]
+    fn an_origin_file_matches_by_inode_or_by_path_only_when_recorded_so() {
+        let now = "file:/srv/o.img#ino=5";
+        assert_eq!(identity_match(now, now), IdentityMatch::Same);
+        // Recorded before identities named the inode: the path decides.
+        assert_eq!(
+            identity_match("file:/srv/o.img", now),
+            IdentityMatch::PathOnly
+        );
+        // Another file at the same path.
+        assert_eq!(
+            identity_match("file:/srv/o.img#ino=4", now),
+            IdentityMatch::Different
+        );
+        assert_eq!(
+            identity_match("file:/srv/other.img", now),
+            IdentityMatch::Different
+        );
+        assert_eq!(
+            identity_match("nbd+unix:///?socket=/s", "nbd+unix:///?socket=/t"),
+            IdentityMatch::Different
+        );
+        // A path-only identity near the table's limit, whose inode the
+        // limit would cut in half, still matches by its path.
+        let path = format!("file:/{}", "p".repeat(ORIGIN_IDENTITY_MAX_BYTES - 8));
+        assert!(path.len() < ORIGIN_IDENTITY_MAX_BYTES);
+        let with_inode = format!("{path}#ino=123456");
+        assert!(with_inode.len() > ORIGIN_IDENTITY_MAX_BYTES);
+        assert_eq!(identity_match(&path, &with_inode), IdentityMatch::PathOnly);
+    }
 }

@@ -4,8 +4,9 @@
 
 use cairn_device::{Device, DeviceError};
 use cairn_format::{
-    DecodeError, OriginV1, Superblock, SuperblockVolumes, VolumeEntry, VolumeState, VolumeTable,
-    VolumeTableExpected, SUPERBLOCK_OFFSETS, VOLUME_TABLE_COPY_BYTES, VOLUME_TABLE_OFFSETS,
+    DecodeError, ExistingContents, OriginV1, Superblock, SuperblockVolumes, VolumeEntry,
+    VolumeState, VolumeTable, VolumeTableExpected, SUPERBLOCK_OFFSETS, VOLUME_TABLE_COPY_BYTES,
+    VOLUME_TABLE_OFFSETS,
 };
 
 use crate::env::Env;
@@ -46,7 +47,7 @@ pub(crate) fn read_newest(cache: &dyn Device) -> EngineResult<Superblock> {
     match Superblock::newest(copy_a, copy_b) {
         Ok(superblock) => Ok(superblock),
         Err(_) if unformatted => match existing_contents(cache)? {
-            Some(what) if what.contains("cairn") => Err(EngineError::SuperblocksMissing {
+            Some(ExistingContents::CairnCache) => Err(EngineError::SuperblocksMissing {
                 device: cache.name().to_string(),
             }),
             _ => Err(EngineError::NotFormatted {
@@ -63,7 +64,7 @@ pub(crate) fn read_newest(cache: &dyn Device) -> EngineResult<Superblock> {
 
 /// What the start of `cache` shows it holds, if anything known (see
 /// `cairn_format::existing_contents`).
-pub(crate) fn existing_contents(cache: &dyn Device) -> EngineResult<Option<&'static str>> {
+pub(crate) fn existing_contents(cache: &dyn Device) -> EngineResult<Option<ExistingContents>> {
     // Whole 4 KiB pages, which any device reads (O_DIRECT included).
     let probe_bytes = cairn_format::SIGNATURE_PROBE_BYTES.min(cache.size_bytes() as usize) & !4095;
     let mut head = vec![0u8; probe_bytes];

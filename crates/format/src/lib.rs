@@ -45,7 +45,7 @@ pub use records::{
     PENDING_RANGE_BYTES, RECORD_ENTRY_BYTES, RECORD_FLAG_EPOCH_END, RECORD_HEADER_FIXED_BYTES,
 };
 pub use settings::{StoredSettings, SETTINGS_COUNT, STORED_SETTINGS_BYTES};
-pub use signatures::{existing_contents, SIGNATURE_PROBE_BYTES};
+pub use signatures::{existing_contents, ExistingContents, SIGNATURE_PROBE_BYTES};
 pub use superblock::{origin_identity_for_superblock, Superblock, ORIGIN_IDENTITY_MAX_BYTES};
 pub use superblock_volumes::SuperblockVolumes;
 pub use tag_area::{TagArea, TagExtent};

@@ -15,6 +15,27 @@ pub const SIGNATURE_PROBE_BYTES: usize = 1 << 20;
 /// checkpoints and the first records and tag pages all start on one).
 const CAIRN_PAGE_BYTES: usize = 4096;
 
+/// What a device holds that formatting would destroy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExistingContents {
+    /// The structures of a cairn cache whose superblocks are damaged: it
+    /// may hold dirty data that exists nowhere else.
+    CairnCache,
+    /// Something else known, described ("an XFS filesystem").
+    Other(&'static str),
+}
+
+impl std::fmt::Display for ExistingContents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExistingContents::CairnCache => {
+                f.write_str("the structures of a cairn cache (its superblocks are damaged)")
+            }
+            ExistingContents::Other(what) => f.write_str(what),
+        }
+    }
+}
+
 /// A known signature: its magic at a byte offset.
 struct Signature {
     what: &'static str,
@@ -89,11 +110,9 @@ const SIGNATURES: &[Signature] = &[
 ];
 
 /// What `head` (the first bytes of a device, up to
-/// [`SIGNATURE_PROBE_BYTES`]) shows the device holds, if anything known:
-/// a description such as "an XFS filesystem" or "the structures of a
-/// cairn cache (its superblocks are damaged)". `None` for zeroes, random
-/// data and anything not recognised.
-pub fn existing_contents(head: &[u8]) -> Option<&'static str> {
+/// [`SIGNATURE_PROBE_BYTES`]) shows the device holds, if anything known.
+/// `None` for zeroes, random data and anything not recognised.
+pub fn existing_contents(head: &[u8]) -> Option<ExistingContents> {
     let cairn = [
         SUPERBLOCK_MAGIC,
         VOLUME_TABLE_MAGIC,
@@ -107,23 +126,25 @@ pub fn existing_contents(head: &[u8]) -> Option<&'static str> {
             .is_some_and(|m: [u8; 8]| cairn.contains(&u64::from_le_bytes(m)))
     });
     if cairn_page {
-        return Some("the structures of a cairn cache (its superblocks are damaged)");
+        return Some(ExistingContents::CairnCache);
     }
     if let Some(found) = SIGNATURES
         .iter()
         .find(|s| head.get(s.offset..s.offset + s.magic.len()) == Some(s.magic))
     {
-        return Some(found.what);
+        return Some(ExistingContents::Other(found.what));
     }
     // A DOS partition table: the boot signature and at least one entry
     // with a partition type (a bare 0x55AA also ends FAT boot sectors).
     let boot_signature = head.get(510..512) == Some(&[0x55, 0xAA][..]);
     let has_partition = (0..4).any(|k| head.get(446 + 16 * k + 4).is_some_and(|&t| t != 0));
     if boot_signature && has_partition {
-        return Some("a DOS (MBR) partition table");
+        return Some(ExistingContents::Other("a DOS (MBR) partition table"));
     }
     if boot_signature {
-        return Some("a boot sector (a FAT filesystem or a partition table)");
+        return Some(ExistingContents::Other(
+            "a boot sector (a FAT filesystem or a partition table)",
+        ));
     }
     None
 }
@@ -161,12 +182,15 @@ mod tests {
     #[test]
     fn each_signature_is_named() {
         for s in SIGNATURES {
-            assert_eq!(existing_contents(&with(s.offset, s.magic)), Some(s.what));
+            assert_eq!(
+                existing_contents(&with(s.offset, s.magic)),
+                Some(ExistingContents::Other(s.what))
+            );
         }
         // A short head (a small device) is looked at as far as it goes.
         assert_eq!(
             existing_contents(&with(0, b"XFSB")[..4096]),
-            Some("an XFS filesystem")
+            Some(ExistingContents::Other("an XFS filesystem"))
         );
         assert_eq!(existing_contents(&with(65_600, b"_BHRfS_M")[..4096]), None);
     }
@@ -175,7 +199,7 @@ mod tests {
     fn a_damaged_cairn_cache_is_recognised_by_any_structure() {
         for magic in [VOLUME_TABLE_MAGIC, CHECKPOINT_MAGIC, RECORD_MAGIC] {
             let head = with(8192, &magic.to_le_bytes());
-            assert!(existing_contents(&head).is_some_and(|w| w.contains("cairn")));
+            assert_eq!(existing_contents(&head), Some(ExistingContents::CairnCache));
         }
         // Not at a page start: not a structure.
         assert_eq!(
@@ -189,9 +213,14 @@ mod tests {
         let mut mbr = with(510, &[0x55, 0xAA]);
         assert_eq!(
             existing_contents(&mbr),
-            Some("a boot sector (a FAT filesystem or a partition table)")
+            Some(ExistingContents::Other(
+                "a boot sector (a FAT filesystem or a partition table)"
+            ))
         );
         mbr[446 + 4] = 0x83;
-        assert_eq!(existing_contents(&mbr), Some("a DOS (MBR) partition table"));
+        assert_eq!(
+            existing_contents(&mbr),
+            Some(ExistingContents::Other("a DOS (MBR) partition table"))
+        );
     }
 }

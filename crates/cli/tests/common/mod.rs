@@ -840,3 +840,38 @@ pub fn u64_of(v: &serde_json::Value, key: &str) -> u64 {
 pub fn serve_log_filter() -> String {
     std::env::var("CAIRN_TEST_LOG").unwrap_or_else(|_| "info".to_string())
 }
+
+/// A loop device over a file, detached when dropped.
+pub struct LoopDevice(pub String);
+
+impl LoopDevice {
+    /// Attach `backing` (read-only if asked), or skip `test` (and fail
+    /// under CI) without losetup, root, or loop devices (a container may
+    /// deny them even to root).
+    pub fn attach(test: &str, backing: &Path, read_only: bool) -> Option<LoopDevice> {
+        if !require_tools(test, &["losetup"]) {
+            return None;
+        }
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            skip(test, "losetup needs root");
+            return None;
+        }
+        let mut cmd = tool("losetup");
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        let out = run(cmd.args(["--find", "--show"]).arg(backing), TOOL_TIMEOUT);
+        if !out.status.success() {
+            skip(test, &format!("losetup failed: {}", describe(&out)));
+            return None;
+        }
+        Some(LoopDevice(stdout(&out).trim().to_string()))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = tool("losetup").args(["-d", &self.0]).status();
+    }
+}

@@ -19,10 +19,17 @@ pub(crate) enum Attempt {
     /// Finished, with the result a ring completion would carry (a count,
     /// or `-errno`).
     Done(i32),
-    /// Try again once `fd` is ready for `events` (`POLLIN`, `POLLOUT`...).
-    WaitFd { fd: i32, events: i16 },
-    /// Try again at `deadline` (a timer).
-    WaitUntil(Instant),
+    /// Not yet: try again when the wait is over.
+    Wait(Wait),
+}
+
+/// What an operation that could not finish at once waits for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Wait {
+    /// `fd` ready for `events` (`POLLIN`, `POLLOUT`...).
+    Fd { fd: i32, events: i16 },
+    /// A timer due at this instant.
+    Until(Instant),
 }
 
 /// Run `call` (a system call returning -1 and `errno` on failure) and
@@ -48,7 +55,7 @@ pub(crate) fn syscall(mut call: impl FnMut() -> isize) -> i32 {
 pub(crate) fn socket_attempt(fd: i32, events: i16, call: impl FnMut() -> isize) -> Attempt {
     let result = syscall(call);
     if result == -libc::EAGAIN || result == -libc::EWOULDBLOCK {
-        Attempt::WaitFd { fd, events }
+        Attempt::Wait(Wait::Fd { fd, events })
     } else {
         Attempt::Done(result)
     }
@@ -64,7 +71,7 @@ pub(crate) fn poll_now(fd: i32, events: i16) -> Attempt {
     // SAFETY: one valid pollfd, timeout 0 (never blocks).
     let result = syscall(|| unsafe { libc::poll(&mut pollfd, 1, 0) } as isize);
     match result {
-        0 => Attempt::WaitFd { fd, events },
+        0 => Attempt::Wait(Wait::Fd { fd, events }),
         n if n < 0 => Attempt::Done(n),
         // A descriptor poll(2) cannot watch is reported, as io_uring does.
         _ if pollfd.revents & libc::POLLNVAL != 0 => Attempt::Done(-libc::EBADF),
@@ -75,24 +82,21 @@ pub(crate) fn poll_now(fd: i32, events: i16) -> Attempt {
 /// The operations waiting without a ring, by their op table key.
 #[derive(Default)]
 pub(crate) struct Waits {
-    waits: Vec<(usize, Attempt)>,
+    waits: Vec<(usize, Wait)>,
 }
 
 impl Waits {
-    pub(crate) fn push(&mut self, key: usize, wait: Attempt) {
-        debug_assert!(!matches!(wait, Attempt::Done(_)), "a finished op waits");
+    pub(crate) fn push(&mut self, key: usize, wait: Wait) {
         debug_assert!(self.waits.iter().all(|&(k, _)| k != key), "waits twice");
         self.waits.push((key, wait));
     }
 
-    /// Stop waiting for `key` (its future was dropped). True if it waited.
-    pub(crate) fn remove(&mut self, key: usize) -> bool {
-        let before = self.waits.len();
+    /// Stop waiting for `key` (its future was dropped).
+    pub(crate) fn remove(&mut self, key: usize) {
         self.waits.retain(|&(k, _)| k != key);
-        self.waits.len() < before
     }
 
-    /// Block in poll(2) until `eventfd` is readable, a waited descriptor
+    /// Block in ppoll(2) until `eventfd` is readable, a waited descriptor
     /// is ready or the nearest timer is due (`block` false: only look).
     /// Returns the keys whose wait is over, taken out of the list; the
     /// caller tries them again. The eventfd is drained when it fired.
@@ -106,13 +110,12 @@ impl Waits {
         let mut nearest: Option<Instant> = None;
         for &(_, wait) in &self.waits {
             let (fd, events) = match wait {
-                Attempt::WaitFd { fd, events } => (fd, events),
-                Attempt::WaitUntil(at) => {
+                Wait::Fd { fd, events } => (fd, events),
+                Wait::Until(at) => {
                     nearest = Some(nearest.map_or(at, |n| n.min(at)));
-                    // A negative descriptor is ignored by poll(2).
+                    // A negative descriptor is ignored by ppoll(2).
                     (-1, 0)
                 }
-                Attempt::Done(_) => (-1, 0),
             };
             pollfds.push(libc::pollfd {
                 fd,
@@ -162,9 +165,8 @@ impl Waits {
         self.waits.retain(|&(key, wait)| {
             k += 1;
             let due = match wait {
-                Attempt::WaitFd { .. } => pollfds[k].revents != 0,
-                Attempt::WaitUntil(at) => at <= now,
-                Attempt::Done(_) => true,
+                Wait::Fd { .. } => pollfds[k].revents != 0,
+                Wait::Until(at) => at <= now,
             };
             if due {
                 over.push(key);

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
 
-use super::fallback::{poll_now, socket_attempt, syscall, Attempt};
+use super::fallback::{poll_now, socket_attempt, syscall, Attempt, Wait};
 use super::op::OpKind;
 use crate::buf::{StableBuf, StableBufMut, StableBufs};
 
@@ -204,7 +204,7 @@ impl OpKind for Sleep {
         if deadline <= now {
             Attempt::Done(-libc::ETIME)
         } else {
-            Attempt::WaitUntil(deadline)
+            Attempt::Wait(Wait::Until(deadline))
         }
     }
 
@@ -262,12 +262,11 @@ impl<B: StableBufs> OpKind for SendOwned<B> {
     }
 
     fn attempt(&mut self) -> Attempt {
-        self.fill_header();
-        let fd = self.fd;
-        let header = &*self.header as *const libc::msghdr;
-        // SAFETY: the header points to iovecs into buffers this op owns.
-        socket_attempt(fd, libc::POLLOUT, || unsafe {
-            libc::sendmsg(fd, header, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        let (fd, owner) = (self.fd, &self.owner);
+        // The same non-blocking sendmsg a reply is first tried with.
+        socket_attempt(fd, libc::POLLOUT, || match crate::send_now(fd, owner) {
+            Ok(sent) => sent as isize,
+            Err(_) => -1,
         })
     }
 

@@ -344,7 +344,7 @@ impl Reactor {
             // Orphaned or unknown: nothing waits for it any more.
             None => self.inner.ops.borrow_mut().complete(key, -libc::ECANCELED),
             Some(Attempt::Done(result)) => self.inner.ops.borrow_mut().complete(key, result),
-            Some(wait) => {
+            Some(Attempt::Wait(wait)) => {
                 self.inner.waits.borrow_mut().push(key, wait);
                 None
             }
