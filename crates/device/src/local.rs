@@ -82,6 +82,7 @@ pub fn open_path_or_uri_with(
         if let Some(depth) = queue_depth {
             options.max_in_flight = depth.max(1);
         }
+        options.loop_connections = loop_connections_wanted();
         return Ok(Box::new(NbdDevice::open_with(spec, options)?));
     }
     if let Some(scheme) = uri_scheme(spec).filter(|_| !Path::new(spec).exists()) {
@@ -95,6 +96,18 @@ pub fn open_path_or_uri_with(
         });
     }
     open_local(Path::new(spec), mode)
+}
+
+/// Environment variable that turns the event loops' own origin
+/// connections off (`0`), for a server that counts connections or to
+/// compare.
+pub const NBD_LOOP_CONNECTIONS_ENV: &str = "CAIRN_NBD_LOOP_CONNECTIONS";
+
+fn loop_connections_wanted() -> bool {
+    match std::env::var(NBD_LOOP_CONNECTIONS_ENV) {
+        Ok(value) => !matches!(value.trim(), "0" | "off" | "false" | "no"),
+        Err(_) => true,
+    }
 }
 
 /// The scheme of `spec` if it looks like a URI (`scheme://...`).

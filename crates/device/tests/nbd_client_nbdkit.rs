@@ -718,3 +718,362 @@ fn a_reconnect_leaves_the_reactors_other_tasks_running() {
     drop(kit);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Read `(offset, len)` pieces of `device` as tasks of `reactor`, all at
+/// once, as a connection's misses are.
+async fn reads_in_flight(
+    reactor: &cairn_io::Reactor,
+    device: &Arc<NbdDevice>,
+    pieces: &[(u64, usize)],
+) -> Vec<Result<Vec<u8>, DeviceError>> {
+    let pool = Arc::new(cairn_device::BufPool::new(16 << 20));
+    let tasks: Vec<_> = pieces
+        .iter()
+        .map(|&(offset, len)| {
+            let device = Arc::clone(device);
+            let mut buf = pool.lend(len);
+            buf.set_len(len);
+            reactor.spawn(async move {
+                let shared = cairn_device::SharedBuf::new(buf);
+                let slice = shared.slice(0..len);
+                let (result, slice) = device.read_into(offset, slice).await;
+                drop(slice);
+                result.map(|()| shared.into_inner().ok().unwrap().to_vec())
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await);
+    }
+    out
+}
+
+/// Wait (ticking the loop) until `device` has opened `count` connections
+/// of a loop's own.
+async fn loop_connections_reach(reactor: &cairn_io::Reactor, device: &NbdDevice, count: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while device.stats().loop_connections < count {
+        assert!(
+            Instant::now() < deadline,
+            "no loop connection within 10 s: {:?}",
+            device.stats()
+        );
+        reactor.sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// 64 reads of mixed sizes over the first 32 MiB.
+fn scattered_pieces(seed: u64) -> Vec<(u64, usize)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..64)
+        .map(|_| {
+            let len = [4096usize, 512, 65536, 131072][rng.gen_range(0..4)];
+            let offset = rng.gen_range(0..(32u64 << 20) / 4096) * 4096;
+            (offset, len)
+        })
+        .collect()
+}
+
+#[test]
+fn misses_in_a_loop_are_read_on_its_own_connection() {
+    if !nbdkit_or_skip("misses_in_a_loop_are_read_on_its_own_connection") {
+        return;
+    }
+    // With io_uring, and with the loop that makes plain system calls.
+    misses_read_on_the_loops_connection(cairn_io::IoBackend::Uring);
+    misses_read_on_the_loops_connection(cairn_io::IoBackend::Pread);
+}
+
+fn misses_read_on_the_loops_connection(backend: cairn_io::IoBackend) {
+    let options = cairn_io::ReactorOptions {
+        backend,
+        ..cairn_io::ReactorOptions::default()
+    };
+    let dir = scratch_dir("loop-conn");
+    let image = dir.join("origin.img");
+    let content = pattern(31, 40 << 20);
+    std::fs::write(&image, &content).unwrap();
+    let kit = NbdKit::start("loop-conn", &["file", image.to_str().unwrap()]);
+    let device = Arc::new(NbdDevice::open_with(&kit.uri(), fast_options()).unwrap());
+    let reactor = cairn_io::Reactor::new(&options).unwrap();
+    let inner = reactor.clone();
+    let dev = Arc::clone(&device);
+    let content_in = content.clone();
+    reactor.run(async move {
+        let check = |pieces: &[(u64, usize)], results: Vec<Result<Vec<u8>, DeviceError>>| {
+            for (&(offset, len), result) in pieces.iter().zip(results) {
+                let got = result.unwrap_or_else(|e| panic!("read at {offset}: {e}"));
+                let at = offset as usize;
+                assert!(
+                    got == content_in[at..at + len],
+                    "wrong data at {offset}+{len}"
+                );
+            }
+        };
+        // The first misses start the loop's connection and meanwhile go
+        // to the main one.
+        let first = scattered_pieces(1);
+        check(&first, reads_in_flight(&inner, &dev, &first).await);
+        loop_connections_reach(&inner, &dev, 1).await;
+        let before = dev.stats();
+        let second = scattered_pieces(2);
+        check(&second, reads_in_flight(&inner, &dev, &second).await);
+        let after = dev.stats();
+        assert_eq!(
+            after.loop_reads - before.loop_reads,
+            second.len() as u64,
+            "every read went to the loop's connection: {after:?}"
+        );
+        assert_eq!(after.loop_connections, 1, "one per loop: {after:?}");
+
+        // A write not flushed yet: reads go to the main connection, which
+        // sees it, until a flush makes it visible on every connection.
+        let fresh = pattern(32, 8192);
+        dev.write_at(1 << 20, &fresh).unwrap();
+        let before = dev.stats();
+        let got = reads_in_flight(&inner, &dev, &[(1 << 20, 8192)]).await;
+        assert_eq!(got[0].as_ref().unwrap(), &fresh);
+        assert_eq!(
+            dev.stats().loop_reads,
+            before.loop_reads,
+            "a flush was owed"
+        );
+        dev.flush().unwrap();
+        let got = reads_in_flight(&inner, &dev, &[(1 << 20, 8192)]).await;
+        assert_eq!(got[0].as_ref().unwrap(), &fresh);
+        assert_eq!(dev.stats().loop_reads, before.loop_reads + 1, "flushed");
+    });
+    // Another loop opens its own.
+    let other = cairn_io::Reactor::new(&options).unwrap();
+    let inner = other.clone();
+    let dev = Arc::clone(&device);
+    other.run(async move {
+        let pieces = scattered_pieces(3);
+        let _ = reads_in_flight(&inner, &dev, &pieces).await;
+        loop_connections_reach(&inner, &dev, 2).await;
+    });
+    drop(kit);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn without_multi_conn_or_a_second_connection_misses_share_the_main_one() {
+    if !nbdkit_or_skip("without_multi_conn_or_a_second_connection_misses_share_the_main_one") {
+        return;
+    }
+    let dir = scratch_dir("loop-none");
+    let image = dir.join("origin.img");
+    let content = pattern(33, 8 << 20);
+    std::fs::write(&image, &content).unwrap();
+    // No multi-conn promise; then multi-conn but one connection at most.
+    for args in [
+        vec![
+            "--filter=multi-conn",
+            "file",
+            image.to_str().unwrap(),
+            "multi-conn-mode=disable",
+        ],
+        vec!["--filter=limit", "file", image.to_str().unwrap(), "limit=1"],
+    ] {
+        let kit = NbdKit::start("loop-none", &args);
+        let device = Arc::new(NbdDevice::open_with(&kit.uri(), fast_options()).unwrap());
+        let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default()).unwrap();
+        let inner = reactor.clone();
+        let dev = Arc::clone(&device);
+        let content_in = content.clone();
+        let label = format!("{args:?}");
+        reactor.run(async move {
+            for round in 0..3 {
+                let pieces: Vec<(u64, usize)> = (0..32u64).map(|i| (i * 4096 * 7, 4096)).collect();
+                for (&(offset, len), result) in pieces
+                    .iter()
+                    .zip(reads_in_flight(&inner, &dev, &pieces).await)
+                {
+                    let got = result.unwrap_or_else(|e| panic!("{label} round {round}: {e}"));
+                    assert!(got == content_in[offset as usize..offset as usize + len]);
+                }
+                inner.sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let stats = device.stats();
+        assert_eq!(stats.loop_connections, 0, "{args:?}: {stats:?}");
+        assert_eq!(stats.loop_reads, 0, "{args:?}: {stats:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_loop_connection_that_breaks_never_gives_wrong_data() {
+    if !nbdkit_or_skip("a_loop_connection_that_breaks_never_gives_wrong_data") {
+        return;
+    }
+    let dir = scratch_dir("loop-break");
+    let image = dir.join("origin.img");
+    let content = pattern(34, 8 << 20);
+    std::fs::write(&image, &content).unwrap();
+    let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
+        "loop-break",
+        &[
+            "--filter=delay",
+            "file",
+            image.to_str().unwrap(),
+            "rdelay=200ms",
+        ],
+    )));
+    let uri = kit.lock().unwrap().uri();
+    let device = Arc::new(
+        NbdDevice::open_with(
+            &uri,
+            NbdOptions {
+                reconnect_wait_ms: 20_000,
+                ..fast_options()
+            },
+        )
+        .unwrap(),
+    );
+    let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default()).unwrap();
+    let inner = reactor.clone();
+    let dev = Arc::clone(&device);
+    let kit_in = Arc::clone(&kit);
+    let (done, until_done) = std::sync::mpsc::channel::<()>();
+    let pieces: Vec<(u64, usize)> = (0..16u64).map(|i| (i * 65536, 4096)).collect();
+    let pieces_in = pieces.clone();
+    let (during, after) = reactor.run(async move {
+        let _ = reads_in_flight(&inner, &dev, &[(0, 4096)]).await;
+        loop_connections_reach(&inner, &dev, 1).await;
+        // Reads in flight on the loop's connection when the server dies;
+        // it is back 1 s later (from a thread that lives until the end:
+        // nbdkit goes with the thread that started it).
+        let reads = {
+            let dev = Arc::clone(&dev);
+            let pieces = pieces_in.clone();
+            let inner2 = inner.clone();
+            inner.spawn(async move { reads_in_flight(&inner2, &dev, &pieces).await })
+        };
+        inner.sleep(Duration::from_millis(50)).await;
+        let _restarter = std::thread::spawn(move || {
+            kit_in.lock().unwrap().kill();
+            std::thread::sleep(Duration::from_millis(1000));
+            kit_in.lock().unwrap().spawn();
+            let _ = until_done.recv();
+        });
+        let during = reads.await;
+        // Once the server is back, every read succeeds, and after the
+        // pause the loop opens a connection again.
+        let after = reads_in_flight(&inner, &dev, &pieces_in).await;
+        // The next miss after the pause opens it (misses meanwhile go to
+        // the main connection).
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while dev.stats().loop_connections < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "no new loop connection: {:?}",
+                dev.stats()
+            );
+            let again = reads_in_flight(&inner, &dev, &pieces_in[..1]).await;
+            assert!(again[0].is_ok());
+            inner.sleep(Duration::from_millis(100)).await;
+        }
+        (during, after)
+    });
+    drop(done);
+    // Redone on the main connection: the data, or (a read the main
+    // connection had sent when it broke) an I/O error the engine retries;
+    // never other data.
+    for (&(offset, len), result) in pieces.iter().zip(&during) {
+        match result {
+            Ok(got) => assert!(*got == content[offset as usize..offset as usize + len]),
+            Err(err) => assert_eq!(err.errno(), libc::EIO, "{err}"),
+        }
+    }
+    for (&(offset, len), result) in pieces.iter().zip(&after) {
+        let got = result
+            .as_ref()
+            .unwrap_or_else(|e| panic!("read at {offset}: {e}"));
+        assert!(*got == content[offset as usize..offset as usize + len]);
+    }
+    assert!(
+        device.stats().connection_losses >= 1,
+        "{:?}",
+        device.stats()
+    );
+    drop(kit);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Send one command byte to nbdkit's pause filter and wait for its echo.
+fn pause_control(socket: &Path, command: u8) {
+    use std::io::Read;
+    let mut control = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    control.write_all(&[command]).unwrap();
+    let mut echo = [0u8; 1];
+    control.read_exact(&mut echo).unwrap();
+    assert_eq!(echo[0], command.to_ascii_uppercase());
+}
+
+#[test]
+fn a_stalled_loop_connection_times_out_and_reads_go_on() {
+    if !nbdkit_or_skip("a_stalled_loop_connection_times_out_and_reads_go_on") {
+        return;
+    }
+    let dir = scratch_dir("loop-stall");
+    let image = dir.join("origin.img");
+    let content = pattern(35, 8 << 20);
+    std::fs::write(&image, &content).unwrap();
+    let control = dir.join("pause.sock");
+    let control_arg = format!("pause-control={}", control.display());
+    let kit = NbdKit::start(
+        "loop-stall",
+        &[
+            "--filter=pause",
+            "file",
+            image.to_str().unwrap(),
+            &control_arg,
+        ],
+    );
+    let device = Arc::new(
+        NbdDevice::open_with(
+            &kit.uri(),
+            NbdOptions {
+                request_timeout_ms: 1_000,
+                ..fast_options()
+            },
+        )
+        .unwrap(),
+    );
+    let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default()).unwrap();
+    let inner = reactor.clone();
+    let dev = Arc::clone(&device);
+    let pieces: Vec<(u64, usize)> = (0..8u64).map(|i| (i * 65536, 4096)).collect();
+    let pieces_in = pieces.clone();
+    let control_in = control.clone();
+    let (stalled, waited, after) = reactor.run(async move {
+        let _ = reads_in_flight(&inner, &dev, &[(0, 4096)]).await;
+        loop_connections_reach(&inner, &dev, 1).await;
+        pause_control(&control_in, b'p');
+        let started = Instant::now();
+        let stalled = reads_in_flight(&inner, &dev, &pieces_in).await;
+        let waited = started.elapsed();
+        pause_control(&control_in, b'r');
+        let after = reads_in_flight(&inner, &dev, &pieces_in).await;
+        (stalled, waited, after)
+    });
+    for result in &stalled {
+        let err = result.as_ref().expect_err("the server was paused");
+        assert!(err.to_string().contains("no reply within"), "{err}");
+    }
+    assert!(
+        waited < Duration::from_secs(5),
+        "the timeout took {waited:?}"
+    );
+    assert!(device.stats().timeouts >= 1, "{:?}", device.stats());
+    for (&(offset, len), result) in pieces.iter().zip(&after) {
+        let got = result
+            .as_ref()
+            .unwrap_or_else(|e| panic!("read at {offset}: {e}"));
+        assert!(*got == content[offset as usize..offset as usize + len]);
+    }
+    drop(kit);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -434,6 +434,71 @@ unsafe impl cairn_io::StableBufs for Chunk {
     }
 }
 
+/// Drops into a shared log, to see when a loop's value goes.
+struct Tracked {
+    name: &'static str,
+    log: Rc<std::cell::RefCell<Vec<&'static str>>>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.log.borrow_mut().push(self.name);
+    }
+}
+
+fn loop_values_are_made_once_per_key_and_outlive_the_tasks(backend: IoBackend) {
+    let log = Rc::new(std::cell::RefCell::new(Vec::new()));
+    let made = Rc::new(Cell::new(0u32));
+    {
+        let r = reactor(backend, 16);
+        let first = r.local(7, || {
+            made.set(made.get() + 1);
+            Tracked {
+                name: "value 7",
+                log: Rc::clone(&log),
+            }
+        });
+        let again = r.local(7, || {
+            made.set(made.get() + 1);
+            Tracked {
+                name: "never made",
+                log: Rc::clone(&log),
+            }
+        });
+        assert!(Rc::ptr_eq(&first, &again), "one value per key");
+        let other = r.local(8, || Tracked {
+            name: "value 8",
+            log: Rc::clone(&log),
+        });
+        assert!(!Rc::ptr_eq(&first, &other), "another key, another value");
+        // Another type under the same key is another value.
+        let number = r.local(7, || 42u64);
+        assert_eq!(*number, 42);
+        assert_eq!(made.get(), 1);
+        drop((first, again, other));
+        assert!(log.borrow().is_empty(), "the loop keeps its values");
+        // A task still waiting when the loop goes is dropped before them.
+        let r2 = r.clone();
+        let task_log = Rc::clone(&log);
+        r.run(async move {
+            let guard = Tracked {
+                name: "task",
+                log: task_log,
+            };
+            r2.spawn_detached(async move {
+                let _guard = guard;
+                std::future::pending::<()>().await;
+            });
+        });
+        assert!(log.borrow().is_empty());
+    }
+    let log = log.borrow();
+    assert_eq!(log.first(), Some(&"task"), "tasks go first: {log:?}");
+    let mut values: Vec<_> = log[1..].to_vec();
+    values.sort();
+    assert_eq!(values, vec!["value 7", "value 8"]);
+}
+
 macro_rules! on_both_backends {
     ($($name:ident),* $(,)?) => {
         mod with_io_uring {
@@ -466,4 +531,5 @@ on_both_backends!(
     a_deadline_stops_a_slow_operation_at_its_limit_not_before,
     many_tasks_joining_many_operations_on_a_full_ring_all_finish,
     sockets_wait_for_room_and_data_and_see_a_hang_up,
+    loop_values_are_made_once_per_key_and_outlive_the_tasks,
 );

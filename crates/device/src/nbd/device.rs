@@ -3,9 +3,9 @@
 //! server.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cairn_nbd_proto::proto::{
     CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, FLAG_CAN_MULTI_CONN,
@@ -18,7 +18,11 @@ use super::conn::{Conn, SendError};
 use super::extents::Extents;
 use super::handshake::NegotiatedExport;
 use super::link::Link;
+use super::loop_conn::LoopConn;
+use super::loop_dial::LoopDial;
+use super::loop_read_error::LoopReadError;
 use super::options::NbdOptions;
+use super::reader::nbd_error;
 use super::stats::{Counters, NbdStats};
 use super::uri::NbdUri;
 use cairn_io::Reactor;
@@ -35,6 +39,9 @@ const MAX_EFFECT_BYTES: u64 = 1 << 30;
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 /// Attempts at one batch when the connection breaks before any of it left.
 const MAX_BATCH_ATTEMPTS: u32 = 3;
+
+/// Tells devices apart as keys of their loops' own connections.
+static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// How one attempt at a batch failed.
 enum Attempt {
@@ -56,8 +63,17 @@ pub struct NbdDevice {
     /// promise that one connection sees another's flushed writes.
     extents: Option<Extents>,
     /// Block status flushes first when a write is not flushed yet, so the
-    /// side connection sees every write.
+    /// side connection sees every write; a read goes to a loop's own
+    /// connection only when none is owed.
     flush_debt: FlushDebt,
+    /// How a loop opens a connection of its own; `None` when reads must
+    /// stay on the main connection (no multi-conn, or turned off).
+    loop_dial: Option<LoopDial>,
+    /// This device among the loops' connections.
+    device_id: u64,
+    /// A loop's connection failed to open and that was logged.
+    loop_warned: Arc<AtomicBool>,
+    request_timeout: Duration,
 }
 
 impl NbdDevice {
@@ -84,10 +100,19 @@ impl NbdDevice {
             })?;
         let info = conn.info;
         log_connected(&name, &info);
-        let extents = (info.flags & FLAG_CAN_MULTI_CONN != 0)
-            .then(|| Extents::new(parsed.clone(), options, info.size_bytes));
+        let multi_conn = info.flags & FLAG_CAN_MULTI_CONN != 0;
+        let extents = multi_conn.then(|| Extents::new(parsed.clone(), options, info.size_bytes));
+        let loop_dial = (multi_conn && options.loop_connections).then(|| LoopDial {
+            uri: parsed.clone(),
+            options,
+            expected: info,
+        });
         Ok(NbdDevice {
             extents,
+            loop_dial,
+            device_id: NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed),
+            loop_warned: Arc::new(AtomicBool::new(false)),
+            request_timeout: Duration::from_millis(options.request_timeout_ms.max(1)),
             flush_debt: FlushDebt::default(),
             link: Link::new(name.clone(), parsed, options, Arc::clone(&counters), conn),
             name,
@@ -310,8 +335,65 @@ impl NbdDevice {
 
     async fn read_async(&self, reactor: &Reactor, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
         let commands = self.read_commands(offset, buf.len() as u64)?;
+        if let [only] = commands.as_slice() {
+            if let Some(done) = self.read_on_loop(reactor, only.offset, buf).await {
+                return done;
+            }
+        }
         let results = self.execute_async(reactor, &commands).await?;
         self.fill_from_replies(buf, &mut results.into_iter())
+    }
+
+    /// Read on the loop's own connection when one is open and may be
+    /// used: `None` to use the main connection instead (none open, or it
+    /// broke before the reply came, which a read may simply redo).
+    ///
+    /// Only for a server that promises multi-conn consistency, and only
+    /// when every write that finished has been flushed: the promise is
+    /// that a FLUSH makes completed writes visible on every connection.
+    /// A write finishing after this check was not finished when the read
+    /// was asked for, so the read need not see it.
+    async fn read_on_loop(
+        &self,
+        reactor: &Reactor,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<DeviceResult<()>> {
+        let dial = self.loop_dial.as_ref()?;
+        if self.flush_debt.owed() {
+            return None;
+        }
+        let conn = reactor.local(self.device_id, LoopConn::new);
+        let channel = LoopConn::channel(&conn, reactor, dial, &self.counters, &self.loop_warned)?;
+        let len = buf.len() as u64;
+        let outcome = channel
+            .read(reactor, offset, buf.len() as u32, self.request_timeout)
+            .await;
+        Some(match outcome {
+            Ok(data) if data.len() == buf.len() => {
+                buf.copy_from_slice(&data);
+                self.counters.loop_reads.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(data) => Err(self.io_error(
+                offset,
+                len,
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("a read reply carried {} bytes, not {len}", data.len()),
+                ),
+            )),
+            Err(LoopReadError::Server(error)) => Err(self.io_error(offset, len, nbd_error(error))),
+            Err(LoopReadError::TimedOut(message)) => Err(self.io_error(
+                offset,
+                len,
+                io::Error::new(io::ErrorKind::TimedOut, message),
+            )),
+            Err(LoopReadError::Lost(reason)) => {
+                tracing::debug!(device = %self.name, "a loop's own connection broke ({reason}); the read goes to the main connection");
+                return None;
+            }
+        })
     }
 
     /// The results of a finished batch, or its first error.

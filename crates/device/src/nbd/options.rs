@@ -18,6 +18,10 @@ pub struct NbdOptions {
     pub backoff_max_ms: u64,
     /// Most requests in flight on the connection at once.
     pub max_in_flight: usize,
+    /// Let each event loop read its misses on a connection of its own
+    /// (only where the server promises multi-conn consistency); see
+    /// `loop_channel`.
+    pub loop_connections: bool,
 }
 
 impl Default for NbdOptions {
@@ -29,6 +33,7 @@ impl Default for NbdOptions {
             backoff_initial_ms: 100,
             backoff_max_ms: 5_000,
             max_in_flight: 64,
+            loop_connections: true,
         }
     }
 }

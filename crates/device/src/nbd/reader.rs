@@ -71,7 +71,7 @@ impl ConnShared {
     }
 }
 
-fn nbd_error(error: u32) -> io::Error {
+pub(super) fn nbd_error(error: u32) -> io::Error {
     // Kept as a raw OS error so callers can tell ENOSPC from EIO.
     io::Error::from_raw_os_error(nbd_to_errno(error))
 }

@@ -14,8 +14,13 @@ pub struct NbdStats {
     pub connection_losses: u64,
     /// Requests that got no reply in time.
     pub timeouts: u64,
-    /// Most requests ever in flight at once.
+    /// Most requests ever in flight at once (on the main connection).
     pub peak_in_flight: u64,
+    /// Reads answered on an event loop's own connection rather than the
+    /// main one (see `loop_channel`).
+    pub loop_reads: u64,
+    /// Such connections opened.
+    pub loop_connections: u64,
 }
 
 /// The live counters, shared by the device, its link and its connections.
@@ -26,6 +31,8 @@ pub(super) struct Counters {
     pub connection_losses: AtomicU64,
     pub timeouts: AtomicU64,
     pub peak_in_flight: AtomicU64,
+    pub loop_reads: AtomicU64,
+    pub loop_connections: AtomicU64,
 }
 
 impl Counters {
@@ -36,6 +43,8 @@ impl Counters {
             connection_losses: self.connection_losses.load(Ordering::Relaxed),
             timeouts: self.timeouts.load(Ordering::Relaxed),
             peak_in_flight: self.peak_in_flight.load(Ordering::Relaxed),
+            loop_reads: self.loop_reads.load(Ordering::Relaxed),
+            loop_connections: self.loop_connections.load(Ordering::Relaxed),
         }
     }
 }

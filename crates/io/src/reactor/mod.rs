@@ -8,8 +8,9 @@ mod tasks;
 
 pub use tasks::JoinHandle;
 
+use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell, RefMut};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::rc::Rc;
@@ -83,6 +84,9 @@ struct Inner {
     /// Operations started so far (cancels included): what a caller's
     /// choice of operations costs the ring, for tests and profiles.
     ops_started: Cell<u64>,
+    /// Values other crates keep per loop ([`Reactor::local`]); dropped
+    /// with the loop, after its tasks and their operations.
+    locals: RefCell<HashMap<(TypeId, u64), Rc<dyn Any>>>,
 }
 
 /// A thread's event loop. Cloning gives another handle to the same loop;
@@ -157,6 +161,7 @@ impl Reactor {
                 eventfd_buf: RefCell::new(Box::new([0u8; 8])),
                 eventfd_armed: Cell::new(false),
                 ops_started: Cell::new(0),
+                locals: RefCell::new(HashMap::new()),
             }),
         })
     }
@@ -216,6 +221,25 @@ impl Reactor {
             .tasks
             .borrow_mut()
             .insert(tasks::detached(future), &self.inner.shared);
+    }
+
+    /// This loop's value of type `T` under `key`, made by `make` on first
+    /// use. It lives as long as the loop and is dropped after the loop's
+    /// tasks and their operations: a connection of the loop's own, say,
+    /// whose socket a task of the loop is still receiving on. Values must
+    /// not hold the reactor itself (that would be a cycle that never
+    /// drops).
+    pub fn local<T: Any>(&self, key: u64, make: impl FnOnce() -> T) -> Rc<T> {
+        let id = (TypeId::of::<T>(), key);
+        if let Some(value) = self.inner.locals.borrow().get(&id) {
+            if let Ok(value) = Rc::clone(value).downcast::<T>() {
+                return value;
+            }
+        }
+        let value = Rc::new(make());
+        let stored: Rc<dyn Any> = value.clone();
+        self.inner.locals.borrow_mut().insert(id, stored);
+        value
     }
 
     /// Tasks not yet finished.
