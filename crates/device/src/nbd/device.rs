@@ -333,7 +333,12 @@ impl NbdDevice {
         Ok(())
     }
 
-    async fn read_async(&self, reactor: &Reactor, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+    pub(super) async fn read_async(
+        &self,
+        reactor: &Reactor,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> DeviceResult<()> {
         let commands = self.read_commands(offset, buf.len() as u64)?;
         if let [only] = commands.as_slice() {
             if let Some(done) = self.read_on_loop(reactor, only.offset, buf).await {

@@ -12,9 +12,10 @@ use cairn_nbd_proto::codec::reply::encode_simple;
 use cairn_nbd_proto::codec::wire::COMPACT_REQUEST_BYTES;
 use cairn_nbd_proto::codec::BlockSizes;
 use cairn_nbd_proto::proto::{
-    CMD_DISC, CMD_READ, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE,
-    FLAG_HAS_FLAGS, FLAG_NO_ZEROES, FLAG_READ_ONLY, FLAG_SEND_FLUSH, IHAVEOPT, NBDMAGIC, OPT_ABORT,
-    OPT_EXPORT_NAME, OPT_GO, REP_ACK, REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO,
+    CMD_DISC, CMD_READ, FLAG_CAN_MULTI_CONN, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES,
+    FLAG_FIXED_NEWSTYLE, FLAG_HAS_FLAGS, FLAG_NO_ZEROES, FLAG_READ_ONLY, FLAG_SEND_FLUSH, IHAVEOPT,
+    NBDMAGIC, OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, REP_ACK, REP_ERR_UNKNOWN, REP_ERR_UNSUP,
+    REP_INFO,
 };
 
 use super::handshake::read_u64;
@@ -247,6 +248,82 @@ fn silent_server_times_out_at_open() {
         started.elapsed()
     );
     assert!(matches!(err, DeviceError::Open { .. }), "{err}");
+    server.join().unwrap();
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The handshake of a multi-conn export of 8 MiB of zeroes.
+fn go_multi_conn(stream: &mut UnixStream) {
+    greet(stream, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    let (option, _) = read_option(stream);
+    assert_eq!(option, OPT_GO);
+    info_reply(
+        stream,
+        Info::Export {
+            size_bytes: 8 << 20,
+            transmission_flags: FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_CAN_MULTI_CONN,
+        },
+    );
+    option_reply(stream, OPT_GO, REP_ACK, b"");
+}
+
+#[test]
+fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "cairn-nbd-fake-loop-{}-{}.sock",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut main, _) = listener.accept().unwrap();
+        go_multi_conn(&mut main);
+        let main_server = std::thread::spawn(move || serve_zeroes(&mut main));
+        // The loop's connection: take one read, then hang up on it.
+        let (mut side, _) = listener.accept().unwrap();
+        go_multi_conn(&mut side);
+        let mut header = [0u8; COMPACT_REQUEST_BYTES];
+        side.read_exact(&mut header).unwrap();
+        assert_eq!(u16::from_be_bytes([header[6], header[7]]), CMD_READ);
+        drop(side);
+        main_server.join().unwrap();
+    });
+    let uri = format!("nbd+unix:///?socket={}", path.display());
+    let device = std::sync::Arc::new(NbdDevice::open_with(&uri, quick()).unwrap());
+    let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default()).unwrap();
+    let dev = std::sync::Arc::clone(&device);
+    let inner = reactor.clone();
+    let reads = reactor.run(async move {
+        let mut reads = Vec::new();
+        for round in 0..2 {
+            let mut buf = vec![9u8; 4096];
+            let result = dev.read_async(&inner, 4096, &mut buf).await;
+            reads.push(result.map(|()| buf));
+            if round == 0 {
+                // The first miss opened the loop's connection meanwhile.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while dev.stats().loop_connections == 0 {
+                    assert!(Instant::now() < deadline, "no loop connection");
+                    inner.sleep(Duration::from_millis(5)).await;
+                }
+            }
+        }
+        reads
+    });
+    for read in reads {
+        let buf = read.expect("the read is redone on the main connection");
+        assert!(buf.iter().all(|&b| b == 0));
+    }
+    let stats = device.stats();
+    assert_eq!(stats.loop_connections, 1, "{stats:?}");
+    assert_eq!(stats.loop_reads, 0, "{stats:?}");
+    assert_eq!(
+        stats.connection_losses, 1,
+        "the loop's connection: {stats:?}"
+    );
+    drop(device);
     server.join().unwrap();
     let _ = std::fs::remove_file(&path);
 }
