@@ -237,6 +237,26 @@ fn error_message(e: &anyhow::Error) -> String {
     msg
 }
 
+/// Clap's own errors (an unknown flag or command, a missing argument, a
+/// bad value) on a `cairn: error:` line like every other error, followed by
+/// clap's tip and usage, with clap's exit code (2). `--help` and
+/// `--version` are not errors: printed as clap prints them, exit 0.
+fn parse_failed(e: &clap::Error) -> ExitCode {
+    let code = ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+    if !e.use_stderr() {
+        let _ = e.print();
+        return code;
+    }
+    // Rendered without colour, as cairn's other errors are.
+    let text = e.render().to_string();
+    let text = match text.strip_prefix("error: ") {
+        Some(rest) => format!("cairn: error: {rest}"),
+        None => text,
+    };
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
+    code
+}
+
 fn main() -> ExitCode {
     // Every thread that allocates would otherwise get its own malloc arena
     // (up to 8 per core); the daemon's memory should follow the cache size,
@@ -254,7 +274,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return parse_failed(&e),
+    };
     match run(cli) {
         Ok(code) => code,
         Err(e) if is_broken_pipe(&e) => ExitCode::from(141),

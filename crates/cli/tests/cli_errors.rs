@@ -281,6 +281,80 @@ fn unknown_mode_is_refused() {
     assert!(!sock.exists());
 }
 
+/// Usage errors clap finds (an unknown flag or command, a missing
+/// argument, a bad value) say so on a `cairn: error:` line like every other
+/// cairn error (they said `error:`), keep clap's tip, usage and pointer to
+/// `--help` and its exit code 2; `--help` and `--version` print on stdout
+/// and exit 0.
+#[test]
+fn usage_errors_are_cairn_errors_and_help_is_not_an_error() {
+    let ctx = Ctx::new("usage_errors");
+    for (args, says) in [
+        (
+            vec!["status", "--cache", "c.img", "--bogus"],
+            "cairn: error: unexpected argument '--bogus' found",
+        ),
+        (
+            vec!["status"],
+            "cairn: error: the following required arguments were not provided",
+        ),
+        (
+            vec!["bogus-command"],
+            "cairn: error: unrecognized subcommand 'bogus-command'",
+        ),
+        (
+            vec!["serve", "--cache", "c.img", "--mode", "bogus"],
+            "cairn: error: invalid value 'bogus' for '--mode <MODE>'",
+        ),
+    ] {
+        let out = ctx.cairn(&args);
+        let err = stderr(&out);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+        assert!(err.starts_with(says), "cairn {args:?}: {}", describe(&out));
+        assert!(
+            err.lines().all(|l| !l.starts_with("error:")),
+            "cairn {args:?}: a bare error: line: {err}"
+        );
+        assert!(
+            err.contains("try '--help'"),
+            "cairn {args:?}: no pointer to --help: {err}"
+        );
+        assert!(
+            stdout(&out).is_empty(),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+    }
+    for (args, says) in [
+        (vec!["--help"], "Usage: cairn"),
+        (vec!["status", "--help"], "Usage: cairn status"),
+        (vec!["--version"], "cairn "),
+    ] {
+        let out = ctx.cairn(&args);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+        assert!(
+            stdout(&out).contains(says),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+        assert!(
+            stderr(&out).is_empty(),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+    }
+}
+
 #[test]
 fn block_size_must_be_a_power_of_two_in_range() {
     let ctx = Ctx::new("block_size");
