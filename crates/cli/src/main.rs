@@ -142,12 +142,14 @@ enum Command {
     ///
     /// IOPS and MB/s, hit ratio, dirty share, write-back rate and the time to
     /// clean at that rate, latency p50/p99 per operation, cache and origin
-    /// state. q or Esc quits. --once prints one frame as text and exits.
+    /// state. q or Esc quits. --once prints one frame as plain text and
+    /// exits; when stdout is not a terminal, a plain-text frame is printed
+    /// every interval instead.
     Top {
         /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
-        /// Print one frame (over one interval) and exit, for scripts.
+        /// Print one frame (over one interval) as plain text and exit, for scripts.
         #[arg(long)]
         once: bool,
         /// Time between samples, in milliseconds.
