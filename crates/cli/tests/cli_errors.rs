@@ -424,6 +424,54 @@ fn poke(path: &std::path::Path, offset: u64, bytes: &[u8]) {
     f.write_all_at(bytes, offset).expect("poke");
 }
 
+/// A damaged checkpoint (one byte flipped in the header of the one the
+/// superblock names) is refused by `status` and `serve` with an error that
+/// names it (its number, slot and bytes on the device) and says why the
+/// older one is not used instead, and a hint: keep the device, the origin
+/// holds an earlier flush, the reformat that gives up the writes since.
+/// (It said "checkpoint damaged: header: checksum mismatch ... The cache
+/// cannot be opened safely", with neither.)
+#[test]
+fn a_damaged_checkpoint_is_named_with_what_to_do() {
+    let ctx = Ctx::new("damaged_checkpoint");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().to_string();
+    let layout = cairn_format::Layout::compute(32 * MIB, 4096).expect("the layout");
+    let at = layout.checkpoint_offset_bytes(0);
+    assert_eq!(
+        read_range(&cache, at, 8),
+        b"CAIRNCKP",
+        "format leaves its checkpoint in slot 0"
+    );
+    let byte = read_range(&cache, at + 40, 1)[0];
+    poke(&cache, at + 40, &[!byte]);
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy().to_string();
+    let named = format!(
+        "checkpoint damaged: the newest checkpoint (number 1 in slot 0, bytes {at}..{} of the device): header: checksum mismatch",
+        at + layout.checkpoint_slot_bytes
+    );
+    let fix = format!("cairn format --force --cache {c} --origin origin");
+    for args in [
+        vec!["status", "--cache", &c],
+        vec!["serve", "--cache", &c, "--socket", &s],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(
+            &out,
+            &[
+                &named,
+                "the older checkpoint in the other slot may describe log space written over since",
+                "cairn: hint:",
+                &format!("keep {c} as it is"),
+                "the origin alone holds the volume as of an earlier flush",
+                &fix,
+            ],
+        );
+    }
+    assert!(!sock.exists(), "a refused serve left its socket");
+}
+
 /// A filesystem's or a partition table's signature on the cache: format
 /// refuses without --force and names what it found, as mkfs does, and
 /// leaves every byte as it was.
