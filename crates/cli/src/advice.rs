@@ -76,6 +76,8 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         | EngineError::VolumeOriginOpen { name, origin, .. } => Some(format!(
             "volume {name:?} needs its origin {origin}: make it reachable again, then start cairn"
         )),
+        EngineError::CheckpointDamaged { device, .. } => Some(damaged_cache_advice(device, "checkpoint")),
+        EngineError::LogDamaged { device, .. } => Some(damaged_cache_advice(device, "log")),
         EngineError::CacheDegraded { device, .. } => Some(format!(
             "fix or replace the cache device, stop cairn and run `cairn format --force` on it: cairn format --force --cache {device} --origin ORIGIN"
         )),
@@ -143,6 +145,16 @@ pub fn for_error(e: &anyhow::Error) -> Option<String> {
             None
         }
     })
+}
+
+/// A cache whose checkpoint or log is damaged: cairn does not guess, so
+/// keep the device as it is; the origin alone is the volume as of an
+/// earlier flush, and reformatting (which gives up the writes since) comes
+/// last.
+fn damaged_cache_advice(device: &str, what: &str) -> String {
+    format!(
+        "the writes not yet written back to the origin are reachable only through the cache's {what}, so keep {device} as it is (if it reports I/O errors, see dmesg or smartctl, copy it off first and keep the copy). The origin alone holds the volume as of an earlier flush; to serve that, giving up the writes since, reformat the cache: cairn format --force --cache {device} --origin ORIGIN (and add any other volume again with `cairn volume add`)"
+    )
 }
 
 /// The cache's unwritten data needs the origin at the size it recorded:
@@ -255,6 +267,14 @@ mod tests {
             EngineError::CacheDegraded {
                 device: "D".into(),
                 action: "a mode change".into(),
+            },
+            EngineError::CheckpointDamaged {
+                device: "D".into(),
+                detail: "the newest checkpoint (number 1 in slot 0, bytes 65536..98304 of the device): header: checksum mismatch".into(),
+            },
+            EngineError::LogDamaged {
+                device: "D".into(),
+                detail: "record 7 missing".into(),
             },
         ];
         for e in errors {

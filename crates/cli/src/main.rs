@@ -142,12 +142,14 @@ enum Command {
     ///
     /// IOPS and MB/s, hit ratio, dirty share, write-back rate and the time to
     /// clean at that rate, latency p50/p99 per operation, cache and origin
-    /// state. q or Esc quits. --once prints one frame as text and exits.
+    /// state. q or Esc quits. --once prints one frame as plain text and
+    /// exits; when stdout is not a terminal, a plain-text frame is printed
+    /// every interval instead.
     Top {
         /// The cache device or file (as given to `cairn format`).
         #[arg(long)]
         cache: PathBuf,
-        /// Print one frame (over one interval) and exit, for scripts.
+        /// Print one frame (over one interval) as plain text and exit, for scripts.
         #[arg(long)]
         once: bool,
         /// Time between samples, in milliseconds.
@@ -237,6 +239,26 @@ fn error_message(e: &anyhow::Error) -> String {
     msg
 }
 
+/// Clap's own errors (an unknown flag or command, a missing argument, a
+/// bad value) on a `cairn: error:` line like every other error, followed by
+/// clap's tip and usage, with clap's exit code (2). `--help` and
+/// `--version` are not errors: printed as clap prints them, exit 0.
+fn parse_failed(e: &clap::Error) -> ExitCode {
+    let code = ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+    if !e.use_stderr() {
+        let _ = e.print();
+        return code;
+    }
+    // Rendered without colour, as cairn's other errors are.
+    let text = e.render().to_string();
+    let text = match text.strip_prefix("error: ") {
+        Some(rest) => format!("cairn: error: {rest}"),
+        None => text,
+    };
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
+    code
+}
+
 fn main() -> ExitCode {
     // Every thread that allocates would otherwise get its own malloc arena
     // (up to 8 per core); the daemon's memory should follow the cache size,
@@ -254,7 +276,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return parse_failed(&e),
+    };
     match run(cli) {
         Ok(code) => code,
         Err(e) if is_broken_pipe(&e) => ExitCode::from(141),

@@ -300,6 +300,22 @@ fn write_lost_data(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<
     Ok(())
 }
 
+/// The prefetch line (`cairn warm`, NBD CACHE), once there were any: their
+/// reads are counted apart from the clients' and the hit ratio.
+fn write_prefetches(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+    let count = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    if count("prefetch_reads") > 0 {
+        writeln!(
+            out,
+            "  prefetches (warm, NBD CACHE) {} requests (blocks: {} hits, {} misses), not counted in reads",
+            count("prefetch_reads"),
+            count("prefetch_hits"),
+            count("prefetch_misses")
+        )?;
+    }
+    Ok(())
+}
+
 pub fn print_human(v: &Value) -> std::io::Result<()> {
     write_human(&mut std::io::stdout().lock(), v)
 }
@@ -343,6 +359,7 @@ fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> 
         get("write_hits"),
         get("bypassed")
     )?;
+    write_prefetches(out, v)?;
     let flushes_per_barrier = v
         .get("flushes_per_barrier")
         .and_then(|x| x.as_f64())
@@ -466,6 +483,28 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.contains("  reads 16 requests (blocks: 2866 hits, 13491 misses, hit ratio 0.25), writes 2810 requests (blocks: 7858 hits), bypassed 12 blocks\n"),
+            "{text}"
+        );
+        assert!(!text.contains("prefetches"), "{text}");
+    }
+
+    /// Prefetches (`cairn warm`, NBD CACHE) have their own line, apart
+    /// from the clients' reads.
+    #[test]
+    fn human_status_shows_prefetches_apart_from_reads() {
+        let v = json!({
+            "reads": 0, "read_hits": 0, "read_misses": 0, "read_hit_ratio": 0.0,
+            "prefetch_reads": 2, "prefetch_hits": 256, "prefetch_misses": 256,
+        });
+        let mut out = Vec::new();
+        write_human(&mut out, &v).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("  reads 0 requests (blocks: 0 hits, 0 misses, hit ratio 0.0)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  prefetches (warm, NBD CACHE) 2 requests (blocks: 256 hits, 256 misses), not counted in reads\n"),
             "{text}"
         );
     }

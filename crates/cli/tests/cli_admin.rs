@@ -689,6 +689,50 @@ fn warm_refuses_a_range_past_the_end() {
     assert!(server.terminate().success());
 }
 
+/// `cairn warm` is not a client read: its reads move the `prefetch_*`
+/// counters (status and metrics), and `reads`, `read_hits`, `read_misses`
+/// and the hit ratio stay the clients' (they counted warm's reads, so a
+/// freshly warmed cache showed a hit ratio no client had).
+#[test]
+fn warm_is_counted_apart_from_client_reads() {
+    let ctx = Ctx::new("warm_counted_apart");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().to_string();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &["--metrics", &addr]);
+    // Twice: 256 misses, then 256 hits.
+    for _ in 0..2 {
+        let out = ctx.cairn_ok(&["warm", "--cache", &c, "4M:1M"]);
+        assert!(stdout(&out).contains("256 blocks"), "{}", describe(&out));
+    }
+    let st = ctx.status(&cache);
+    for key in ["reads", "read_bytes", "read_hits", "read_misses"] {
+        assert_eq!(u64_of(&st, key), 0, "warm counted in {key}: {st}");
+    }
+    assert_eq!(st["read_hit_ratio"].as_f64(), Some(0.0), "{st}");
+    assert_eq!(u64_of(&st, "prefetch_reads"), 2, "{st}");
+    assert_eq!(u64_of(&st, "prefetch_bytes"), 2 * MIB, "{st}");
+    assert_eq!(u64_of(&st, "prefetch_misses"), 256, "{st}");
+    assert_eq!(u64_of(&st, "prefetch_hits"), 256, "{st}");
+    let text = http_get(&addr, "/metrics", false);
+    assert_eq!(metric(&text, "cairn_reads_total"), 0.0, "{text}");
+    assert_eq!(metric(&text, "cairn_read_misses_total"), 0.0, "{text}");
+    assert_eq!(
+        metric(&text, "cairn_prefetch_misses_total"),
+        256.0,
+        "{text}"
+    );
+    assert_eq!(metric(&text, "cairn_prefetch_hits_total"), 256.0, "{text}");
+    let human = stdout(&ctx.cairn_ok(&["status", "--cache", &c]));
+    assert!(
+        human.contains("reads 0 requests (blocks: 0 hits, 0 misses,")
+            && human
+                .contains("prefetches (warm, NBD CACHE) 2 requests (blocks: 256 hits, 256 misses)"),
+        "{human}"
+    );
+    assert!(server.terminate().success());
+}
+
 /// The admin socket of the daemon serving `ctx`'s one cache.
 fn admin_socket(ctx: &Ctx) -> std::path::PathBuf {
     let found: Vec<_> = std::fs::read_dir(&ctx.runtime)

@@ -281,6 +281,80 @@ fn unknown_mode_is_refused() {
     assert!(!sock.exists());
 }
 
+/// Usage errors clap finds (an unknown flag or command, a missing
+/// argument, a bad value) say so on a `cairn: error:` line like every other
+/// cairn error (they said `error:`), keep clap's tip, usage and pointer to
+/// `--help` and its exit code 2; `--help` and `--version` print on stdout
+/// and exit 0.
+#[test]
+fn usage_errors_are_cairn_errors_and_help_is_not_an_error() {
+    let ctx = Ctx::new("usage_errors");
+    for (args, says) in [
+        (
+            vec!["status", "--cache", "c.img", "--bogus"],
+            "cairn: error: unexpected argument '--bogus' found",
+        ),
+        (
+            vec!["status"],
+            "cairn: error: the following required arguments were not provided",
+        ),
+        (
+            vec!["bogus-command"],
+            "cairn: error: unrecognized subcommand 'bogus-command'",
+        ),
+        (
+            vec!["serve", "--cache", "c.img", "--mode", "bogus"],
+            "cairn: error: invalid value 'bogus' for '--mode <MODE>'",
+        ),
+    ] {
+        let out = ctx.cairn(&args);
+        let err = stderr(&out);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+        assert!(err.starts_with(says), "cairn {args:?}: {}", describe(&out));
+        assert!(
+            err.lines().all(|l| !l.starts_with("error:")),
+            "cairn {args:?}: a bare error: line: {err}"
+        );
+        assert!(
+            err.contains("try '--help'"),
+            "cairn {args:?}: no pointer to --help: {err}"
+        );
+        assert!(
+            stdout(&out).is_empty(),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+    }
+    for (args, says) in [
+        (vec!["--help"], "Usage: cairn"),
+        (vec!["status", "--help"], "Usage: cairn status"),
+        (vec!["--version"], "cairn "),
+    ] {
+        let out = ctx.cairn(&args);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+        assert!(
+            stdout(&out).contains(says),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+        assert!(
+            stderr(&out).is_empty(),
+            "cairn {args:?}: {}",
+            describe(&out)
+        );
+    }
+}
+
 #[test]
 fn block_size_must_be_a_power_of_two_in_range() {
     let ctx = Ctx::new("block_size");
@@ -348,6 +422,54 @@ fn poke(path: &std::path::Path, offset: u64, bytes: &[u8]) {
         .open(path)
         .expect("open for poke");
     f.write_all_at(bytes, offset).expect("poke");
+}
+
+/// A damaged checkpoint (one byte flipped in the header of the one the
+/// superblock names) is refused by `status` and `serve` with an error that
+/// names it (its number, slot and bytes on the device) and says why the
+/// older one is not used instead, and a hint: keep the device, the origin
+/// holds an earlier flush, the reformat that gives up the writes since.
+/// (It said "checkpoint damaged: header: checksum mismatch ... The cache
+/// cannot be opened safely", with neither.)
+#[test]
+fn a_damaged_checkpoint_is_named_with_what_to_do() {
+    let ctx = Ctx::new("damaged_checkpoint");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().to_string();
+    let layout = cairn_format::Layout::compute(32 * MIB, 4096).expect("the layout");
+    let at = layout.checkpoint_offset_bytes(0);
+    assert_eq!(
+        read_range(&cache, at, 8),
+        b"CAIRNCKP",
+        "format leaves its checkpoint in slot 0"
+    );
+    let byte = read_range(&cache, at + 40, 1)[0];
+    poke(&cache, at + 40, &[!byte]);
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy().to_string();
+    let named = format!(
+        "checkpoint damaged: the newest checkpoint (number 1 in slot 0, bytes {at}..{} of the device): header: checksum mismatch",
+        at + layout.checkpoint_slot_bytes
+    );
+    let fix = format!("cairn format --force --cache {c} --origin origin");
+    for args in [
+        vec!["status", "--cache", &c],
+        vec!["serve", "--cache", &c, "--socket", &s],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(
+            &out,
+            &[
+                &named,
+                "the older checkpoint in the other slot may describe log space written over since",
+                "cairn: hint:",
+                &format!("keep {c} as it is"),
+                "the origin alone holds the volume as of an earlier flush",
+                &fix,
+            ],
+        );
+    }
+    assert!(!sock.exists(), "a refused serve left its socket");
 }
 
 /// A filesystem's or a partition table's signature on the cache: format

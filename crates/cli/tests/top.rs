@@ -139,3 +139,60 @@ fn top_shows_a_daemon_under_load_once_and_live() {
     assert!(gone, "cairn top did not quit on q");
     fio.kill9();
 }
+
+/// Without a terminal `cairn top` prints plain ASCII text a script or a log
+/// can take: one frame with `--once`, a frame every interval without it.
+/// (`--once` printed the drawn frame, box drawing and gauge blocks
+/// included; without `--once` it took over a terminal it did not have.)
+/// Needs no tools.
+#[test]
+fn top_prints_plain_ascii_without_a_terminal() {
+    let ctx = Ctx::new("top_plain");
+    let (cache, _origin) = ctx.setup(16 << 20, 64 << 20);
+    let c = cache.to_string_lossy().into_owned();
+    let mut server = ctx.serve(&cache, &ctx.path("nbd.sock"), &[]);
+    let plain = |text: &str, what: &str| {
+        assert!(text.is_ascii(), "{what} is not ASCII:\n{text}");
+        for needle in [
+            "cairn top: ",
+            "mode writeback",
+            "IOPS",
+            "hit ratio",
+            "dirty",
+            "write-back",
+            "latency over the last",
+        ] {
+            assert!(text.contains(needle), "{what} lacks {needle:?}:\n{text}");
+        }
+    };
+
+    let out = ctx.cairn_ok(&["top", "--cache", &c, "--once", "--interval-ms", "200"]);
+    let frame = stdout(&out);
+    plain(&frame, "the --once frame");
+    assert!(!frame.contains("q: quit"), "{frame}");
+
+    let mut top = ctx
+        .cmd(&["top", "--cache", &c, "--interval-ms", "200"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting cairn top");
+    std::thread::sleep(Duration::from_millis(1500));
+    let running = top.try_wait().expect("cairn top's status").is_none();
+    let _ = top.kill();
+    let out = top.wait_with_output().expect("cairn top's output");
+    assert!(
+        running,
+        "cairn top without a terminal exited: {}",
+        describe(&out)
+    );
+    let text = stdout(&out);
+    plain(&text, "the frames into a pipe");
+    let frames = text.matches("cairn top: ").count();
+    assert!(
+        (3..=8).contains(&frames),
+        "{frames} frames in 1.5 s at 200 ms:\n{text}"
+    );
+    assert!(server.terminate().success());
+}

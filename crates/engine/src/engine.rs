@@ -27,6 +27,7 @@ use crate::parts::Parts;
 use crate::policy::{CacheMode, Policy};
 use crate::read::{self, Scope};
 use crate::read_data::ReadData;
+use crate::read_kind::ReadKind;
 use crate::state_lock::StateLock;
 use crate::stats::{Counters, StatsSnapshot};
 use crate::superblocks;
@@ -333,9 +334,9 @@ impl Engine {
         prefetch: bool,
     ) -> EngineResult<ReadData> {
         let offset = self.key_offset(volume, offset, length_bytes as u64)?;
-        let c = &self.env.counters;
-        Counters::add(&c.reads, 1);
-        Counters::add(&c.read_bytes, length_bytes as u64);
+        let (c, kind) = (&self.env.counters, ReadKind::of(prefetch));
+        Counters::add(kind.requests(c), 1);
+        Counters::add(kind.bytes(c), length_bytes as u64);
         let block_bytes = self.env.block_size_bytes as u64;
         let first = offset / block_bytes * block_bytes;
         let end = (offset + length_bytes as u64).div_ceil(block_bytes) * block_bytes;

@@ -102,7 +102,9 @@ pub enum EngineError {
     InvalidVolume { device: String, detail: String },
     #[error("cache {device}: superblock invalid: {detail}. The cache cannot be opened safely")]
     SuperblockInvalid { device: String, detail: String },
-    #[error("cache {device}: checkpoint damaged: {detail}. The cache cannot be opened safely")]
+    /// `detail` names the checkpoint (its slot and where it lies) and
+    /// the check it failed.
+    #[error("cache {device}: checkpoint damaged: {detail}. The cache cannot be opened safely: the checkpoint maps the cached blocks, among them data not yet written back to the origin, and the older checkpoint in the other slot may describe log space written over since, so it is not used instead")]
     CheckpointDamaged { device: String, detail: String },
     #[error("cache {device}: log damaged: {detail}. Refusing to open, because acknowledged writes would be missing")]
     LogDamaged { device: String, detail: String },

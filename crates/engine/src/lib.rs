@@ -43,6 +43,7 @@ mod parts;
 mod policy;
 mod read;
 mod read_data;
+mod read_kind;
 mod recovery;
 mod retry;
 mod retry_policy;

@@ -8,6 +8,7 @@ use crate::env::Env;
 use crate::error::EngineResult;
 use crate::index::{Index, Plan};
 use crate::log::Log;
+use crate::read_kind::ReadKind;
 use crate::retry::retrying_cache_write;
 use crate::superblocks;
 use crate::tags::TagTable;
@@ -24,12 +25,18 @@ pub(crate) struct State {
 }
 
 impl State {
-    /// How to serve a read of `lba` (see [`Plan`]).
-    pub(crate) fn plan(&mut self, env: &Env, lba: u64, block: &mut [u8]) -> EngineResult<Plan> {
+    /// How to serve a read of `lba` (see [`Plan`]), counted as `kind`'s.
+    pub(crate) fn plan(
+        &mut self,
+        env: &Env,
+        lba: u64,
+        kind: ReadKind,
+        block: &mut [u8],
+    ) -> EngineResult<Plan> {
         let log = &self.log;
         let in_memory = |slot| log.block_in_memory(slot, env.block_size_bytes);
         self.index
-            .plan(env, in_memory, self.tags.as_ref(), lba, block)
+            .plan(env, in_memory, self.tags.as_ref(), lba, kind, block)
     }
 
     /// Seal and make durable everything acknowledged so far.

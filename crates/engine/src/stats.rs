@@ -89,6 +89,13 @@ counters!(
     read_hits,
     read_misses,
     read_zero_hits,
+    // Prefetches (`cairn warm`, NBD CACHE): counted apart, so warming a
+    // cache moves neither the client read counters nor the hit ratio.
+    prefetch_reads,
+    prefetch_bytes,
+    prefetch_hits,
+    prefetch_misses,
+    prefetch_zero_hits,
     writes,
     write_bytes,
     write_hits,

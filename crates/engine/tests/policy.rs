@@ -230,3 +230,75 @@ fn writeback_zeroes_and_discards_do_not_wait_for_the_origin() {
         "nothing reached the origin before write-back"
     );
 }
+
+/// A prefetch (`cairn warm`, NBD CACHE) is counted apart from client
+/// reads: its hits (a flushed block, one still in memory), zeroed blocks
+/// and misses move the `prefetch_*` counters and leave `reads`,
+/// `read_hits`, `read_misses` and `read_zero_hits` (the hit ratio) as they
+/// were. (They were counted as client reads: warming a cache showed a hit
+/// ratio the clients never had.)
+#[test]
+fn a_prefetch_is_not_counted_as_a_client_read() {
+    let mib = 1u64 << 20;
+    let (_origin, e) = rig(16 * mib, 32 * mib, EngineConfig::default());
+    let block = |k: u64| pattern(k, BS as usize);
+    // Blocks 8..12 written and flushed (cache slots), 0..4 written since
+    // (maybe still in memory), 16..20 zeroed (a pending range); 4..8,
+    // 12..16 and 20..32 are on the origin only: 20 misses.
+    let flushed: Vec<u8> = (8..12).flat_map(block).collect();
+    e.write(8 * BS, &flushed, false).unwrap();
+    e.flush().unwrap();
+    let recent: Vec<u8> = (0..4).flat_map(block).collect();
+    e.write(0, &recent, false).unwrap();
+    e.write_zeroes(16 * BS, 4 * BS).unwrap();
+
+    let client = |s: &cairn_engine::StatsSnapshot| {
+        (
+            s.reads,
+            s.read_bytes,
+            s.read_hits,
+            s.read_misses,
+            s.read_zero_hits,
+        )
+    };
+    let prefetch = |s: &cairn_engine::StatsSnapshot| {
+        (
+            s.prefetch_reads,
+            s.prefetch_bytes,
+            s.prefetch_hits,
+            s.prefetch_misses,
+            s.prefetch_zero_hits,
+        )
+    };
+    let before = e.stats();
+    let mut buf = vec![0u8; (32 * BS) as usize];
+    e.read_uncut(0, &mut buf).unwrap();
+    let warmed = e.stats();
+    assert_eq!(
+        client(&warmed),
+        client(&before),
+        "a prefetch moved the client read counters"
+    );
+    assert_eq!(
+        prefetch(&warmed),
+        (1, 32 * BS, 8, 20, 4),
+        "the prefetch's own counters: a request, its bytes, 8 hits, 20 misses, 4 zeroed"
+    );
+    assert_eq!(warmed.promotions, 20, "every miss promoted");
+
+    // A client read of the same range after it: every block a hit (or
+    // zeroed), counted as the client's, the prefetch's counters unchanged.
+    e.read(0, &mut buf).unwrap();
+    let read = e.stats();
+    assert_eq!(prefetch(&read), prefetch(&warmed));
+    assert_eq!(
+        client(&read),
+        (
+            before.reads + 1,
+            before.read_bytes + 32 * BS,
+            before.read_hits + 28,
+            before.read_misses,
+            before.read_zero_hits + 4
+        )
+    );
+}

@@ -20,6 +20,7 @@ use cairn_format::{block_checksum, key_volume, CheckpointEntry, PendingRange, Ra
 
 use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
+use crate::read_kind::ReadKind;
 use crate::stats::Counters;
 use crate::tags::TagTable;
 use crate::volume_set::VolumeSet;
@@ -149,13 +150,15 @@ impl Index {
     /// the answer is already known (in memory, zeroed). `in_memory` gives
     /// a slot's data when it is not on the device yet (the log's open or
     /// sealed records). A planned hit marks the slot referenced
-    /// (second-chance eviction).
+    /// (second-chance eviction); a block answered here is counted as
+    /// `kind`'s.
     pub(crate) fn plan<'m>(
         &mut self,
         env: &Env,
         in_memory: impl Fn(u32) -> Option<&'m [u8]>,
         tags: Option<&TagTable>,
         lba: u64,
+        kind: ReadKind,
         block: &mut [u8],
     ) -> EngineResult<Plan> {
         if let Some(slot) = self.lookup(lba) {
@@ -168,7 +171,7 @@ impl Index {
                     self.crc(slot),
                     "in-memory record data"
                 );
-                Counters::add(&env.counters.read_hits, 1);
+                Counters::add(kind.hits(&env.counters), 1);
                 return Ok(Plan::Done);
             }
             if self.is_corrupt(slot) {
@@ -184,14 +187,14 @@ impl Index {
         }
         if self.range_covering(lba).is_some() {
             block.fill(0);
-            Counters::add(&env.counters.read_zero_hits, 1);
+            Counters::add(kind.zero_hits(&env.counters), 1);
             return Ok(Plan::Done);
         }
         let tag = tags.and_then(|t| t.tag_of(lba));
         if tag == Some(cairn_format::TAG_DISCARDED) {
             // Discarded with integrity on: zeroes, whatever the origin holds.
             block.fill(0);
-            Counters::add(&env.counters.read_zero_hits, 1);
+            Counters::add(kind.zero_hits(&env.counters), 1);
             return Ok(Plan::Done);
         }
         Ok(Plan::Miss {

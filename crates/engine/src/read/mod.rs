@@ -29,6 +29,7 @@ use crate::env::Env;
 use crate::error::EngineResult;
 use crate::index::Plan;
 use crate::parts::Parts;
+use crate::read_kind::ReadKind;
 use crate::space;
 use crate::stats::Counters;
 
@@ -44,6 +45,16 @@ pub(crate) enum Scope {
     },
     /// Only reads whose every block is cached; the rest are untouched.
     CachedOnly,
+}
+
+impl Scope {
+    /// Whose read this is, for the counters.
+    pub(crate) fn kind(self) -> ReadKind {
+        match self {
+            Self::All { prefetch, .. } => ReadKind::of(prefetch),
+            Self::CachedOnly => ReadKind::Client,
+        }
+    }
 }
 
 /// One device read of a planned request: blocks `[first, end)` of it, from
@@ -109,7 +120,7 @@ pub(crate) async fn read_blocks(
     let (buf, failures) = run_ios(env, origin, first_lba, buf, &ios).await;
     tracing::trace!(first_lba, "read ios done");
     let mut buf = buf;
-    let result = verify(p, first_lba, &plans, &ios, failures, &mut buf)
+    let result = verify(p, first_lba, scope.kind(), &plans, &ios, failures, &mut buf)
         .and_then(|()| promote(p, first_lba, &plans, &buf, scope));
     let result = match result {
         // Records the fills completed are written outside the lock, and
@@ -136,7 +147,7 @@ fn plan(p: Parts<'_>, first_lba: u64, buf: &mut [u8], scope: Scope) -> EngineRes
     }
     let mut plans = Plans::with_capacity(count as usize);
     for (k, block) in buf.chunks_mut(block_bytes).enumerate() {
-        plans.push(st.plan(env, first_lba + k as u64, block)?);
+        plans.push(st.plan(env, first_lba + k as u64, scope.kind(), block)?);
     }
     Ok(Some(plans))
 }
@@ -293,6 +304,7 @@ impl Drop for OriginSlot<'_> {
 fn verify(
     p: Parts<'_>,
     first_lba: u64,
+    kind: ReadKind,
     plans: &[Plan],
     ios: &[Io],
     failures: Failures,
@@ -308,7 +320,7 @@ fn verify(
                 return Err(crate::error::EngineError::Origin(e));
             }
             (Source::Origin, None) => {
-                Counters::add(&c.read_misses, (io.end - io.first) as u64);
+                Counters::add(kind.misses(c), (io.end - io.first) as u64);
             }
             (Source::Cache { .. }, Some(e)) => {
                 Counters::add(&c.cache_read_errors, 1);
@@ -326,12 +338,12 @@ fn verify(
             Plan::Done => {}
             Plan::Cache { slot, crc } => {
                 if block_checksum(lba, block) == crc {
-                    Counters::add(&c.read_hits, 1);
+                    Counters::add(kind.hits(c), 1);
                 } else {
-                    read_block_slow(env, p.state, lba, slot, crc, block)?;
+                    read_block_slow(env, p.state, lba, kind, slot, crc, block)?;
                 }
             }
-            Plan::Miss { tag, .. } => verify_origin_read(env, p.state, lba, tag, block)?,
+            Plan::Miss { tag, .. } => verify_origin_read(env, p.state, lba, kind, tag, block)?,
         }
     }
     Ok(())

@@ -8,6 +8,7 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::index::Plan;
 use crate::origin_check::{check_origin_data, judge};
+use crate::read_kind::ReadKind;
 use crate::retry::read_slot_retrying;
 use crate::space;
 use crate::state_lock::StateLock;
@@ -25,6 +26,7 @@ pub(crate) fn read_block_slow(
     env: &Env,
     state: &StateLock,
     lba: u64,
+    kind: ReadKind,
     slot: u32,
     crc: u32,
     block: &mut [u8],
@@ -32,12 +34,12 @@ pub(crate) fn read_block_slow(
     let c = &env.counters;
     let mut st = state.running(env)?;
     // Re-plan under the lock: nothing can move now.
-    let (now_slot, now_crc) = match st.plan(env, lba, block)? {
+    let (now_slot, now_crc) = match st.plan(env, lba, kind, block)? {
         Plan::Done => return Ok(()),
         Plan::Miss { tag, .. } => {
             drop(st);
             env.read_origin(lba, block)?;
-            return verify_origin_read(env, state, lba, tag, block);
+            return verify_origin_read(env, state, lba, kind, tag, block);
         }
         Plan::Cache { slot, crc } => (slot, crc),
     };
@@ -48,7 +50,7 @@ pub(crate) fn read_block_slow(
         tracing::warn!("cache read of block {lba} failed: {e}");
     }
     if read.is_ok() && block_checksum(lba, block) == now_crc {
-        Counters::add(&c.read_hits, 1);
+        Counters::add(kind.hits(c), 1);
         if (now_slot, now_crc) == (slot, crc) {
             // The mapping did not move, yet the first read was bad and the
             // device's copy is good: a failed batched read, or a stale
@@ -107,6 +109,7 @@ pub(crate) fn verify_origin_read(
     env: &Env,
     state: &StateLock,
     lba: u64,
+    kind: ReadKind,
     planned: Option<u32>,
     block: &mut [u8],
 ) -> EngineResult<()> {
@@ -115,10 +118,12 @@ pub(crate) fn verify_origin_read(
     }
     let mut tag = planned;
     for _ in 0..RECHECK_ROUNDS_MAX {
-        let plan = state.running(env)?.plan(env, lba, block)?;
+        let plan = state.running(env)?.plan(env, lba, kind, block)?;
         match plan {
             Plan::Done => return Ok(()),
-            Plan::Cache { slot, crc } => return read_block_slow(env, state, lba, slot, crc, block),
+            Plan::Cache { slot, crc } => {
+                return read_block_slow(env, state, lba, kind, slot, crc, block)
+            }
             Plan::Miss { tag: now, .. } if now == tag => break,
             Plan::Miss { tag: now, .. } => {
                 env.read_origin(lba, block)?;

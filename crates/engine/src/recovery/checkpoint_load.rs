@@ -13,6 +13,7 @@ use crate::superblocks::LOG_COUNTER_LIMIT;
 /// The active checkpoint's header, and the index it describes.
 pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(CheckpointHeader, Index)> {
     let slot_count = env.layout.log_blocks;
+    let damaged = |detail: String| checkpoint_damaged(env, superblock, detail);
     let at = env
         .layout
         .checkpoint_offset_bytes(superblock.active_checkpoint);
@@ -20,17 +21,14 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
     env.cache
         .read_at(at, &mut header_buf)
         .map_err(EngineError::Cache)?;
-    let header = CheckpointHeader::decode(&header_buf)
-        .map_err(|e| checkpoint_damaged(env, format!("header: {e}")))?;
+    let header =
+        CheckpointHeader::decode(&header_buf).map_err(|e| damaged(format!("header: {e}")))?;
     load_lifetime(env, &header_buf);
     if header.sequence != superblock.checkpoint_sequence {
-        return Err(checkpoint_damaged(
-            env,
-            format!(
-                "slot {} holds checkpoint {}, superblock expects {}",
-                superblock.active_checkpoint, header.sequence, superblock.checkpoint_sequence
-            ),
-        ));
+        return Err(damaged(format!(
+            "the slot holds checkpoint {} instead",
+            header.sequence
+        )));
     }
     // Check the header's claims before acting on them: device contents
     // must never make us read or allocate out of bounds, nor overflow.
@@ -41,33 +39,24 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
         || header.writeback_offset > header.head_offset
         || header.tail_offset > header.writeback_offset
     {
-        return Err(checkpoint_damaged(
-            env,
-            "counts or offsets out of range".into(),
-        ));
+        return Err(damaged("counts or offsets out of range".into()));
     }
     if header.head_offset >= LOG_COUNTER_LIMIT
         || header.next_record_sequence == 0
         || header.next_record_sequence >= LOG_COUNTER_LIMIT
     {
-        return Err(checkpoint_damaged(
-            env,
-            format!(
-                "log position out of range (head offset {}, next record sequence {})",
-                header.head_offset, header.next_record_sequence
-            ),
-        ));
+        return Err(damaged(format!(
+            "log position out of range (head offset {}, next record sequence {})",
+            header.head_offset, header.next_record_sequence
+        )));
     }
     let payload_bytes =
         CheckpointHeader::payload_bytes(header.entry_count, header.range_count, header.lost_count);
     if CHECKPOINT_HEADER_BYTES as u64 + payload_bytes > env.layout.checkpoint_slot_bytes {
-        return Err(checkpoint_damaged(
-            env,
-            format!(
-                "payload of {payload_bytes} bytes does not fit the {}-byte slot",
-                env.layout.checkpoint_slot_bytes
-            ),
-        ));
+        return Err(damaged(format!(
+            "payload of {payload_bytes} bytes does not fit the {}-byte slot",
+            env.layout.checkpoint_slot_bytes
+        )));
     }
     let mut payload = vec![0u8; payload_bytes as usize];
     if payload_bytes > 0 {
@@ -77,34 +66,30 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
     }
     let crc = cairn_format::crc32c(&payload);
     if crc != header.payload_crc {
-        return Err(checkpoint_damaged(
-            env,
-            format!("payload checksum {crc:#x} != {:#x}", header.payload_crc),
-        ));
+        return Err(damaged(format!(
+            "payload checksum {crc:#x} != {:#x}",
+            header.payload_crc
+        )));
     }
     let mut index = Index::new(slot_count);
     let mut reader = Reader::new(&payload);
     for _ in 0..header.entry_count {
-        let entry = CheckpointEntry::decode(&mut reader)
-            .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
+        let entry = CheckpointEntry::decode(&mut reader).map_err(|e| damaged(e.to_string()))?;
         index
             .load_entry(&entry, |key| env.key_valid(key))
-            .map_err(|detail| checkpoint_damaged(env, detail))?;
+            .map_err(damaged)?;
     }
     for _ in 0..header.range_count {
-        let range = PendingRange::decode(&mut reader)
-            .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
+        let range = PendingRange::decode(&mut reader).map_err(|e| damaged(e.to_string()))?;
         if !env.keys_valid(range.start_lba, range.block_count) {
-            return Err(checkpoint_damaged(env, format!("bad range {range:?}")));
+            return Err(damaged(format!("bad range {range:?}")));
         }
         index.load_range(&range);
     }
     for _ in 0..header.lost_count {
-        let lba = reader
-            .u64()
-            .map_err(|e| checkpoint_damaged(env, e.to_string()))?;
+        let lba = reader.u64().map_err(|e| damaged(e.to_string()))?;
         if !env.key_valid(lba) {
-            return Err(checkpoint_damaged(env, format!("bad lost block {lba}")));
+            return Err(damaged(format!("bad lost block {lba}")));
         }
         index.load_lost(lba);
     }

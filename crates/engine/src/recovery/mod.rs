@@ -62,10 +62,18 @@ pub(crate) fn recover(
     Ok(state)
 }
 
-fn checkpoint_damaged(env: &Env, detail: String) -> EngineError {
+/// The active checkpoint failed `detail`'s check: the error names it (its
+/// slot, sequence and byte range on the cache device).
+fn checkpoint_damaged(env: &Env, superblock: &Superblock, detail: String) -> EngineError {
+    let slot = superblock.active_checkpoint;
+    let at = env.layout.checkpoint_offset_bytes(slot);
+    let end = at + env.layout.checkpoint_slot_bytes;
     EngineError::CheckpointDamaged {
         device: env.cache.name().to_string(),
-        detail,
+        detail: format!(
+            "the newest checkpoint (number {} in slot {slot}, bytes {at}..{end} of the device): {detail}",
+            superblock.checkpoint_sequence
+        ),
     }
 }
 

@@ -9,6 +9,7 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::index::{Plan, WriteStamp};
 use crate::origin_check::check_origin_data;
+use crate::read_kind::ReadKind;
 use crate::retry::read_slot_retrying;
 use crate::state::State;
 use crate::stats::Counters;
@@ -81,7 +82,10 @@ pub(crate) fn write_partial(
     reads: &mut PartialReads,
 ) -> EngineResult<()> {
     let mut block = vec![0u8; env.block_size_bytes];
-    match st.plan(env, lba, &mut block)? {
+    // Counted as a client read's, as before reads had a kind: a base found
+    // in memory or in a zeroed range bumps `read_hits`/`read_zero_hits`,
+    // one read from a slot or the origin is not counted.
+    match st.plan(env, lba, ReadKind::Client, &mut block)? {
         Plan::Done => {}
         Plan::Cache { slot, crc } => {
             let read = read_slot_retrying(env, slot, &mut block);

@@ -2,27 +2,25 @@
 //! (`status`, every second by default): IOPS and MB/s, hit ratio, dirty
 //! share, write-back rate and the time to clean at that rate, latency p50
 //! and p99 per operation, cache and origin state. `--once` prints one frame
-//! as text (two samples an interval apart) and exits.
+//! as plain text (two samples an interval apart) and exits; when stdout is
+//! not a terminal, a plain-text frame is printed every interval instead of
+//! the drawn view (`plain`).
 
+mod plain;
 mod render;
 mod view;
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use ratatui::backend::TestBackend;
+use anyhow::{bail, Result};
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
-use ratatui::Terminal;
 use serde_json::Value;
 
 use crate::admin::{client, AdminReply, AdminRequest};
 use render::{draw, Screen};
 use view::View;
-
-/// The size of the `--once` frame.
-const ONCE_COLUMNS: u16 = 100;
-const ONCE_ROWS: u16 = 22;
 
 /// The daemon's status, or `None` if no daemon answers for `cache`.
 fn sample(cache: &Path) -> Option<Result<Value>> {
@@ -59,19 +57,11 @@ pub fn run(cache: &Path, once: bool, interval_ms: u64) -> Result<()> {
         std::thread::sleep(interval);
         let now = require_sample(cache)?;
         let view = View::between(&name, &before, &now, started.elapsed());
-        let mut terminal = Terminal::new(TestBackend::new(ONCE_COLUMNS, ONCE_ROWS))
-            .context("setting up the frame")?;
-        terminal
-            .draw(|f| draw(f, &Screen::View(&view)))
-            .context("drawing the frame")?;
-        let buffer = terminal.backend().buffer().clone();
-        for y in 0..buffer.area.height {
-            let line: String = (0..buffer.area.width)
-                .map(|x| buffer[(x, y)].symbol().to_string())
-                .collect();
-            say!("{}", line.trim_end())?;
-        }
+        say!("{}", plain::frame(&view).trim_end())?;
         return Ok(());
+    }
+    if !std::io::stdout().is_terminal() {
+        return run_plain(cache, &name, interval);
     }
     // Fail before taking over the terminal if there is nothing to watch.
     let mut before = require_sample(cache)?;
@@ -127,4 +117,27 @@ pub fn run(cache: &Path, once: bool, interval_ms: u64) -> Result<()> {
     })();
     ratatui::restore();
     result
+}
+
+/// Without a terminal: a plain-text frame every interval, a blank line
+/// between frames, until stopped (or stdout closes); a daemon that does
+/// not answer is said on a line of its own and asked again, as the live
+/// view does.
+fn run_plain(cache: &Path, name: &str, interval: Duration) -> Result<()> {
+    let mut before = require_sample(cache)?;
+    let mut taken = Instant::now();
+    loop {
+        std::thread::sleep(interval.saturating_sub(taken.elapsed()));
+        let elapsed = taken.elapsed();
+        taken = Instant::now();
+        match sample(cache) {
+            Some(Ok(now)) => {
+                let view = View::between(name, &before, &now, elapsed);
+                say!("{}", plain::frame(&view))?;
+                before = now;
+            }
+            Some(Err(e)) => say!("cairn top: {name}: the daemon did not answer: {e:#}\n")?,
+            None => say!("cairn top: {name}: no daemon serves this cache (stopped?); retrying every interval\n")?,
+        }
+    }
 }

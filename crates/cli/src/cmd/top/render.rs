@@ -167,11 +167,11 @@ fn draw_latency(frame: &mut Frame, view: &View, latency: Rect) {
     frame.render_widget(lat, latency);
 }
 
-fn mb(bytes_per_sec: f64) -> String {
+pub fn mb(bytes_per_sec: f64) -> String {
     format!("{:.1}", bytes_per_sec / 1e6)
 }
 
-fn bound(le_us: Option<u64>) -> String {
+pub fn bound(le_us: Option<u64>) -> String {
     match le_us {
         Some(us) if us >= 1000 => format!("<= {} ms", us / 1000),
         Some(us) => format!("<= {us} us"),
@@ -179,7 +179,7 @@ fn bound(le_us: Option<u64>) -> String {
     }
 }
 
-fn duration(d: Duration) -> String {
+pub fn duration(d: Duration) -> String {
     let secs = d.as_secs_f64();
     if secs < 1.0 {
         format!("{:.0} ms", secs * 1000.0)
