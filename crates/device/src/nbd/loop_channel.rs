@@ -268,13 +268,13 @@ async fn read_loop(reactor: Reactor, channel: Rc<LoopChannel>) {
         let (received, returned) = reactor.recv(channel.fd(), buf).await;
         buf = returned;
         let reason = match received {
-            Ok(0) => "the server closed the connection".to_string(),
+            Ok(0) => "the server closed the loop connection".to_string(),
             Ok(n) => match channel.take_replies(&mut stream, &buf[..n], &mut replies) {
                 Ok(()) => continue,
                 Err(reason) => reason,
             },
             Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) => format!("connection lost: {err}"),
+            Err(err) => format!("loop connection lost: {err}"),
         };
         if !channel.is_dead() {
             channel
