@@ -29,6 +29,11 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
             "check that {device} is the device you mean (`blkid {device}`, `lsblk`); formatting destroys what it holds. If it is, pass --force: cairn format --force --cache {device} --origin ORIGIN"
         )),
         EngineError::WrongOrigin { recorded, given }
+            if cairn_device::device_id_of_identity(recorded).is_some() =>
+        {
+            Some(wrong_disk_advice(recorded, given))
+        }
+        EngineError::WrongOrigin { recorded, given }
             if cairn_device::identity_without_inode(recorded)
                 == cairn_device::identity_without_inode(given) =>
         {
@@ -154,6 +159,24 @@ pub fn for_error(e: &anyhow::Error) -> Option<String> {
 fn damaged_cache_advice(device: &str, what: &str) -> String {
     format!(
         "the writes not yet written back to the origin are reachable only through the cache's {what}, so keep {device} as it is (if it reports I/O errors, see dmesg or smartctl, copy it off first and keep the copy). The origin alone holds the volume as of an earlier flush; to serve that, giving up the writes since, reformat the cache: cairn format --force --cache {device} --origin ORIGIN (and add any other volume again with `cairn volume add`)"
+    )
+}
+
+/// The block device a cache knows by its id is not the one at the path
+/// given: disks are renamed at boot, loop devices re-attached.
+fn wrong_disk_advice(recorded: &str, given: &str) -> String {
+    let wanted = cairn_device::device_id_of_identity(recorded).unwrap_or_default();
+    let found = cairn_device::device_id_of_identity(given).unwrap_or("none");
+    if found == wanted {
+        return format!(
+            "{} has the id this cache recorded ({wanted}): it is the same disk under another name. Pass --force once to record its new path: cairn serve --origin {} --force",
+            cairn_device::spec_of_identity(given),
+            cairn_device::spec_of_identity(given)
+        );
+    }
+    format!(
+        "the block device at {} is not the disk this cache was formatted for: the cache recorded the id {wanted}, this device has {found}. Disk names follow probe order and can change at a reboot, and a loop device can be attached to another file. Find the device with id {wanted} (`lsblk -o NAME,SIZE,SERIAL,WWN`, `ls -l /dev/disk/by-id/`, `losetup -l`) and give it: cairn serve --origin DEVICE --force (--force records its new path); pass --force with this device only if it holds the same data (dirty data would be written to it)",
+        cairn_device::spec_of_identity(given)
     )
 }
 

@@ -199,6 +199,76 @@ fn an_origin_file_replaced_at_the_same_path_is_refused() {
     assert!(server.terminate().success());
 }
 
+/// A block device is known by its lasting id as well as its path: a loop
+/// device attached to another file (as a disk renamed at a reboot) is
+/// refused, named as another disk with how to find the right one; the
+/// right file attached again is served; found under another name it is
+/// said to be the same disk, and --force records its new path.
+#[test]
+fn a_block_device_that_is_now_another_disk_is_refused() {
+    let test = "blockdev_swapped";
+    let ctx = Ctx::new(test);
+    let first = ctx.file("disk-a.img", 64 * MIB);
+    let second = ctx.file("disk-b.img", 64 * MIB);
+    let Some(device) = LoopDevice::attach(test, &first, false) else {
+        return;
+    };
+    let dev = device.0.clone();
+    let cache = ctx.file("cache.img", 32 * MIB);
+    let c = cache.to_string_lossy();
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy();
+    ctx.format(&cache, &dev, &[]);
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+
+    // The same node, now the other file.
+    drop(device);
+    let Some(swapped) = LoopDevice::attach_at(test, &dev, &second) else {
+        return;
+    };
+    for args in [
+        vec!["serve", "--cache", &c, "--socket", &s],
+        vec!["status", "--cache", &c],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(
+            &out,
+            &[
+                "not the disk this cache was formatted for",
+                "lsblk",
+                "--force",
+            ],
+        );
+    }
+    assert!(!sock.exists());
+    drop(swapped);
+
+    // The right file again, at the same node: served.
+    let Some(back) = LoopDevice::attach_at(test, &dev, &first) else {
+        return;
+    };
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+    drop(back);
+
+    // The right file under another node (the old one taken by the other
+    // file): the same disk, and --force records its new path.
+    let Some(_placeholder) = LoopDevice::attach_at(test, &dev, &second) else {
+        return;
+    };
+    let Some(moved) = LoopDevice::attach(test, &first, false) else {
+        return;
+    };
+    let other = moved.0.clone();
+    let out = ctx.cairn(&["serve", "--cache", &c, "--origin", &other, "--socket", &s]);
+    assert_clean_failure(&out, &["same disk under another name", "--force"]);
+    let mut server = ctx.serve(&cache, &sock, &["--origin", &other, "--force"]);
+    assert!(server.terminate().success());
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert!(server.terminate().success());
+}
+
 /// The cache given as its own origin, by its name, a symlink or a hard
 /// link: said as such (it read "in use by another process").
 #[test]

@@ -142,9 +142,12 @@ pub(crate) fn open_locked(
     };
     let canonical: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let inode = (!is_block_device).then(|| std::os::unix::fs::MetadataExt::ino(&meta));
+    let device_id = is_block_device
+        .then(|| crate::block_id::block_device_id(std::os::unix::fs::MetadataExt::rdev(&meta)))
+        .flatten();
     Ok(OpenedFile {
         file,
-        identity: crate::identity::local_identity(&canonical, inode),
+        identity: crate::identity::local_identity(&canonical, inode, device_id.as_deref()),
         name,
         size_bytes,
         is_block_device,

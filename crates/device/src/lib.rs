@@ -16,6 +16,7 @@
 //! what the daemon should call.
 
 mod allocation;
+mod block_id;
 mod buf;
 mod claim;
 mod claim_decision;
@@ -36,7 +37,7 @@ pub use claim::OriginClaim;
 pub use claim_decision::ClaimDecision;
 pub use claim_mode::ClaimMode;
 pub use file::{FileDevice, OpenMode};
-pub use identity::identity_without_inode;
+pub use identity::{device_id_of_identity, identity_without_inode};
 pub use local::{
     open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, spec_of_identity,
     IoBackend, LocalOptions, IO_BACKEND_ENV,

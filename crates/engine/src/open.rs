@@ -147,9 +147,10 @@ fn record_new_identities(env: &Env, state: &mut State, forced: Option<u16>) -> E
             tracing::warn!(
                 volume = v.name.as_str(),
                 origin = recorded,
-                "this cache knows its origin file by path only, so another file put at that \
-                 path would not be noticed; `cairn serve --force` once records the file's inode \
-                 too (an older cairn then needs --origin PATH --force to open it)"
+                "this cache knows its origin by path only, so another file or disk put at \
+                 that path would not be noticed; `cairn serve --force` once records the file's \
+                 inode or the disk's id too (an older cairn then needs --origin PATH --force to \
+                 open it)"
             );
         }
         if forced == Some(v.id) && matched != IdentityMatch::Same {

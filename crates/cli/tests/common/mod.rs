@@ -868,6 +868,20 @@ impl LoopDevice {
         }
         Some(LoopDevice(stdout(&out).trim().to_string()))
     }
+
+    /// Attach `backing` at the loop device `path` (free), or skip `test`
+    /// (and fail under CI) as [`LoopDevice::attach`] does.
+    pub fn attach_at(test: &str, path: &str, backing: &Path) -> Option<LoopDevice> {
+        if !require_tools(test, &["losetup"]) {
+            return None;
+        }
+        let out = run(tool("losetup").arg(path).arg(backing), TOOL_TIMEOUT);
+        if !out.status.success() {
+            skip(test, &format!("losetup {path} failed: {}", describe(&out)));
+            return None;
+        }
+        Some(LoopDevice(path.to_string()))
+    }
 }
 
 impl Drop for LoopDevice {
