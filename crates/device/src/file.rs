@@ -140,18 +140,25 @@ pub(crate) fn open_locked(
             message: "not a regular file or block device".into(),
         });
     };
-    let canonical: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let inode = (!is_block_device).then(|| std::os::unix::fs::MetadataExt::ino(&meta));
-    let device_id = is_block_device
-        .then(|| crate::block_id::block_device_id(std::os::unix::fs::MetadataExt::rdev(&meta)))
-        .flatten();
     Ok(OpenedFile {
         file,
-        identity: crate::identity::local_identity(&canonical, inode, device_id.as_deref()),
+        identity: identity_of(path, &meta, is_block_device),
         name,
         size_bytes,
         is_block_device,
     })
+}
+
+/// What a cache records of this file or device: its canonical path, and a
+/// file's inode or a block device's lasting id.
+fn identity_of(path: &Path, meta: &std::fs::Metadata, is_block_device: bool) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let canonical: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let inode = (!is_block_device).then(|| meta.ino());
+    let device_id = is_block_device
+        .then(|| crate::block_id::block_device_id(meta.rdev()))
+        .flatten();
+    crate::identity::local_identity(&canonical, inode, device_id.as_deref())
 }
 
 /// Discard `len` bytes at `offset`: BLKDISCARD on a block device, a punched
