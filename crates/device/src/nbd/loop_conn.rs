@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cairn_io::{offload, Reactor};
+use cairn_io::{oneshot, Reactor};
 
 use super::loop_channel::LoopChannel;
 use super::loop_dial::LoopDial;
@@ -40,7 +40,8 @@ impl LoopConn {
     }
 
     /// The channel a read may use now, if one is open with room; with
-    /// none, start opening one unless an attempt failed recently.
+    /// none, start opening one (on a thread of its own) unless an attempt
+    /// failed recently.
     /// `warned` is the export's: the first failure is logged once per
     /// export, not once per loop.
     pub fn channel(
@@ -65,8 +66,19 @@ impl LoopConn {
         }
         *state = State::Opening;
         drop(state);
+        // A thread of its own, not the shared offload pool: a server that
+        // stops accepting holds a dial for the whole connect timeout, and
+        // the pool's few threads serve other calls (block status).
         let dialing = dial.clone();
-        let opened = offload(move || dialing.dial());
+        let (sender, opened) = oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("nbd-loop-dial".into())
+            .spawn(move || sender.send(dialing.dial()));
+        if let Err(err) = spawned {
+            tracing::debug!("cannot start a thread to open a loop connection: {err}");
+            *this.state.borrow_mut() = Self::off();
+            return None;
+        }
         let conn = Rc::clone(this);
         let loop_reactor = reactor.clone();
         let counters = Arc::clone(counters);
@@ -95,7 +107,7 @@ impl LoopConn {
                     }
                     Self::off()
                 }
-                // The offload thread panicked: treat it like a failure.
+                // The dial's thread panicked: treat it like a failure.
                 Err(_) => Self::off(),
             };
             *conn.state.borrow_mut() = next;

@@ -1,5 +1,5 @@
 //! Opening a loop's own connection (see [`super::loop_channel`]): the same
-//! session and handshake as the main connection's, on an offload thread,
+//! session and handshake as the main connection's, on a thread of its own,
 //! and a check that the server shows the same export on it.
 
 use std::io;

@@ -327,3 +327,75 @@ fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
     server.join().unwrap();
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn a_loop_connection_that_stops_answering_times_out_and_reads_go_on() {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "cairn-nbd-fake-stall-{}-{}.sock",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut main, _) = listener.accept().unwrap();
+        go_multi_conn(&mut main);
+        let main_server = std::thread::spawn(move || serve_zeroes(&mut main));
+        // The loop's connection takes requests and never answers, until
+        // the client gives up on it.
+        let (mut side, _) = listener.accept().unwrap();
+        go_multi_conn(&mut side);
+        let mut sink = [0u8; 4096];
+        while matches!(side.read(&mut sink), Ok(n) if n > 0) {}
+        main_server.join().unwrap();
+    });
+    let uri = format!("nbd+unix:///?socket={}", path.display());
+    let options = NbdOptions {
+        request_timeout_ms: 500,
+        ..quick()
+    };
+    let device = std::sync::Arc::new(NbdDevice::open_with(&uri, options).unwrap());
+    let reactor = cairn_io::Reactor::new(&cairn_io::ReactorOptions::default()).unwrap();
+    let dev = std::sync::Arc::clone(&device);
+    let inner = reactor.clone();
+    let (stalled, waited, after) = reactor.run(async move {
+        let mut buf = vec![9u8; 4096];
+        dev.read_async(&inner, 0, &mut buf).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while dev.stats().loop_connections == 0 {
+            assert!(Instant::now() < deadline, "no loop connection");
+            inner.sleep(Duration::from_millis(5)).await;
+        }
+        let started = Instant::now();
+        let stalled = dev.read_async(&inner, 4096, &mut buf).await;
+        let waited = started.elapsed();
+        // The loop's connection is gone: the next reads take the main one.
+        let mut after = Vec::new();
+        for i in 0..4u64 {
+            let mut buf = vec![9u8; 4096];
+            after.push(
+                dev.read_async(&inner, i * 8192, &mut buf)
+                    .await
+                    .map(|()| buf),
+            );
+        }
+        (stalled, waited, after)
+    });
+    let err = stalled.expect_err("the loop's connection never answered");
+    assert!(err.to_string().contains("no reply within 500 ms"), "{err}");
+    assert!(
+        waited >= Duration::from_millis(450) && waited < Duration::from_secs(3),
+        "the timeout took {waited:?}"
+    );
+    for read in after {
+        let buf = read.expect("the main connection answers");
+        assert!(buf.iter().all(|&b| b == 0));
+    }
+    let stats = device.stats();
+    assert_eq!(stats.timeouts, 1, "{stats:?}");
+    assert_eq!(stats.loop_reads, 0, "{stats:?}");
+    drop(device);
+    server.join().unwrap();
+    let _ = std::fs::remove_file(&path);
+}
