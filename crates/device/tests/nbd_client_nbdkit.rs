@@ -1001,3 +1001,68 @@ fn a_loop_connection_that_breaks_never_gives_wrong_data() {
     drop(kit);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Reads in flight on the main connection when the server goes away and
+/// comes back within the reconnect window are asked again on the new
+/// connection: a read changes nothing, so its caller sees the data, not
+/// an error (a write in the same spot stays ambiguous and fails).
+#[test]
+fn reads_lost_with_their_connection_are_asked_again() {
+    if !nbdkit_or_skip("reads_lost_with_their_connection_are_asked_again") {
+        return;
+    }
+    let dir = scratch_dir("read-again");
+    let image = dir.join("origin.img");
+    let content = pattern(36, 8 << 20);
+    std::fs::write(&image, &content).unwrap();
+    let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
+        "read-again",
+        &[
+            "--filter=delay",
+            "file",
+            image.to_str().unwrap(),
+            "rdelay=300ms",
+        ],
+    )));
+    let device = Arc::new(
+        NbdDevice::open_with(
+            &kit.lock().unwrap().uri(),
+            NbdOptions {
+                reconnect_wait_ms: 20_000,
+                loop_connections: false,
+                ..fast_options()
+            },
+        )
+        .unwrap(),
+    );
+    let readers: Vec<_> = (0..8u64)
+        .map(|i| {
+            let device = Arc::clone(&device);
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 4096];
+                device.read_at(i * 65536, &mut buf).map(|()| buf)
+            })
+        })
+        .collect();
+    // The reads are in the server's delay when it goes; it is back 0.5 s
+    // later.
+    std::thread::sleep(Duration::from_millis(100));
+    kit.lock().unwrap().kill();
+    std::thread::sleep(Duration::from_millis(500));
+    kit.lock().unwrap().spawn();
+    for (i, reader) in readers.into_iter().enumerate() {
+        let got = reader
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("read {i} failed: {e}"));
+        let at = i * 65536;
+        assert!(got == content[at..at + 4096], "read {i}");
+    }
+    assert!(
+        device.stats().connection_losses >= 1,
+        "{:?}",
+        device.stats()
+    );
+    drop(kit);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

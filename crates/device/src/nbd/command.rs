@@ -1,6 +1,8 @@
 //! The NBD commands one device call turns into: one request each, split
 //! at the server's limits.
 
+use cairn_nbd_proto::codec::wire::COMPACT_REQUEST_BYTES;
+use cairn_nbd_proto::codec::RequestHeader;
 use cairn_nbd_proto::proto::CMD_WRITE;
 
 /// One request of a batch.
@@ -21,6 +23,18 @@ impl<'a> Command<'a> {
             len,
             payload: Vec::new(),
         }
+    }
+
+    /// The request's header on the wire, under `cookie`.
+    pub fn header(&self, cookie: u64) -> [u8; COMPACT_REQUEST_BYTES] {
+        RequestHeader {
+            flags: 0,
+            command: self.command,
+            cookie,
+            offset: self.offset,
+            length_bytes: self.len as u64,
+        }
+        .to_compact()
     }
 }
 

@@ -10,7 +10,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cairn_io::{first_of, Either, Reactor};
-use cairn_nbd_proto::codec::RequestHeader;
 use cairn_nbd_proto::proto::{CMD_DISC, CMD_READ};
 
 use super::batch::Batch;
@@ -116,14 +115,7 @@ impl Conn {
     /// Soft disconnect (NBD_CMD_DISC), then stop the reader thread.
     pub fn close(&self) {
         if self.is_alive() {
-            let header = RequestHeader {
-                flags: 0,
-                command: CMD_DISC,
-                cookie: 0,
-                offset: 0,
-                length_bytes: 0,
-            }
-            .to_compact();
+            let header = Command::bare(CMD_DISC, 0, 0).header(0);
             let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
             // Best effort: the server may already be gone.
             let _ = writer.write_all(&header);
@@ -175,14 +167,7 @@ impl Conn {
     /// Write a registered command to the socket.
     fn write_command(&self, command: &Command<'_>, cookie: u64) -> Result<(), SendError> {
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
-        let header = RequestHeader {
-            flags: 0,
-            command: command.command,
-            cookie,
-            offset: command.offset,
-            length_bytes: command.len as u64,
-        }
-        .to_compact();
+        let header = command.header(cookie);
         let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         if let Err(err) = write_request(&mut *writer, &header, &command.payload) {
             drop(writer);

@@ -45,7 +45,9 @@ static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// How one attempt at a batch failed.
 enum Attempt {
-    /// Nothing of the batch reached the server; it may be resent.
+    /// It may be sent again on a new connection: nothing of it reached
+    /// the server, or it only reads and its connection broke before all
+    /// replies came (a read changes nothing, so asking again is safe).
     NotSent(DeviceError),
     Failed(DeviceError),
 }
@@ -185,12 +187,13 @@ impl NbdDevice {
                 .map_err(|err| self.io_error(first.offset, first.len as u64, err))?;
             match self.execute_on(&conn, commands) {
                 Ok(results) => return Ok(results),
-                // The connection died before the first request fully left:
-                // the server cannot have run any of the batch, so resending it
-                // on a new connection is safe. (A request that was sent and
-                // then lost is ambiguous and fails; the engine decides.)
+                // The connection died before the first request fully left
+                // (the server cannot have run any of the batch), or under a
+                // batch of reads: resending it on a new connection is safe.
+                // (A write that was sent and then lost is ambiguous and
+                // fails; the engine decides.)
                 Err(Attempt::NotSent(err)) if attempt < MAX_BATCH_ATTEMPTS => {
-                    tracing::debug!(device = %self.name, "resending a batch that never reached the server: {err}");
+                    tracing::debug!(device = %self.name, "resending a batch on a new connection: {err}");
                     attempt += 1;
                 }
                 Err(Attempt::NotSent(err) | Attempt::Failed(err)) => return Err(err),
@@ -256,7 +259,7 @@ impl NbdDevice {
             match self.execute_on_async(reactor, &conn, commands).await {
                 Ok(results) => return Ok(results),
                 Err(Attempt::NotSent(err)) if attempt < MAX_BATCH_ATTEMPTS => {
-                    tracing::debug!(device = %self.name, "resending a batch that never reached the server: {err}");
+                    tracing::debug!(device = %self.name, "resending a batch on a new connection: {err}");
                     attempt += 1;
                 }
                 Err(Attempt::NotSent(err) | Attempt::Failed(err)) => return Err(err),
@@ -425,6 +428,11 @@ impl NbdDevice {
             }
         }
         if let Some(err) = first_error {
+            let lost = matches!(&err, DeviceError::Io { source, .. }
+                if source.kind() == io::ErrorKind::ConnectionAborted);
+            if lost && commands.iter().all(|c| c.command == CMD_READ) {
+                return Err(Attempt::NotSent(err));
+            }
             return Err(Attempt::Failed(err));
         }
         if let Some((index, err)) = send_error {

@@ -25,9 +25,9 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use cairn_io::{first_of, send_now, Either, Reactor};
-use cairn_nbd_proto::codec::RequestHeader;
 use cairn_nbd_proto::proto::{CMD_DISC, CMD_READ, NBD_ESHUTDOWN};
 
+use super::command::Command;
 use super::loop_read_error::LoopReadError;
 use super::outgoing::Outgoing;
 use super::reply_slot::ReplySlot;
@@ -135,14 +135,7 @@ impl LoopChannel {
         let slot = Rc::new(ReplySlot::new(len as usize));
         state.pending.insert(cookie, Rc::clone(&slot));
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
-        let header = RequestHeader {
-            flags: 0,
-            command: CMD_READ,
-            cookie,
-            offset,
-            length_bytes: len as u64,
-        }
-        .to_compact();
+        let header = Command::bare(CMD_READ, offset, len).header(cookie);
         if !state.outbox.is_empty() || state.sending {
             state.outbox.extend_from_slice(&header);
             return Ok(slot);
@@ -239,14 +232,7 @@ impl Drop for LoopChannel {
         if self.state.get_mut().dead.is_some() {
             return;
         }
-        let header = RequestHeader {
-            flags: 0,
-            command: CMD_DISC,
-            cookie: 0,
-            offset: 0,
-            length_bytes: 0,
-        }
-        .to_compact();
+        let header = Command::bare(CMD_DISC, 0, 0).header(0);
         let disc = Outgoing {
             bytes: header.to_vec(),
             sent: 0,

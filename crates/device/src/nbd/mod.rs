@@ -28,14 +28,20 @@
 //! Failure: every request has a deadline (`request_timeout_ms`). A request
 //! that misses it fails with `TimedOut` and tears the connection down, since
 //! a server that stopped answering one request is not trusted with the next.
-//! When the connection is lost, the requests in flight fail (the engine
-//! decides whether to retry) and the next request reconnects, retrying with
+//! When the connection is lost, the writes in flight fail (the engine
+//! decides whether to retry; a sent write is ambiguous), reads in flight
+//! are asked again on the next connection (a read changes nothing), and
+//! the next request reconnects, retrying with
 //! exponential backoff for up to `reconnect_wait_ms` (the attempt runs on a
 //! thread of its own when the request is a reactor task, which waits for it
 //! without stopping its loop); after that, requests
 //! fail at once while the server stays down, with a reconnect attempt at
 //! most every backoff period. Every such failure is a [`crate::DeviceError::Io`]
 //! (errno EIO for the client).
+//!
+//! Misses of an event loop: read on a connection of the loop's own where
+//! the server promises multi-conn consistency; see [`loop_channel`] and
+//! [`loop_conn`].
 //!
 //! Layout: [`uri`] (parsing and the normalized form), [`transport`]
 //! (sockets, connect with a deadline), [`handshake`] (negotiation),

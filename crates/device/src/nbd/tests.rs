@@ -28,18 +28,24 @@ fn read_u32(r: &mut impl Read) -> io::Result<u32> {
     Ok(u32::from_be_bytes(b))
 }
 
-/// A scripted server for handshake paths nbdkit cannot show us.
-fn fake_server(
-    script: impl FnOnce(&mut UnixStream) + Send + 'static,
-) -> (PathBuf, std::thread::JoinHandle<()>) {
+/// A fresh unix socket to script a server on.
+fn fake_listener(tag: &str) -> (PathBuf, UnixListener) {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let path = std::env::temp_dir().join(format!(
-        "cairn-nbd-fake-{}-{}.sock",
+        "cairn-nbd-fake-{tag}-{}-{}.sock",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
+    (path, listener)
+}
+
+/// A scripted server for handshake paths nbdkit cannot show us.
+fn fake_server(
+    script: impl FnOnce(&mut UnixStream) + Send + 'static,
+) -> (PathBuf, std::thread::JoinHandle<()>) {
+    let (path, listener) = fake_listener("one");
     let handle = std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
         script(&mut stream);
@@ -269,14 +275,7 @@ fn go_multi_conn(stream: &mut UnixStream) {
 
 #[test]
 fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let path = std::env::temp_dir().join(format!(
-        "cairn-nbd-fake-loop-{}-{}.sock",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
+    let (path, listener) = fake_listener("loop");
     let server = std::thread::spawn(move || {
         let (mut main, _) = listener.accept().unwrap();
         go_multi_conn(&mut main);
@@ -330,14 +329,7 @@ fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
 
 #[test]
 fn a_loop_connection_that_stops_answering_times_out_and_reads_go_on() {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let path = std::env::temp_dir().join(format!(
-        "cairn-nbd-fake-stall-{}-{}.sock",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
+    let (path, listener) = fake_listener("stall");
     let server = std::thread::spawn(move || {
         let (mut main, _) = listener.accept().unwrap();
         go_multi_conn(&mut main);
