@@ -719,6 +719,15 @@ fn a_reconnect_leaves_the_reactors_other_tasks_running() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A scratch directory holding `origin.img`: `len` bytes of `pattern(seed)`.
+fn patterned_origin(tag: &str, seed: u64, len: usize) -> (PathBuf, PathBuf, Vec<u8>) {
+    let dir = scratch_dir(tag);
+    let image = dir.join("origin.img");
+    let content = pattern(seed, len);
+    std::fs::write(&image, &content).unwrap();
+    (dir, image, content)
+}
+
 /// Read `(offset, len)` pieces of `device` as tasks of `reactor`, all at
 /// once, as a connection's misses are.
 async fn reads_in_flight(
@@ -790,10 +799,7 @@ fn misses_read_on_the_loops_connection(backend: cairn_io::IoBackend) {
         backend,
         ..cairn_io::ReactorOptions::default()
     };
-    let dir = scratch_dir("loop-conn");
-    let image = dir.join("origin.img");
-    let content = pattern(31, 40 << 20);
-    std::fs::write(&image, &content).unwrap();
+    let (dir, image, content) = patterned_origin("loop-conn", 31, 40 << 20);
     let kit = NbdKit::start("loop-conn", &["file", image.to_str().unwrap()]);
     let device = Arc::new(NbdDevice::open_with(&kit.uri(), fast_options()).unwrap());
     let reactor = cairn_io::Reactor::new(&options).unwrap();
@@ -862,10 +868,7 @@ fn without_multi_conn_or_a_second_connection_misses_share_the_main_one() {
     if !nbdkit_or_skip("without_multi_conn_or_a_second_connection_misses_share_the_main_one") {
         return;
     }
-    let dir = scratch_dir("loop-none");
-    let image = dir.join("origin.img");
-    let content = pattern(33, 8 << 20);
-    std::fs::write(&image, &content).unwrap();
+    let (dir, image, content) = patterned_origin("loop-none", 33, 8 << 20);
     // No multi-conn promise; then multi-conn but one connection at most.
     for args in [
         vec![
@@ -908,10 +911,7 @@ fn a_loop_connection_that_breaks_never_gives_wrong_data() {
     if !nbdkit_or_skip("a_loop_connection_that_breaks_never_gives_wrong_data") {
         return;
     }
-    let dir = scratch_dir("loop-break");
-    let image = dir.join("origin.img");
-    let content = pattern(34, 8 << 20);
-    std::fs::write(&image, &content).unwrap();
+    let (dir, image, content) = patterned_origin("loop-break", 34, 8 << 20);
     let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
         "loop-break",
         &[
@@ -1011,10 +1011,7 @@ fn reads_lost_with_their_connection_are_asked_again() {
     if !nbdkit_or_skip("reads_lost_with_their_connection_are_asked_again") {
         return;
     }
-    let dir = scratch_dir("read-again");
-    let image = dir.join("origin.img");
-    let content = pattern(36, 8 << 20);
-    std::fs::write(&image, &content).unwrap();
+    let (dir, image, content) = patterned_origin("read-again", 36, 8 << 20);
     let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
         "read-again",
         &[

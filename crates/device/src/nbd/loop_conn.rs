@@ -87,7 +87,7 @@ impl LoopConn {
         let uri = dial.uri.to_string();
         reactor.spawn_detached(async move {
             let next = match opened.await {
-                Ok(Ok((stream, _info))) => {
+                Ok(Ok(stream)) => {
                     counters.loop_connections.fetch_add(1, Ordering::Relaxed);
                     State::Open(LoopChannel::start(
                         &loop_reactor,

@@ -22,7 +22,7 @@ pub(super) struct LoopDial {
 
 impl LoopDial {
     /// Connect and negotiate, blocking (within the connect timeout).
-    pub fn dial(&self) -> io::Result<(Stream, NegotiatedExport)> {
+    pub fn dial(&self) -> io::Result<Stream> {
         let connect_timeout = Duration::from_millis(self.options.connect_timeout_ms.max(1));
         let request_timeout = Duration::from_millis(self.options.request_timeout_ms.max(1));
         let (mut stream, greeting) = open_session(&self.uri, connect_timeout, request_timeout)?;
@@ -40,6 +40,6 @@ impl LoopDial {
         // The loop's ring waits for replies; each request keeps its own
         // deadline, so the socket itself never times out.
         stream.set_timeouts(None, None)?;
-        Ok((stream, info))
+        Ok(stream)
     }
 }

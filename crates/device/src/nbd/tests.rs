@@ -273,21 +273,34 @@ fn go_multi_conn(stream: &mut UnixStream) {
     option_reply(stream, OPT_GO, REP_ACK, b"");
 }
 
-#[test]
-fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
-    let (path, listener) = fake_listener("loop");
+/// A multi-conn export of zeroes whose first connection (the device's
+/// main one) is served normally and whose second (a loop's own) is given
+/// to `side` after its handshake, then closed.
+fn main_and_loop_server(
+    tag: &str,
+    side: impl FnOnce(&mut UnixStream) + Send + 'static,
+) -> (PathBuf, std::thread::JoinHandle<()>) {
+    let (path, listener) = fake_listener(tag);
     let server = std::thread::spawn(move || {
         let (mut main, _) = listener.accept().unwrap();
         go_multi_conn(&mut main);
         let main_server = std::thread::spawn(move || serve_zeroes(&mut main));
-        // The loop's connection: take one read, then hang up on it.
-        let (mut side, _) = listener.accept().unwrap();
-        go_multi_conn(&mut side);
+        let (mut loop_conn, _) = listener.accept().unwrap();
+        go_multi_conn(&mut loop_conn);
+        side(&mut loop_conn);
+        drop(loop_conn);
+        main_server.join().unwrap();
+    });
+    (path, server)
+}
+
+#[test]
+fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
+    // The loop's connection: take one read, then hang up on it.
+    let (path, server) = main_and_loop_server("loop", |side| {
         let mut header = [0u8; COMPACT_REQUEST_BYTES];
         side.read_exact(&mut header).unwrap();
         assert_eq!(u16::from_be_bytes([header[6], header[7]]), CMD_READ);
-        drop(side);
-        main_server.join().unwrap();
     });
     let uri = format!("nbd+unix:///?socket={}", path.display());
     let device = std::sync::Arc::new(NbdDevice::open_with(&uri, quick()).unwrap());
@@ -329,18 +342,11 @@ fn a_read_whose_loop_connection_breaks_is_asked_again_on_the_main_one() {
 
 #[test]
 fn a_loop_connection_that_stops_answering_times_out_and_reads_go_on() {
-    let (path, listener) = fake_listener("stall");
-    let server = std::thread::spawn(move || {
-        let (mut main, _) = listener.accept().unwrap();
-        go_multi_conn(&mut main);
-        let main_server = std::thread::spawn(move || serve_zeroes(&mut main));
-        // The loop's connection takes requests and never answers, until
-        // the client gives up on it.
-        let (mut side, _) = listener.accept().unwrap();
-        go_multi_conn(&mut side);
+    // The loop's connection takes requests and never answers, until the
+    // client gives up on it.
+    let (path, server) = main_and_loop_server("stall", |side| {
         let mut sink = [0u8; 4096];
         while matches!(side.read(&mut sink), Ok(n) if n > 0) {}
-        main_server.join().unwrap();
     });
     let uri = format!("nbd+unix:///?socket={}", path.display());
     let options = NbdOptions {

@@ -62,7 +62,8 @@ pub fn frame(view: &View) -> String {
     text
 }
 
-fn writeback_line(view: &View) -> String {
+/// The write-back line, the same in the drawn frame and the plain one.
+pub(super) fn writeback_line(view: &View) -> String {
     let mut wb = format!("write-back {} MB/s", mb(view.writeback_bytes_per_sec));
     wb.push_str(&match view.time_to_clean {
         Some(t) => format!(", clean in {}", duration(t)),

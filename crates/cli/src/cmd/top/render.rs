@@ -115,21 +115,7 @@ fn draw_cache_and_writeback(frame: &mut Frame, view: &View, cache: Rect, writeba
         ));
     frame.render_widget(gauge, cache);
 
-    let mut wb = format!("write-back {} MB/s", mb(view.writeback_bytes_per_sec));
-    wb.push_str(&match view.time_to_clean {
-        Some(t) => format!(", clean in {}", duration(t)),
-        None if view.dirty_blocks == 0 => ", clean".to_string(),
-        None => ", idle".to_string(),
-    });
-    if view.writeback_paused {
-        wb.push_str(" (paused)");
-    }
-    if let Some((at, total)) = view.recalc {
-        wb.push_str(&format!(
-            "  integrity recalculation {:.1}%",
-            at as f64 * 100.0 / total.max(1) as f64
-        ));
-    }
+    let wb = super::plain::writeback_line(view);
     let wb = Paragraph::new(wb).block(Block::default().borders(Borders::ALL).title(" write-back "));
     frame.render_widget(wb, writeback);
 }
