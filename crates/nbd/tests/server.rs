@@ -576,6 +576,75 @@ fn pipelined_reads_run_together_and_a_slow_one_does_not_hold_up_the_rest() {
     }
 }
 
+/// Large writes make the server receive the next header on its own (so
+/// the payload after it lands straight in its buffer): pipelined writes of
+/// every size around that threshold, mixed with reads and flushes, sent in
+/// one stream and again cut into small pieces, in both header formats,
+/// each store the bytes it carried and get one reply.
+#[test]
+fn pipelined_large_and_small_writes_keep_their_bytes_however_the_stream_is_cut() {
+    let (server, _mem) = TestServer::mem(SIZE);
+    // Around the threshold (16 KiB) in steps of the minimum block size.
+    let lengths: [u64; 8] = [65536, 16384, 15872, 16896, 512, 20480, 4096, 131072];
+    for (mode, cut) in [
+        (Mode::Simple, None),
+        (Mode::Extended, None),
+        (Mode::Simple, Some(13)),
+        (Mode::Extended, Some(7)),
+    ] {
+        let mut c = Client::open(&server.socket, mode, false).unwrap();
+        let extended = mode == Mode::Extended;
+        let mut stream_bytes = Vec::new();
+        let mut expected = Vec::new();
+        let mut offset = 0u64;
+        for (k, &length) in lengths.iter().cycle().take(40).enumerate() {
+            let cookie = 5000 + k as u64;
+            let data = pattern(k as u8 ^ length as u8, length as usize);
+            stream_bytes.extend(request(extended, 0, CMD_WRITE, cookie, offset, length));
+            stream_bytes.extend_from_slice(&data);
+            c.expect_reply(cookie, CMD_WRITE, offset, length);
+            // A small request right behind a large payload, every other time.
+            if k % 2 == 1 {
+                let cookie = 9000 + k as u64;
+                let (command, length) = if k % 4 == 1 {
+                    (CMD_READ, 4096)
+                } else {
+                    (CMD_FLUSH, 0)
+                };
+                stream_bytes.extend(request(extended, 0, command, cookie, 0, length));
+                c.expect_reply(cookie, command, 0, length);
+            }
+            expected.push((offset, data));
+            offset += length + 4096;
+        }
+        let replies_due = c.pending_count();
+        let mut writer = c.stream.try_clone().unwrap();
+        let sender = std::thread::spawn(move || match cut {
+            None => writer.write_all(&stream_bytes),
+            Some(piece) => stream_bytes.chunks(piece).try_for_each(|bytes| {
+                writer.write_all(bytes)?;
+                writer.flush()
+            }),
+        });
+        for _ in 0..replies_due {
+            let r = c.reply().expect("a reply");
+            assert_eq!(
+                r.error, 0,
+                "request {} failed ({mode:?}, cut {cut:?})",
+                r.cookie
+            );
+        }
+        sender.join().unwrap().unwrap();
+        assert_eq!(c.pending_count(), 0, "every request answered once");
+        for (offset, data) in &expected {
+            let got = c.read(*offset, data.len() as u64).unwrap().unwrap();
+            assert!(got == *data, "bytes at {offset} ({mode:?}, cut {cut:?})");
+        }
+        assert_serving(&mut c);
+        c.disconnect().unwrap();
+    }
+}
+
 #[test]
 fn extended_headers_round_trip_with_64_bit_lengths_and_block_status() {
     let size = 8u64 << 30; // sparse: nothing is allocated up front

@@ -190,6 +190,11 @@ impl<S: Read + Write> Client<S> {
         self.mode == Mode::Extended
     }
 
+    /// Requests sent or registered whose reply has not been read yet.
+    pub fn pending_count(&self) -> usize {
+        self.pending.len()
+    }
+
     /// Send a request (with payload for writes); returns its cookie.
     pub fn send(
         &mut self,

@@ -14,6 +14,15 @@ use crate::server::listener::Stream;
 /// arrive in one go.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 
+/// A payload at least this large makes the next header be received on its
+/// own: a client streaming large writes sends header, payload, header,
+/// payload, and a full-chunk receive for a header takes most of the next
+/// payload into this buffer, from where it has to be copied again (7.6%
+/// of the daemon's CPU on 64 KiB writes at QD8). Received alone, the
+/// header is followed by a receive straight into the payload's buffer:
+/// the same two receives per request, one copy less.
+const LARGE_PAYLOAD_BYTES: u64 = 16 * 1024;
+
 /// A blocking reader whose reads can be given a timeout (the client's
 /// socket, or TLS over it during the negotiation).
 pub(super) trait TimedRead: Read {
@@ -30,6 +39,9 @@ pub(super) struct InBuf {
     data: Vec<u8>,
     start: usize,
     end: usize,
+    /// The last request carried a large payload: receive only what the
+    /// next header needs (see [`LARGE_PAYLOAD_BYTES`]).
+    header_alone: bool,
 }
 
 impl InBuf {
@@ -38,6 +50,7 @@ impl InBuf {
             data: vec![0u8; READ_CHUNK_BYTES],
             start: 0,
             end: 0,
+            header_alone: false,
         }
     }
 
@@ -148,11 +161,20 @@ impl InBuf {
             }
             return Ok(());
         }
+        let header_alone = std::mem::take(&mut self.header_alone);
         while self.len() < min_total {
             self.make_room(min_total);
+            let room = self.data.len() - self.end;
+            let want = if header_alone {
+                min_total - self.len()
+            } else {
+                room
+            };
+            debug_assert!(want > 0 && want <= room);
             let tail = Tail {
                 data: std::mem::take(&mut self.data),
                 start: self.end,
+                len: want,
             };
             let (received, tail) = conn.reactor.recv(conn.stream.raw_fd(), tail).await;
             self.data = tail.data;
@@ -176,6 +198,7 @@ impl InBuf {
         if length == 0 {
             return Ok(Vec::new());
         }
+        self.header_alone = length >= LARGE_PAYLOAD_BYTES;
         let length = length as usize;
         // Not zeroed first: the bytes are copied or received straight into
         // the spare capacity (zeroing and copying 64 KiB payloads were 12%
@@ -243,20 +266,21 @@ impl InBuf {
     }
 }
 
-/// The free end of the input buffer, lent to a receive.
+/// `len` bytes of the free end of the input buffer, lent to a receive.
 struct Tail {
     data: Vec<u8>,
     start: usize,
+    len: usize,
 }
 
 // SAFETY: the bytes live on the heap (the Vec's buffer, not moved while
-// lent); the range starts inside it.
+// lent); the range starts inside it and is cut to what it holds.
 unsafe impl cairn_io::StableBuf for Tail {
     fn stable_ptr(&self) -> *const u8 {
         self.data[self.start..].as_ptr()
     }
     fn stable_len(&self) -> usize {
-        self.data.len() - self.start
+        self.len.min(self.data.len() - self.start)
     }
 }
 
