@@ -81,6 +81,15 @@ pub fn for_engine(e: &EngineError) -> Option<String> {
         | EngineError::VolumeOriginOpen { name, origin, .. } => Some(format!(
             "volume {name:?} needs its origin {origin}: make it reachable again, then start cairn"
         )),
+        EngineError::SuperblockDamaged { device, .. } => Some(superblock_advice(
+            device,
+            &format!("both superblock copies (bytes 0..4096 and 4096..8192 of {device}) failed their checks, so neither is usable"),
+        )),
+        EngineError::SuperblockInvalid { device, .. } => Some(superblock_advice(
+            device,
+            &format!("the superblock copy cairn reads (the newest that passed its checksum, at byte 0 or 4096 of {device}) holds a value cairn refuses, or names a damaged volume table; the error does not tell whether the other copy is usable, and cairn does not fall back to an older copy on its own"),
+        )),
+        EngineError::CheckpointUnreadable { device, .. } => Some(failing_device_advice(device)),
         EngineError::CheckpointDamaged { device, .. } => Some(damaged_cache_advice(device, "checkpoint")),
         EngineError::LogDamaged { device, .. } => Some(damaged_cache_advice(device, "log")),
         EngineError::CacheDegraded { device, .. } => Some(format!(
@@ -159,6 +168,24 @@ pub fn for_error(e: &anyhow::Error) -> Option<String> {
 fn damaged_cache_advice(device: &str, what: &str) -> String {
     format!(
         "the writes not yet written back to the origin are reachable only through the cache's {what}, so keep {device} as it is (if it reports I/O errors, see dmesg or smartctl, copy it off first and keep the copy). The origin alone holds the volume as of an earlier flush; to serve that, giving up the writes since, reformat the cache: cairn format --force --cache {device} --origin ORIGIN (and add any other volume again with `cairn volume add`)"
+    )
+}
+
+/// A cache whose superblock cannot be used (`copies` says which copies and
+/// why): the data not yet written back is still on the device, so it is
+/// copied before anything else, and never formatted.
+fn superblock_advice(device: &str, copies: &str) -> String {
+    format!(
+        "{copies}. The data not yet written back to the origin is still on {device} (its checkpoint and log): do not format it (`cairn format --force` would discard that data). Before trying anything, keep a copy of the whole device on another disk: dd if={device} of=BACKUP bs=1M conv=fsync (ddrescue instead if it reports read errors). No cairn command can open the cache until a superblock is usable again (`cairn check` opens it as `cairn serve` does, so it fails the same way); if you kept a copy of the first 8 KiB of {device}, restoring it is the way back, and `cairn check --cache {device}` then verifies every cached block"
+    )
+}
+
+/// A cache device that failed a read of what opening needs (an I/O error,
+/// not a failed check): the device is failing, so its contents are copied
+/// off, around the bad spots, before anything else.
+fn failing_device_advice(device: &str) -> String {
+    format!(
+        "{device} failed a read: the device, or its link, is failing (see dmesg and `smartctl -a {device}`; a passing fault, such as a path failover, may be gone if you try again). The data not yet written back to the origin is reachable only through the cache's checkpoint and log, so do not format it: first copy the whole device off, around the bad spots, and keep the copy: ddrescue {device} BACKUP BACKUP.map; then serve the cache from a sound device holding that copy. The origin alone holds the volume as of an earlier flush; to serve that, giving up the writes since, reformat the cache: cairn format --force --cache {device} --origin ORIGIN"
     )
 }
 
@@ -270,6 +297,50 @@ mod tests {
         );
     }
 
+    fn checkpoint_unreadable() -> EngineError {
+        EngineError::CheckpointUnreadable {
+            device: "/dev/sdc".into(),
+            checkpoint_sequence: 9,
+            slot: 1,
+            offset_bytes: 1_114_112,
+            length_bytes: 4096,
+            source: cairn_device::DeviceError::Io {
+                device: "/dev/sdc".into(),
+                offset: 1_114_112,
+                len: 4096,
+                source: std::io::Error::from_raw_os_error(libc::EIO),
+            },
+        }
+    }
+
+    /// A checkpoint the device failed to read: the error names the device,
+    /// the checkpoint's slot and the byte offset; the hint says the device
+    /// is failing, to copy it off before anything, and not to format it
+    /// first. (It was "cache device: ... I/O error", with no hint.)
+    #[test]
+    fn a_checkpoint_read_error_says_the_device_is_failing() {
+        let e = checkpoint_unreadable();
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("cache /dev/sdc: reading the newest checkpoint (number 9 in slot 1) failed: the device did not deliver bytes 1114112..1118208 (4096 bytes at byte offset 1114112)"),
+            "{msg}"
+        );
+        let hint = for_engine(&e).unwrap_or_default();
+        for needle in [
+            "/dev/sdc failed a read: the device, or its link, is failing",
+            "smartctl -a /dev/sdc",
+            "do not format it",
+            "ddrescue /dev/sdc BACKUP",
+        ] {
+            assert!(hint.contains(needle), "{needle:?} not in: {hint}");
+        }
+        assert!(
+            hint.find("ddrescue") < hint.find("cairn format --force"),
+            "copying comes before reformatting: {hint}"
+        );
+        assert_eq!(e.errno(), libc::EIO);
+    }
+
     #[test]
     fn engine_messages_say_what_happened_only() {
         let errors = [
@@ -299,6 +370,16 @@ mod tests {
                 device: "D".into(),
                 detail: "record 7 missing".into(),
             },
+            EngineError::SuperblockInvalid {
+                device: "D".into(),
+                detail: "sequence 4611686018427387904 is out of range".into(),
+            },
+            EngineError::SuperblockDamaged {
+                device: "D".into(),
+                copy_a: cairn_format::DecodeError::Short { need: 1, have: 0 },
+                copy_b: cairn_format::DecodeError::Short { need: 1, have: 0 },
+            },
+            checkpoint_unreadable(),
         ];
         for e in errors {
             let msg = e.to_string();

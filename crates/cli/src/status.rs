@@ -316,6 +316,23 @@ fn write_prefetches(out: &mut impl std::io::Write, v: &Value) -> std::io::Result
     Ok(())
 }
 
+/// The partial-write line, once there were any: where the old contents of
+/// blocks written in part came from, counted apart from the clients' reads.
+fn write_partial_writes(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+    let count = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    if count("write_rmw") > 0 {
+        writeln!(
+            out,
+            "  partial-block writes {} blocks (old contents: {} cached, {} zeroed, {} read from the origin), not counted in reads",
+            count("write_rmw"),
+            count("write_rmw_hits"),
+            count("write_rmw_zero_hits"),
+            count("write_rmw_origin_reads")
+        )?;
+    }
+    Ok(())
+}
+
 pub fn print_human(v: &Value) -> std::io::Result<()> {
     write_human(&mut std::io::stdout().lock(), v)
 }
@@ -360,6 +377,7 @@ fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> 
         get("bypassed")
     )?;
     write_prefetches(out, v)?;
+    write_partial_writes(out, v)?;
     let flushes_per_barrier = v
         .get("flushes_per_barrier")
         .and_then(|x| x.as_f64())
@@ -505,6 +523,24 @@ mod tests {
         );
         assert!(
             text.contains("  prefetches (warm, NBD CACHE) 2 requests (blocks: 256 hits, 256 misses), not counted in reads\n"),
+            "{text}"
+        );
+    }
+
+    /// Partial writes' old contents have their own line too: a client
+    /// that only writes shows no reads.
+    #[test]
+    fn human_status_shows_partial_writes_apart_from_reads() {
+        let v = json!({
+            "reads": 0, "read_hits": 0, "read_misses": 0, "read_hit_ratio": 0.0,
+            "write_rmw": 8, "write_rmw_hits": 2, "write_rmw_zero_hits": 1,
+            "write_rmw_origin_reads": 5,
+        });
+        let mut out = Vec::new();
+        write_human(&mut out, &v).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("  partial-block writes 8 blocks (old contents: 2 cached, 1 zeroed, 5 read from the origin), not counted in reads\n"),
             "{text}"
         );
     }

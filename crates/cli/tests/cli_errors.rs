@@ -542,6 +542,55 @@ fn a_damaged_checkpoint_is_named_with_what_to_do() {
     assert!(!sock.exists(), "a refused serve left its socket");
 }
 
+/// Both superblock copies damaged (one byte flipped in each, past the
+/// magic): `status` and `serve` fail (exit 2) with an error that names the
+/// device and both copies, and a hint: neither copy is usable, the data
+/// not yet written back is still on the device, do not format it, copy the
+/// device first, and that `cairn check` cannot read it either. The refusal
+/// writes nothing. (There was no hint at all.)
+#[test]
+fn a_cache_whose_superblocks_are_damaged_is_named_with_what_to_do() {
+    let ctx = Ctx::new("damaged_superblocks");
+    let (cache, _) = ctx.setup(32 * MIB, 64 * MIB);
+    let c = cache.to_string_lossy().to_string();
+    for copy_at in cairn_format::SUPERBLOCK_OFFSETS {
+        assert_eq!(
+            read_range(&cache, copy_at, 8),
+            b"CAIRNSB1",
+            "format wrote a superblock copy at byte {copy_at}"
+        );
+        let byte = read_range(&cache, copy_at + 40, 1)[0];
+        poke(&cache, copy_at + 40, &[!byte]);
+    }
+    let before = std::fs::read(&cache).expect("read cache");
+    let sock = ctx.path("nbd.sock");
+    let s = sock.to_string_lossy().to_string();
+    for args in [
+        vec!["status", "--cache", &c],
+        vec!["serve", "--cache", &c, "--socket", &s],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", describe(&out));
+        assert_clean_failure(
+            &out,
+            &[
+                &format!("cairn: error: {c}: both superblock copies are damaged (copy A: "),
+                "cairn: hint: both superblock copies (bytes 0..4096 and 4096..8192 of",
+                "so neither is usable",
+                &format!("still on {c}"),
+                "do not format it",
+                &format!("dd if={c} of=BACKUP bs=1M"),
+                "`cairn check` opens it as `cairn serve` does",
+            ],
+        );
+    }
+    assert!(!sock.exists(), "a refused serve left its socket");
+    assert!(
+        std::fs::read(&cache).expect("read cache") == before,
+        "a refused open wrote to the cache"
+    );
+}
+
 /// A filesystem's or a partition table's signature on the cache: format
 /// refuses without --force and names what it found, as mkfs does, and
 /// leaves every byte as it was.

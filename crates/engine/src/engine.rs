@@ -335,8 +335,10 @@ impl Engine {
     ) -> EngineResult<ReadData> {
         let offset = self.key_offset(volume, offset, length_bytes as u64)?;
         let (c, kind) = (&self.env.counters, ReadKind::of(prefetch));
-        Counters::add(kind.requests(c), 1);
-        Counters::add(kind.bytes(c), length_bytes as u64);
+        if let (Some(requests), Some(bytes)) = (kind.requests(c), kind.bytes(c)) {
+            Counters::add(requests, 1);
+            Counters::add(bytes, length_bytes as u64);
+        }
         let block_bytes = self.env.block_size_bytes as u64;
         let first = offset / block_bytes * block_bytes;
         let end = (offset + length_bytes as u64).div_ceil(block_bytes) * block_bytes;
@@ -354,7 +356,7 @@ impl Engine {
         let scope = Scope::All {
             promote: self.policy.promotes_misses(volume, bypassed),
             bypassed,
-            prefetch,
+            kind,
         };
         // Reads take the same path in every state; only promotion (a cache
         // write) stops once the cache is degraded. A promotion that hits a

@@ -106,6 +106,22 @@ pub enum EngineError {
     /// the check it failed.
     #[error("cache {device}: checkpoint damaged: {detail}. The cache cannot be opened safely: the checkpoint maps the cached blocks, among them data not yet written back to the origin, and the older checkpoint in the other slot may describe log space written over since, so it is not used instead")]
     CheckpointDamaged { device: String, detail: String },
+    /// The cache device failed a read of the active checkpoint (an I/O
+    /// error, not a failed check): the read's bytes are
+    /// `offset_bytes..offset_bytes + length_bytes` of `slot`.
+    #[error(
+        "cache {device}: reading the newest checkpoint (number {checkpoint_sequence} in slot {slot}) failed: the device did not deliver bytes {offset_bytes}..{} ({length_bytes} bytes at byte offset {offset_bytes}): {source}. The cache cannot be opened without it: the checkpoint maps the cached blocks, among them data not yet written back to the origin",
+        offset_bytes + length_bytes
+    )]
+    CheckpointUnreadable {
+        device: String,
+        checkpoint_sequence: u64,
+        slot: u8,
+        offset_bytes: u64,
+        length_bytes: u64,
+        #[source]
+        source: DeviceError,
+    },
     #[error("cache {device}: log damaged: {detail}. Refusing to open, because acknowledged writes would be missing")]
     LogDamaged { device: String, detail: String },
     #[error("cache device: {0}")]
@@ -169,6 +185,7 @@ impl EngineError {
         match self {
             EngineError::OutOfRange { .. } => libc::EINVAL,
             EngineError::Cache(e) | EngineError::Origin(e) => e.errno(),
+            EngineError::CheckpointUnreadable { source, .. } => source.errno(),
             EngineError::WritebackStep { errno, .. } => *errno,
             EngineError::NoSpace { .. } => libc::ENOSPC,
             _ => libc::EIO,

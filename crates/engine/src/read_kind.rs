@@ -1,7 +1,10 @@
 //! Whose read a read is, for the counters: a client's (`reads`,
 //! `read_hits`, `read_misses`, `read_zero_hits`: what the hit ratio is
-//! made of) or a prefetch's (`cairn warm`, NBD CACHE), counted apart in
-//! `prefetch_*`, so warming a cache leaves the hit ratio the clients'.
+//! made of), a prefetch's (`cairn warm`, NBD CACHE), counted apart in
+//! `prefetch_*`, so warming a cache leaves the hit ratio the clients', or
+//! a partial write's (the old contents of a block it covers in part, for
+//! read-modify-write), counted apart in `write_rmw_*`, so a client that
+//! only writes leaves it too.
 
 use std::sync::atomic::AtomicU64;
 
@@ -11,6 +14,8 @@ use crate::stats::Counters;
 pub(crate) enum ReadKind {
     Client,
     Prefetch,
+    /// The old contents of a block a write covers in part.
+    WriteBase,
 }
 
 impl ReadKind {
@@ -22,18 +27,22 @@ impl ReadKind {
         }
     }
 
-    /// Requests.
-    pub(crate) fn requests(self, c: &Counters) -> &AtomicU64 {
+    /// Requests; `None` for a write's base, which is one block of a
+    /// write (counted in `write_rmw`), not a request of its own.
+    pub(crate) fn requests(self, c: &Counters) -> Option<&AtomicU64> {
         match self {
-            Self::Client => &c.reads,
-            Self::Prefetch => &c.prefetch_reads,
+            Self::Client => Some(&c.reads),
+            Self::Prefetch => Some(&c.prefetch_reads),
+            Self::WriteBase => None,
         }
     }
 
-    pub(crate) fn bytes(self, c: &Counters) -> &AtomicU64 {
+    /// Bytes requested; `None` for a write's base (see [`Self::requests`]).
+    pub(crate) fn bytes(self, c: &Counters) -> Option<&AtomicU64> {
         match self {
-            Self::Client => &c.read_bytes,
-            Self::Prefetch => &c.prefetch_bytes,
+            Self::Client => Some(&c.read_bytes),
+            Self::Prefetch => Some(&c.prefetch_bytes),
+            Self::WriteBase => None,
         }
     }
 
@@ -42,6 +51,7 @@ impl ReadKind {
         match self {
             Self::Client => &c.read_hits,
             Self::Prefetch => &c.prefetch_hits,
+            Self::WriteBase => &c.write_rmw_hits,
         }
     }
 
@@ -50,6 +60,7 @@ impl ReadKind {
         match self {
             Self::Client => &c.read_misses,
             Self::Prefetch => &c.prefetch_misses,
+            Self::WriteBase => &c.write_rmw_origin_reads,
         }
     }
 
@@ -58,6 +69,7 @@ impl ReadKind {
         match self {
             Self::Client => &c.read_zero_hits,
             Self::Prefetch => &c.prefetch_zero_hits,
+            Self::WriteBase => &c.write_rmw_zero_hits,
         }
     }
 }

@@ -99,7 +99,16 @@ counters!(
     writes,
     write_bytes,
     write_hits,
+    // Blocks written in part (read-modify-write), and where each one's
+    // old contents came from: the cache (memory or a slot), a zeroed
+    // range, or the origin; counted apart from the client reads, so a
+    // client that only writes moves neither them nor the hit ratio.
+    // `write_rmw_unlocked_reads`: of the origin reads, those made without
+    // the engine lock (see `write::PartialReads`).
     write_rmw,
+    write_rmw_hits,
+    write_rmw_zero_hits,
+    write_rmw_origin_reads,
     write_rmw_unlocked_reads,
     fua_writes,
     flushes,

@@ -2124,6 +2124,78 @@ fn a_switch_to_degraded_mode_that_keeps_failing_stops_after_its_attempts() {
     }
 }
 
+/// The cache device fails a read of the active checkpoint at open (an I/O
+/// error, not a failed checksum): the error names the device, the
+/// checkpoint, its slot and the bytes of the failed read, for the header
+/// and for the payload. (It was the device's bare "cache device: cache:
+/// injected fault on I/O #n (read)", with no word of a checkpoint.)
+#[test]
+fn a_checkpoint_the_cache_fails_to_read_is_named() {
+    let mut rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let e = rig.engine();
+    for lba in 0..8u64 {
+        e.write(lba * BS, &pattern(lba, BS as usize), false)
+            .unwrap();
+    }
+    e.flush().unwrap();
+    let e = rig.engine.take().expect("engine open");
+    e.close().expect("close");
+    drop(e);
+    let sb = durable_superblock(&rig.cache);
+    let layout = Layout::compute(cache_bytes_small(), BS as u32).unwrap();
+    let at = layout.checkpoint_offset_bytes(sb.active_checkpoint);
+    let payload_at = at + cairn_format::CHECKPOINT_HEADER_BYTES as u64;
+    for (start, length_bytes, what) in [
+        (at, cairn_format::CHECKPOINT_HEADER_BYTES as u64, "header"),
+        (payload_at, 0, "payload"),
+    ] {
+        rig.cache.clear_faults();
+        rig.cache.fail_range(RangeFault {
+            kinds: OpKinds::READS,
+            start,
+            end: start + 1,
+            mode: FaultMode::Sticky,
+        });
+        let err = match open(&rig.cache, &rig.origin) {
+            Ok(_) => panic!("{what}: opened over a checkpoint it could not read"),
+            Err(err) => err,
+        };
+        let msg = err.to_string();
+        match &err {
+            cairn_engine::EngineError::CheckpointUnreadable {
+                device,
+                checkpoint_sequence,
+                slot,
+                offset_bytes,
+                length_bytes: read_bytes,
+                ..
+            } => {
+                assert_eq!(
+                    (device.as_str(), *checkpoint_sequence, *slot, *offset_bytes),
+                    ("cache", sb.checkpoint_sequence, sb.active_checkpoint, start),
+                    "{what}: {msg}"
+                );
+                if length_bytes > 0 {
+                    assert_eq!(*read_bytes, length_bytes, "{what}: {msg}");
+                }
+                assert!(*read_bytes > 0, "{what}: {msg}");
+            }
+            other => panic!("{what}: expected CheckpointUnreadable, got {other:?}: {msg}"),
+        }
+        let named = format!(
+            "cache cache: reading the newest checkpoint (number {} in slot {}) failed",
+            sb.checkpoint_sequence, sb.active_checkpoint
+        );
+        assert!(
+            msg.contains(&named) && msg.contains(&format!("at byte offset {start}")),
+            "{what}: {msg}"
+        );
+        assert_eq!(err.errno(), libc::EIO, "{what}");
+    }
+    rig.cache.clear_faults();
+    open(&rig.cache, &rig.origin).expect("it opens once the device reads again");
+}
+
 /// A cache device that fails to deliver a dirty block (a read error, not
 /// a checksum mismatch) loses nothing: the read and a partial write over
 /// the block fail while the device fails, the block is not marked

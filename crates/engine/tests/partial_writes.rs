@@ -213,3 +213,160 @@ fn an_unaligned_zero_reads_its_edges_without_the_lock() {
     inner.read_at(lba * BS, &mut on_origin).unwrap();
     assert!(on_origin == buf, "the origin holds what reads return");
 }
+
+/// An engine over `origin` (every block patterned) and a small cache; the
+/// volume's contents as `origin` holds them.
+fn engine_over_patterned(origin: &SimDevice) -> (Engine, SimDevice, Vec<u8>) {
+    let mut image = Vec::with_capacity((VOLUME_BLOCKS * BS) as usize);
+    for lba in 0..VOLUME_BLOCKS {
+        image.extend_from_slice(&pattern(1000 + lba, BS as usize));
+    }
+    origin.write_at(0, &image).expect("seed the origin");
+    let cache = SimDevice::new("cache", cache_bytes_small());
+    Engine::format(
+        Arc::new(cache.clone()),
+        Arc::new(origin.clone()),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    let engine = Engine::open(
+        Arc::new(cache.clone()),
+        Arc::new(origin.clone()),
+        &open_opts(),
+    )
+    .expect("open");
+    (engine, cache, image)
+}
+
+/// The client read counters: requests, bytes and blocks by source.
+fn client_reads(s: &cairn_engine::StatsSnapshot) -> [u64; 5] {
+    [
+        s.reads,
+        s.read_bytes,
+        s.read_hits,
+        s.read_misses,
+        s.read_zero_hits,
+    ]
+}
+
+/// A client that only writes, in part, never reads: the old contents of
+/// the blocks it covers in part are counted as the writes' own
+/// (`write_rmw_*`, by where they came from), never as client reads, so
+/// the hit ratio stays the clients' (it was moved by every base found in
+/// memory or a zeroed range). Every path: as a task (read without the
+/// lock), an unaligned WRITE_ZEROES as a task and blocking (read under
+/// the lock), over a block in memory or on a slot, inside a zeroed range.
+#[test]
+fn partial_writes_are_not_counted_as_client_reads() {
+    let origin = SimDevice::new("origin", VOLUME_BLOCKS * BS);
+    let (engine, _cache, mut model) = engine_over_patterned(&origin);
+    let mut write = |at: u64, data: &[u8]| {
+        model[at as usize..at as usize + data.len()].copy_from_slice(data);
+        at
+    };
+    let part = pattern(7, SECTOR);
+    // Block 10, not cached: its old contents from the origin, read as a
+    // task without the lock.
+    let at = write(10 * BS + SECTOR as u64, &part);
+    cairn_io::block_on(engine.write_async(at, &part, false)).expect("partial write");
+    // From byte 1024 of block 20 to byte 512 of block 22, as a task: two
+    // edge blocks read without the lock.
+    let zeroes = vec![0u8; 2 * BS as usize];
+    let (at, len) = (20 * BS + 1024, 2 * BS - 512);
+    write(at, &zeroes[..len as usize]);
+    cairn_io::block_on(engine.write_zeroes_async_in(0, at, len)).expect("zero as a task");
+    // The same over blocks 30..=32, blocking: the edges read under the
+    // lock; block 31 becomes a zeroed range.
+    let at = write(30 * BS + 1024, &zeroes[..len as usize]);
+    engine.write_zeroes(at, len).expect("blocking zero");
+    let origin_reads = 5;
+    // Block 10 again: cached now (in memory or, after the flush, a slot).
+    let at = write(10 * BS + 3 * SECTOR as u64, &part);
+    engine.write(at, &part, false).expect("over a cached block");
+    engine.flush().expect("flush");
+    let at = write(10 * BS, &part);
+    engine
+        .write(at, &part, false)
+        .expect("over a flushed block");
+    // Inside the zeroed range of block 31.
+    let at = write(31 * BS + 100, &part);
+    engine
+        .write(at, &part, false)
+        .expect("inside a zeroed range");
+
+    let s = engine.stats();
+    assert_eq!(
+        client_reads(&s),
+        [0; 5],
+        "partial writes moved the client read counters (reads, read_bytes, read_hits, read_misses, read_zero_hits)"
+    );
+    assert_eq!(
+        (
+            s.write_rmw,
+            s.write_rmw_hits,
+            s.write_rmw_zero_hits,
+            s.write_rmw_origin_reads,
+            s.write_rmw_unlocked_reads,
+        ),
+        (8, 2, 1, origin_reads, 3),
+        "write_rmw, then its bases: hits, zero hits, origin reads (of them without the lock)"
+    );
+    let mut volume = vec![0u8; (VOLUME_BLOCKS * BS) as usize];
+    engine.read(0, &mut volume).expect("read the volume");
+    assert!(volume == model, "every partial write merged into its block");
+    engine.close().expect("close");
+}
+
+/// Degraded (the cache takes no writes), a partial write patches its edge
+/// blocks through the read path: those reads are the write's too.
+#[test]
+fn degraded_partial_writes_are_not_counted_as_client_reads() {
+    let origin = SimDevice::new("origin", VOLUME_BLOCKS * BS);
+    let (engine, cache, mut model) = engine_over_patterned(&origin);
+    // The log area stops taking writes: the next barrier degrades.
+    let layout = cairn_format::Layout::compute(cache.size_bytes(), BS as u32).expect("layout");
+    cache.fail_range(cairn_device::RangeFault {
+        kinds: cairn_device::OpKinds::WRITES,
+        start: layout.log_offset_bytes(),
+        end: cache.size_bytes(),
+        mode: cairn_device::FaultMode::Sticky,
+    });
+    let whole = pattern(8, BS as usize);
+    model[..BS as usize].copy_from_slice(&whole);
+    engine
+        .write(0, &whole, true)
+        .expect("the FUA write goes through");
+    assert!(engine.is_degraded(), "the cache degraded");
+    let before = engine.stats();
+
+    let part = pattern(9, SECTOR);
+    let at = 40 * BS + 100;
+    model[at as usize..at as usize + SECTOR].copy_from_slice(&part);
+    engine
+        .write(at, &part, false)
+        .expect("degraded partial write");
+    let (at, len) = (50 * BS + 1024, 2 * BS - 512);
+    model[at as usize..(at + len) as usize].fill(0);
+    engine
+        .write_zeroes(at, len)
+        .expect("degraded unaligned zero");
+
+    let s = engine.stats();
+    assert_eq!(
+        client_reads(&s),
+        client_reads(&before),
+        "degraded partial writes moved the client read counters (reads, read_bytes, read_hits, read_misses, read_zero_hits)"
+    );
+    assert_eq!(
+        (
+            s.write_rmw - before.write_rmw,
+            s.write_rmw_origin_reads - before.write_rmw_origin_reads,
+        ),
+        (3, 3),
+        "write_rmw and write_rmw_origin_reads: one edge block, then two"
+    );
+    let mut on_origin = vec![0u8; (VOLUME_BLOCKS * BS) as usize];
+    origin.read_at(0, &mut on_origin).expect("read the origin");
+    assert!(on_origin == model, "the origin holds every degraded write");
+    engine.close().expect("close");
+}

@@ -7,6 +7,7 @@ use cairn_format::RangeKind;
 use crate::error::{EngineError, EngineResult};
 use crate::parts::Parts;
 use crate::read::{self, Scope};
+use crate::read_kind::ReadKind;
 use crate::stats::Counters;
 use crate::write::partial_edges;
 
@@ -126,7 +127,8 @@ pub(crate) fn degraded_flush(p: Parts<'_>, volume: Option<u16>) -> EngineResult<
 /// The blocks of `[offset, end)` that the request covers only in part:
 /// their current content with `patch(lo, hi)` copied over the covered
 /// bytes `[lo, hi)`. Read through the normal read path (a verified cached
-/// copy, or the origin) under the degraded write lock.
+/// copy, or the origin) under the degraded write lock, counted as a
+/// partial write's (`write_rmw_*`), not as a client read.
 fn patched_edges<'a>(
     p: Parts<'_>,
     offset: u64,
@@ -136,10 +138,11 @@ fn patched_edges<'a>(
     let block_bytes = p.env.block_size_bytes as u64;
     let mut edges = Vec::new();
     for (lba, within, n) in partial_edges(offset, end, block_bytes) {
+        Counters::add(&p.env.counters.write_rmw, 1);
         let scope = Scope::All {
             promote: false,
             bypassed: false,
-            prefetch: false,
+            kind: ReadKind::WriteBase,
         };
         let mut buf = p.env.read_bufs.lend(block_bytes as usize);
         buf.set_len(block_bytes as usize);

@@ -36,12 +36,13 @@ use crate::stats::Counters;
 /// Which reads are served, and how misses are treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Scope {
-    /// Every read; misses are promoted if `promote`, counted as bypassed
-    /// if `bypassed`; a prefetch promotes past the n-hit filter.
+    /// Every read, counted as `kind`'s; misses are promoted if `promote`,
+    /// counted as bypassed if `bypassed`; a prefetch promotes past the
+    /// n-hit filter.
     All {
         promote: bool,
         bypassed: bool,
-        prefetch: bool,
+        kind: ReadKind,
     },
     /// Only reads whose every block is cached; the rest are untouched.
     CachedOnly,
@@ -51,7 +52,7 @@ impl Scope {
     /// Whose read this is, for the counters.
     pub(crate) fn kind(self) -> ReadKind {
         match self {
-            Self::All { prefetch, .. } => ReadKind::of(prefetch),
+            Self::All { kind, .. } => kind,
             Self::CachedOnly => ReadKind::Client,
         }
     }
@@ -361,7 +362,7 @@ fn promote(
     let Scope::All {
         promote,
         bypassed,
-        prefetch,
+        kind,
     } = scope
     else {
         return Ok(Vec::new());
@@ -388,7 +389,7 @@ fn promote(
             Counters::add(&c.fills_superseded, 1);
             continue;
         }
-        if !prefetch && !p.policy.miss_due(lba) {
+        if kind != ReadKind::Prefetch && !p.policy.miss_due(lba) {
             Counters::add(&c.promotions_skipped, 1);
             continue;
         }

@@ -4,9 +4,9 @@ use cairn_format::{
     CheckpointEntry, CheckpointHeader, PendingRange, Reader, Superblock, CHECKPOINT_HEADER_BYTES,
 };
 
-use super::checkpoint_damaged;
+use super::{checkpoint_damaged, checkpoint_unreadable};
 use crate::env::Env;
-use crate::error::{EngineError, EngineResult};
+use crate::error::EngineResult;
 use crate::index::Index;
 use crate::superblocks::LOG_COUNTER_LIMIT;
 
@@ -17,10 +17,13 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
     let at = env
         .layout
         .checkpoint_offset_bytes(superblock.active_checkpoint);
+    let read = |offset_bytes: u64, buf: &mut [u8]| {
+        env.cache
+            .read_at(offset_bytes, buf)
+            .map_err(|e| checkpoint_unreadable(env, superblock, offset_bytes, buf.len() as u64, e))
+    };
     let mut header_buf = vec![0u8; CHECKPOINT_HEADER_BYTES];
-    env.cache
-        .read_at(at, &mut header_buf)
-        .map_err(EngineError::Cache)?;
+    read(at, &mut header_buf)?;
     let header =
         CheckpointHeader::decode(&header_buf).map_err(|e| damaged(format!("header: {e}")))?;
     load_lifetime(env, &header_buf);
@@ -60,9 +63,7 @@ pub(crate) fn load(env: &Env, superblock: &Superblock) -> EngineResult<(Checkpoi
     }
     let mut payload = vec![0u8; payload_bytes as usize];
     if payload_bytes > 0 {
-        env.cache
-            .read_at(at + CHECKPOINT_HEADER_BYTES as u64, &mut payload)
-            .map_err(EngineError::Cache)?;
+        read(at + CHECKPOINT_HEADER_BYTES as u64, &mut payload)?;
     }
     let crc = cairn_format::crc32c(&payload);
     if crc != header.payload_crc {

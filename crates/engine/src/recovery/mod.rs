@@ -77,6 +77,26 @@ fn checkpoint_damaged(env: &Env, superblock: &Superblock, detail: String) -> Eng
     }
 }
 
+/// The cache device failed the read of `length_bytes` at `offset_bytes`
+/// of the active checkpoint: the error names the checkpoint, its slot and
+/// the bytes (not a damaged checkpoint: nothing was read to check).
+fn checkpoint_unreadable(
+    env: &Env,
+    superblock: &Superblock,
+    offset_bytes: u64,
+    length_bytes: u64,
+    source: cairn_device::DeviceError,
+) -> EngineError {
+    EngineError::CheckpointUnreadable {
+        device: env.cache.name().to_string(),
+        checkpoint_sequence: superblock.checkpoint_sequence,
+        slot: superblock.active_checkpoint,
+        offset_bytes,
+        length_bytes,
+        source,
+    }
+}
+
 fn log_damaged(env: &Env, detail: String) -> EngineError {
     EngineError::LogDamaged {
         device: env.cache.name().to_string(),

@@ -216,7 +216,6 @@ pub(crate) fn write_from(
                 let st = &mut *st;
                 st.log.append_data(env, &mut st.index, lba, src, false)?;
             } else {
-                Counters::add(&env.counters.write_rmw, 1);
                 write_partial(env, &mut st, lba, within, src, &mut rounds.partial)?;
             }
             at += n as u64;

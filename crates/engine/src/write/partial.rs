@@ -72,7 +72,10 @@ impl PartialReads {
 
 /// Write `src` at byte `within` of block `lba`, under the engine lock. A
 /// block that is not cached is merged into the copy in `reads` if it is
-/// still current, else read from the origin here.
+/// still current, else read from the origin here. Counted in `write_rmw`,
+/// and the old contents by where they came from (`write_rmw_hits`,
+/// `_zero_hits`, `_origin_reads`), never as a client read: a client that
+/// only writes leaves the read counters and the hit ratio alone.
 pub(crate) fn write_partial(
     env: &Env,
     st: &mut State,
@@ -81,23 +84,26 @@ pub(crate) fn write_partial(
     src: &[u8],
     reads: &mut PartialReads,
 ) -> EngineResult<()> {
+    let c = &env.counters;
+    Counters::add(&c.write_rmw, 1);
+    let kind = ReadKind::WriteBase;
     let mut block = vec![0u8; env.block_size_bytes];
-    // Counted as a client read's, as before reads had a kind: a base found
-    // in memory or in a zeroed range bumps `read_hits`/`read_zero_hits`,
-    // one read from a slot or the origin is not counted.
-    match st.plan(env, lba, ReadKind::Client, &mut block)? {
+    // In memory or in a zeroed range: counted by `plan`.
+    match st.plan(env, lba, kind, &mut block)? {
         Plan::Done => {}
         Plan::Cache { slot, crc } => {
             let read = read_slot_retrying(env, slot, &mut block);
             let ok = read.is_ok() && block_checksum(lba, &block) == crc;
-            if !ok {
+            if ok {
+                Counters::add(kind.hits(c), 1);
+            } else {
                 match read {
                     // The device did not deliver the block: that is not
                     // corruption, and a dirty block's copy is the only one.
                     Err(e) if st.index.is_dirty(slot) => return Err(EngineError::Cache(e)),
                     Err(_) => {}
                     Ok(()) => {
-                        Counters::add(&env.counters.checksum_mismatches, 1);
+                        Counters::add(&c.checksum_mismatches, 1);
                         if st.index.is_dirty(slot) {
                             st.index.mark_corrupt(slot);
                             return Err(EngineError::DirtyBlockCorrupt { lba });
@@ -105,9 +111,10 @@ pub(crate) fn write_partial(
                     }
                 }
                 env.read_origin(lba, &mut block)?;
+                Counters::add(kind.misses(c), 1);
                 let tag = st.tags.as_ref().and_then(|t| t.tag_of(lba));
                 check_origin_data(env, lba, &block, tag)?;
-                Counters::add(&env.counters.repairs, 1);
+                Counters::add(&c.repairs, 1);
             }
         }
         Plan::Miss { tag, stamp } => {
@@ -115,11 +122,13 @@ pub(crate) fn write_partial(
                 Some(data) => {
                     assert_eq!(data.len(), block.len(), "an origin block is one block");
                     block.copy_from_slice(&data);
-                    Counters::add(&env.counters.write_rmw_unlocked_reads, 1);
+                    Counters::add(&c.write_rmw_unlocked_reads, 1);
                 }
                 // Not read beforehand, or written since it was.
                 None => env.read_origin(lba, &mut block)?,
             }
+            // One read used (an unlocked one found stale is not counted).
+            Counters::add(kind.misses(c), 1);
             // The engine lock is held, so the tag is current: a mismatch is
             // real, and merging into bad data would bless it.
             check_origin_data(env, lba, &block, tag)?;
