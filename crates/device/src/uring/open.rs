@@ -207,7 +207,10 @@ fn reopen_buffered(file: &File, path: &Path) -> io::Result<File> {
     // As the direct descriptor was opened: a read-only one stays so.
     let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
     let mut options = OpenOptions::new();
-    options.read(true).write(writes).custom_flags(libc::O_CLOEXEC);
+    options
+        .read(true)
+        .write(writes)
+        .custom_flags(libc::O_CLOEXEC);
     let buffered = options
         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
         .or_else(|_| options.open(path))?;
