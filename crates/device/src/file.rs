@@ -69,6 +69,13 @@ pub(crate) fn open_locked(
     extra_flags: libc::c_int,
 ) -> DeviceResult<OpenedFile> {
     let name = path.display().to_string();
+    // A directory opens for reading: say what opening it for writing says.
+    if !mode.writes() && std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Err(DeviceError::Open {
+            device: name,
+            source: io::Error::from_raw_os_error(libc::EISDIR),
+        });
+    }
     let file = OpenOptions::new()
         .read(true)
         .write(mode.writes())
