@@ -322,11 +322,7 @@ fn write_prefetches(out: &mut impl std::io::Write, v: &Value) -> std::io::Result
 }
 
 pub fn print_human(v: &Value) -> std::io::Result<()> {
-    let out = &mut std::io::stdout().lock();
-    if v["view"] == "offline" {
-        return crate::status_offline::write_human(out, v);
-    }
-    write_human(out, v)
+    write_human(&mut std::io::stdout().lock(), v)
 }
 
 /// The human form of the status `v`.

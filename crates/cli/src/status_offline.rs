@@ -1,6 +1,6 @@
 //! The answers to the read-only admin requests (`status`, `volume list`)
 //! when no daemon serves the cache: from the cache device alone, opened
-//! read-only, through `Engine::inspect`. No origin is opened (an
+//! read-only, through `Inspection::open`. No origin is opened (an
 //! unreachable one is when an operator most needs `status`), nothing is
 //! written to the cache, and what only a running daemon knows (counters
 //! since its start, the origin's state, connections) is null, not made
@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use cairn_device::{open_local, DeviceError, OpenMode};
-use cairn_engine::{Engine, Inspection, StoredSettings};
+use cairn_engine::{Inspection, StoredSettings};
 use serde_json::{json, Value};
 
 use crate::admin::{socket_path, AdminReply, AdminRequest};
@@ -77,7 +77,7 @@ fn inspect(cache: &Path) -> Result<Inspection> {
             anyhow::bail!("cache {name}: {msg}")
         }
     };
-    Ok(Engine::inspect(Arc::from(device))?)
+    Ok(Inspection::open(Arc::from(device))?)
 }
 
 /// `status --json` from the inspection: the same keys as a daemon's

@@ -85,33 +85,7 @@ pub(crate) fn open_locked(
             device: name.clone(),
             source,
         })?;
-    let lock = match mode {
-        OpenMode::Exclusive => libc::LOCK_EX,
-        OpenMode::Shared | OpenMode::ReadOnly => libc::LOCK_SH,
-    };
-    // A process that just exited can hold the lock a little longer: its
-    // io_uring instance is torn down asynchronously and drops the file last.
-    // So a held lock is retried briefly (bounded) before it counts as busy.
-    let mut attempts_left = LOCK_RETRY_ATTEMPTS;
-    loop {
-        // SAFETY: flock on a file descriptor we own; no memory is passed.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
-        if rc == 0 {
-            break;
-        }
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(DeviceError::Open {
-                device: name,
-                source: err,
-            });
-        }
-        if attempts_left == 0 {
-            return Err(DeviceError::Busy { device: name });
-        }
-        attempts_left -= 1;
-        std::thread::sleep(std::time::Duration::from_millis(LOCK_RETRY_INTERVAL_MS));
-    }
+    take_lock(&file, mode, &name)?;
     let meta = file.metadata().map_err(|source| DeviceError::Open {
         device: name.clone(),
         source,
@@ -168,6 +142,39 @@ pub(crate) fn open_locked(
         size_bytes,
         is_block_device,
     })
+}
+
+/// Take the advisory lock `mode` asks for on `file`. A process that just
+/// exited can hold the lock a little longer: its io_uring instance is torn
+/// down asynchronously and drops the file last. So a held lock is retried
+/// briefly (bounded) before it counts as busy.
+fn take_lock(file: &File, mode: OpenMode, name: &str) -> DeviceResult<()> {
+    let lock = match mode {
+        OpenMode::Exclusive => libc::LOCK_EX,
+        OpenMode::Shared | OpenMode::ReadOnly => libc::LOCK_SH,
+    };
+    let mut attempts_left = LOCK_RETRY_ATTEMPTS;
+    loop {
+        // SAFETY: flock on a file descriptor we own; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(DeviceError::Open {
+                device: name.to_string(),
+                source: err,
+            });
+        }
+        if attempts_left == 0 {
+            return Err(DeviceError::Busy {
+                device: name.to_string(),
+            });
+        }
+        attempts_left -= 1;
+        std::thread::sleep(std::time::Duration::from_millis(LOCK_RETRY_INTERVAL_MS));
+    }
 }
 
 /// What a cache records of this file or device: its canonical path, and a

@@ -20,7 +20,6 @@ use crate::env::Env;
 use crate::error::{EngineError, EngineResult};
 use crate::flush_by::FlushBy;
 use crate::format;
-use crate::inspection::Inspection;
 use crate::integrity::{self, RecalcProgress, ScrubOptions, ScrubReport};
 use crate::open::{self, OriginResolver};
 use crate::options::{FormatOptions, OpenOptions};
@@ -109,16 +108,8 @@ impl Engine {
         Ok(Self::of_opened(open::open(cache, resolve, opts)?))
     }
 
-    /// Look at a formatted cache without changing it and without its
-    /// origins: the superblocks, the checkpoint and the log replayed into
-    /// memory give the state a daemon starting now would recover (the
-    /// dirty blocks and all), and nothing is written. For a status while
-    /// no daemon serves the cache, when an origin may be unreachable.
-    pub fn inspect(cache: Arc<dyn Device>) -> EngineResult<Inspection> {
-        Ok(Inspection::new(Self::of_opened(open::inspect(cache)?)))
-    }
-
-    fn of_opened(opened: open::Opened) -> Engine {
+    /// The engine over what an open (or an inspection) recovered.
+    pub(crate) fn of_opened(opened: open::Opened) -> Engine {
         let policy = Policy::new(CacheMode::WriteBack, &opened.env.config);
         for &(id, mode) in &opened.modes {
             policy.set_mode_of(id, mode);

@@ -1,11 +1,16 @@
-//! A cache looked at without being changed ([`crate::Engine::inspect`]):
-//! the engine recovered into memory over origins it never opened, behind
-//! a type that offers only what reads its state. No request, write-back,
+//! A cache looked at without being changed ([`Inspection::open`]): the
+//! engine recovered into memory over origins it never opened, behind a
+//! type that offers only what reads its state. No request, write-back,
 //! checkpoint or close can reach the device through it.
 
+use std::sync::Arc;
+
+use cairn_device::Device;
 use cairn_format::{StoredSettings, Superblock, VolumeEntry};
 
 use crate::engine::Engine;
+use crate::error::EngineResult;
+use crate::open;
 use crate::stats::StatsSnapshot;
 use crate::volume_status::VolumeStatus;
 
@@ -14,8 +19,15 @@ pub struct Inspection {
 }
 
 impl Inspection {
-    pub(crate) fn new(engine: Engine) -> Inspection {
-        Inspection { engine }
+    /// Look at a formatted cache without changing it and without its
+    /// origins: the superblocks, the checkpoint and the log replayed into
+    /// memory give the state a daemon starting now would recover (the
+    /// dirty blocks and all), and nothing is written. For a status while
+    /// no daemon serves the cache, when an origin may be unreachable.
+    pub fn open(cache: Arc<dyn Device>) -> EngineResult<Inspection> {
+        Ok(Inspection {
+            engine: Engine::of_opened(open::inspect(cache)?),
+        })
     }
 
     /// The gauges as recovered (dirty, clean, free blocks, log positions),

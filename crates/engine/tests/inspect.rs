@@ -1,4 +1,4 @@
-//! `Engine::inspect`: a cache looked at without its origin and without a
+//! `Inspection::open`: a cache looked at without its origin and without a
 //! write. Its figures must be the ones a real open recovers (the dirty
 //! blocks of a log that needs replay above all), and the cache device
 //! must see reads only.
@@ -9,7 +9,7 @@ use common::*;
 use std::sync::Arc;
 
 use cairn_device::{Device, SimDevice};
-use cairn_engine::Engine;
+use cairn_engine::Inspection;
 
 const VOLUME_BLOCKS: u64 = 1024;
 
@@ -35,7 +35,7 @@ fn inspect_recovers_what_open_recovers_and_writes_nothing() {
     let (cache, origin) = crashed_rig();
     let before = cache.durable_image();
     cache.reset_counters();
-    let seen = Engine::inspect(Arc::new(cache.clone()) as Arc<dyn Device>).expect("inspect");
+    let seen = Inspection::open(Arc::new(cache.clone()) as Arc<dyn Device>).expect("inspect");
     let counters = cache.counters();
     assert_eq!(counters.writes, 0, "inspect wrote: {counters:?}");
     assert_eq!(counters.flushes, 0, "inspect flushed: {counters:?}");
@@ -50,7 +50,7 @@ fn inspect_recovers_what_open_recovers_and_writes_nothing() {
     assert_eq!(volumes.len(), 1);
     assert_eq!(volumes[0].dirty_blocks, 64 + 8);
     // Twice gives the same (nothing was consumed or moved).
-    let again = Engine::inspect(Arc::new(cache.clone()) as Arc<dyn Device>).expect("inspect");
+    let again = Inspection::open(Arc::new(cache.clone()) as Arc<dyn Device>).expect("inspect");
     assert_eq!(again.stats().dirty_blocks, stats.dirty_blocks);
     assert_eq!(again.superblock(), seen.superblock());
 
@@ -72,7 +72,7 @@ fn inspect_needs_no_origin() {
     let (cache, origin) = crashed_rig();
     origin.fail_at(0, cairn_device::FaultMode::Sticky);
     origin.reset_counters();
-    let seen = Engine::inspect(Arc::new(cache.clone()) as Arc<dyn Device>).expect("inspect");
+    let seen = Inspection::open(Arc::new(cache.clone()) as Arc<dyn Device>).expect("inspect");
     assert_eq!(seen.stats().dirty_blocks, 64 + 8);
     assert_eq!(origin.counters().ops, 0);
 }
@@ -82,7 +82,7 @@ fn inspect_needs_no_origin() {
 #[test]
 fn inspect_of_a_blank_device_is_refused_like_open() {
     let blank = SimDevice::new("blank", cache_bytes_small());
-    let err = match Engine::inspect(Arc::new(blank.clone()) as Arc<dyn Device>) {
+    let err = match Inspection::open(Arc::new(blank.clone()) as Arc<dyn Device>) {
         Ok(_) => panic!("a blank device inspected"),
         Err(e) => e.to_string(),
     };

@@ -19,7 +19,7 @@ mod common;
 use common::*;
 
 use cairn_device::{Device, Journal, JournalEvent, SimDevice};
-use cairn_engine::{Engine, StoredSettings, VolumeState};
+use cairn_engine::{Engine, Inspection, StoredSettings, VolumeState};
 use cairn_format::{Layout, Superblock, FORMAT_VERSION, FORMAT_VERSION_V1, SUPERBLOCK_OFFSETS};
 use common::crash_check::Shadow;
 use rand::SeedableRng;
@@ -232,7 +232,7 @@ fn a_v1_cache_is_inspected_without_being_upgraded() {
     let (cache, origin) = fixture_devices();
     let before = cache.durable_image();
     cache.reset_counters();
-    let seen = Engine::inspect(std::sync::Arc::new(cache.clone()) as std::sync::Arc<dyn Device>)
+    let seen = Inspection::open(std::sync::Arc::new(cache.clone()) as std::sync::Arc<dyn Device>)
         .expect("the v1 cache is inspected");
     assert_eq!(cache.counters().writes, 0, "{:?}", cache.counters());
     assert_eq!(cache.counters().flushes, 0, "{:?}", cache.counters());
