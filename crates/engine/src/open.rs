@@ -108,6 +108,11 @@ pub(crate) fn open(
         ..
     } = read;
     if superblock.degraded() {
+        tracing::error!(
+            "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
+            env.cache.name(),
+            env.origins.first().device().identity()
+        );
         return Ok(open_degraded(env, superblock, volumes, modes));
     }
     let (superblock, volumes) = match &superblock.volumes {
@@ -379,11 +384,6 @@ fn open_degraded(
     modes: Vec<(u16, CacheMode)>,
 ) -> Opened {
     assert!(superblock.degraded());
-    tracing::error!(
-        "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
-        env.cache.name(),
-        env.origins.first().device().identity()
-    );
     let slot_count = env.layout.log_blocks;
     let log = Log::new(
         slot_count,
