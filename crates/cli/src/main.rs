@@ -6,6 +6,8 @@
 //!   the one implementation of each request for both ways.
 //! - `daemon`: `cairn serve`'s threads and shutdown; `export` (NBD),
 //!   `writeback` (background policy), `metrics`, `status` (JSON, table).
+//! - `status_offline`: `status` and `volume list` with no daemon, from the
+//!   cache device opened read-only (no origin, no write).
 //! - `advice`: the fix (a command to run) for an error, printed after it.
 
 /// `println!` that returns an error instead of panicking when stdout is
@@ -27,6 +29,7 @@ mod export;
 mod metrics;
 mod settings;
 mod status;
+mod status_offline;
 mod volume_exports;
 mod writeback;
 mod writeback_turns;

@@ -113,6 +113,11 @@ pub fn status_json(
     m.insert("writeback_paused".into(), json!(s.writeback_paused));
     m.insert("writeback_offset".into(), json!(s.writeback_offset));
     m.insert("head_offset".into(), json!(s.head_offset));
+    // The log between its tail and its head, dirty or clean or stale.
+    m.insert(
+        "log_used_blocks".into(),
+        json!(s.head_offset.saturating_sub(s.tail_offset)),
+    );
     m.insert("index_memory_bytes".into(), json!(s.index_memory_bytes));
     m.insert("policy_memory_bytes".into(), json!(s.policy_memory_bytes));
     m.insert("integrity".into(), json!(s.integrity));
@@ -252,7 +257,7 @@ pub fn server_pairs(n: &ServerStats) -> [(&'static str, u64); 18] {
 /// The human table. A closed stdout (`cairn status | head -1`) is an
 /// error for the caller, not a panic.
 /// The integrity part of the human status.
-fn integrity_line(v: &Value) -> String {
+pub(crate) fn integrity_line(v: &Value) -> String {
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
     if v.get("integrity").and_then(|x| x.as_bool()) != Some(true) {
         return "off (only cached blocks are checksummed)".into();
@@ -286,7 +291,7 @@ fn integrity_line(v: &Value) -> String {
 /// read as EIO until rewritten. Said in words, so the block counts (which
 /// hold the corrupt ones) are not taken for a miscount and the loss is not
 /// missed.
-fn write_lost_data(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+pub(crate) fn write_lost_data(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     let count = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
     let lost_data = count("corrupt_blocks") + count("lost_blocks");
     if lost_data > 0 {
@@ -467,7 +472,7 @@ fn print_nbd(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
 }
 
 /// The settings line: each setting's value and source.
-fn print_settings(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+pub(crate) fn print_settings(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     if let Some(settings) = v["settings"].as_object() {
         let line: Vec<String> = settings
             .iter()

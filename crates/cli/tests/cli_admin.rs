@@ -126,10 +126,23 @@ fn status_json_online_and_offline() {
     );
 
     assert!(server.terminate().success());
+    // Offline: the same keys, from the cache device alone; the counters
+    // since a daemon's start are null (there is none), not zero.
     let st = ctx.status(&cache);
-    assert_status_shape(&st);
+    for key in STATUS_KEYS {
+        assert!(
+            st.get(key).is_some(),
+            "offline status --json lacks {key}: {st}"
+        );
+    }
     assert_eq!(st["served"], false, "{st}");
+    assert_eq!(st["view"], "offline", "{st}");
     assert_eq!(u64_of(&st, "dirty_blocks"), 16, "dirty data survives: {st}");
+    assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB, "{st}");
+    for key in ["read_hits", "read_misses", "checksum_mismatches"] {
+        assert!(st[key].is_null(), "{key} offline: {st}");
+    }
+    assert!(st["lifetime"]["writes"].is_u64(), "{st}");
 }
 
 /// `cairn flush` with the daemon running drains through the admin socket.

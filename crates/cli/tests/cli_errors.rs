@@ -173,7 +173,7 @@ fn an_origin_file_replaced_at_the_same_path_is_refused() {
     for args in [
         vec!["serve", "--cache", &c, "--socket", &s],
         vec!["serve", "--cache", &c, "--origin", &o, "--socket", &s],
-        vec!["status", "--cache", &c],
+        vec!["flush", "--cache", &c],
     ] {
         let out = ctx.cairn(&args);
         assert_clean_failure(
@@ -229,7 +229,7 @@ fn a_block_device_that_is_now_another_disk_is_refused() {
     };
     for args in [
         vec!["serve", "--cache", &c, "--socket", &s],
-        vec!["status", "--cache", &c],
+        vec!["flush", "--cache", &c],
     ] {
         let out = ctx.cairn(&args);
         assert_clean_failure(
@@ -313,7 +313,6 @@ fn origin_that_changed_size_is_refused() {
             .expect("resizing the origin");
         for args in [
             vec!["serve", "--cache", &c, "--socket", &s],
-            vec!["status", "--cache", &c, "--json"],
             vec!["flush", "--cache", &c],
         ] {
             let out = ctx.cairn(&args);
@@ -330,6 +329,11 @@ fn origin_that_changed_size_is_refused() {
             );
         }
         assert!(!sock.exists());
+        // Status reads the cache alone (the origin is not opened), so it
+        // answers, with the size recorded.
+        let st = ctx.status(&cache);
+        assert_eq!(st["served"], false, "{st}");
+        assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB, "{st}");
     }
 }
 

@@ -417,9 +417,11 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     // Released by hand, the image is refused to this cache too (another
     // may have written there since) until claimed again.
     ceph.rbd(&["image-meta", "remove", "rbd/vol", "cairn.cache"]);
-    let refused = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
+    let refused = ctx.cairn(&["flush", "--cache", &cache.to_string_lossy()]);
     assert_clean_failure(&refused, &["carries no claim by this cache"]);
     ceph.rbd(&["image-meta", "set", "rbd/vol", "cairn.cache", &claim]);
+    // Claimed again, the cache opens on it (status alone opens no origin).
+    ctx.flush(&cache);
     let st = ctx.status(&cache);
     assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
 
@@ -427,7 +429,7 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
     //    origin: its id differs, and the cache refuses it.
     ceph.rbd(&["rm", "rbd/vol"]);
     ceph.rbd(&["create", "--size", "128M", "rbd/vol"]);
-    let refused = ctx.cairn(&["status", "--cache", &cache.to_string_lossy()]);
+    let refused = ctx.cairn(&["flush", "--cache", &cache.to_string_lossy()]);
     assert_clean_failure(&refused, &["formatted for origin"]);
 
     // 8. An image in a namespace of the pool, named like the one above.

@@ -18,6 +18,18 @@ pub enum OpenMode {
     Exclusive,
     /// Shared lock: other readers may open too (status, check).
     Shared,
+    /// Opened for reading only (`O_RDONLY`), with the shared lock: an
+    /// inspection that must never change the device (offline `status`).
+    /// A daemon's exclusive lock still refuses it, and the kernel refuses
+    /// every write through it.
+    ReadOnly,
+}
+
+impl OpenMode {
+    /// Whether the device is opened for writing too.
+    pub fn writes(self) -> bool {
+        self != OpenMode::ReadOnly
+    }
 }
 
 pub struct FileDevice {
@@ -48,50 +60,32 @@ pub(crate) struct OpenedFile {
     pub(crate) is_block_device: bool,
 }
 
-/// Open `path` for reading and writing with `extra_flags` (e.g. `O_DIRECT`)
-/// and take the advisory lock `mode` asks for.
+/// Open `path` for reading and writing (reading only for
+/// [`OpenMode::ReadOnly`]) with `extra_flags` (e.g. `O_DIRECT`) and take
+/// the advisory lock `mode` asks for.
 pub(crate) fn open_locked(
     path: &Path,
     mode: OpenMode,
     extra_flags: libc::c_int,
 ) -> DeviceResult<OpenedFile> {
     let name = path.display().to_string();
+    // A directory opens for reading: say what opening it for writing says.
+    if !mode.writes() && std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Err(DeviceError::Open {
+            device: name,
+            source: io::Error::from_raw_os_error(libc::EISDIR),
+        });
+    }
     let file = OpenOptions::new()
         .read(true)
-        .write(true)
+        .write(mode.writes())
         .custom_flags(libc::O_CLOEXEC | extra_flags)
         .open(path)
         .map_err(|source| DeviceError::Open {
             device: name.clone(),
             source,
         })?;
-    let lock = match mode {
-        OpenMode::Exclusive => libc::LOCK_EX,
-        OpenMode::Shared => libc::LOCK_SH,
-    };
-    // A process that just exited can hold the lock a little longer: its
-    // io_uring instance is torn down asynchronously and drops the file last.
-    // So a held lock is retried briefly (bounded) before it counts as busy.
-    let mut attempts_left = LOCK_RETRY_ATTEMPTS;
-    loop {
-        // SAFETY: flock on a file descriptor we own; no memory is passed.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
-        if rc == 0 {
-            break;
-        }
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(DeviceError::Open {
-                device: name,
-                source: err,
-            });
-        }
-        if attempts_left == 0 {
-            return Err(DeviceError::Busy { device: name });
-        }
-        attempts_left -= 1;
-        std::thread::sleep(std::time::Duration::from_millis(LOCK_RETRY_INTERVAL_MS));
-    }
+    take_lock(&file, mode, &name)?;
     let meta = file.metadata().map_err(|source| DeviceError::Open {
         device: name.clone(),
         source,
@@ -111,7 +105,8 @@ pub(crate) fn open_locked(
         // Root may open a read-only block device for writing; its writes
         // then fail. A cache must write, and so must an origin, to write
         // back what clients were told is safe: refuse it now, not after
-        // acknowledging writes that can never reach it.
+        // acknowledging writes that can never reach it. An open that only
+        // reads ([`OpenMode::ReadOnly`]) has no such problem.
         let mut read_only: libc::c_int = 0;
         // SAFETY: BLKROGET writes one int through the pointer, which points
         // at a live, properly aligned c_int.
@@ -122,7 +117,7 @@ pub(crate) fn open_locked(
                 &mut read_only as *mut libc::c_int,
             )
         };
-        if rc == 0 && read_only != 0 {
+        if rc == 0 && read_only != 0 && mode.writes() {
             return Err(DeviceError::Unsupported {
                 device: name,
                 message: "the block device is read-only (`blockdev --getro`); cairn writes to \
@@ -147,6 +142,39 @@ pub(crate) fn open_locked(
         size_bytes,
         is_block_device,
     })
+}
+
+/// Take the advisory lock `mode` asks for on `file`. A process that just
+/// exited can hold the lock a little longer: its io_uring instance is torn
+/// down asynchronously and drops the file last. So a held lock is retried
+/// briefly (bounded) before it counts as busy.
+fn take_lock(file: &File, mode: OpenMode, name: &str) -> DeviceResult<()> {
+    let lock = match mode {
+        OpenMode::Exclusive => libc::LOCK_EX,
+        OpenMode::Shared | OpenMode::ReadOnly => libc::LOCK_SH,
+    };
+    let mut attempts_left = LOCK_RETRY_ATTEMPTS;
+    loop {
+        // SAFETY: flock on a file descriptor we own; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(DeviceError::Open {
+                device: name.to_string(),
+                source: err,
+            });
+        }
+        if attempts_left == 0 {
+            return Err(DeviceError::Busy {
+                device: name.to_string(),
+            });
+        }
+        attempts_left -= 1;
+        std::thread::sleep(std::time::Duration::from_millis(LOCK_RETRY_INTERVAL_MS));
+    }
 }
 
 /// What a cache records of this file or device: its canonical path, and a
@@ -413,6 +441,37 @@ mod tests {
         ));
         drop(dev);
         FileDevice::open(&path, OpenMode::Exclusive).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A read-only open reads, cannot write (the kernel refuses it), and
+    /// is refused while another process holds the exclusive lock (a
+    /// daemon serving the cache).
+    #[test]
+    fn read_only_reads_never_writes_and_yields_to_the_exclusive_lock() {
+        let dir = std::env::temp_dir().join(format!("cairn-filedev-ro-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dev.img");
+        std::fs::write(&path, vec![7u8; 1 << 16]).unwrap();
+        let dev = FileDevice::open(&path, OpenMode::ReadOnly).unwrap();
+        let mut buf = vec![0u8; 4096];
+        dev.read_at(4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 7));
+        assert!(dev.write_at(0, &[0u8; 4096]).is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), vec![7u8; 1 << 16]);
+        // Two readers at once; a writer with the exclusive lock waits.
+        let other = FileDevice::open(&path, OpenMode::ReadOnly).unwrap();
+        assert!(matches!(
+            FileDevice::open(&path, OpenMode::Exclusive),
+            Err(DeviceError::Busy { .. })
+        ));
+        drop((dev, other));
+        let exclusive = FileDevice::open(&path, OpenMode::Exclusive).unwrap();
+        assert!(matches!(
+            FileDevice::open(&path, OpenMode::ReadOnly),
+            Err(DeviceError::Busy { .. })
+        ));
+        drop(exclusive);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

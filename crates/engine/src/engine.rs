@@ -105,19 +105,23 @@ impl Engine {
         resolve: &mut OriginResolver<'_>,
         opts: &OpenOptions,
     ) -> EngineResult<Engine> {
-        let opened = open::open(cache, resolve, opts)?;
+        Ok(Self::of_opened(open::open(cache, resolve, opts)?))
+    }
+
+    /// The engine over what an open (or an inspection) recovered.
+    pub(crate) fn of_opened(opened: open::Opened) -> Engine {
         let policy = Policy::new(CacheMode::WriteBack, &opened.env.config);
         for &(id, mode) in &opened.modes {
             policy.set_mode_of(id, mode);
         }
-        Ok(Engine {
+        Engine {
             env: opened.env,
             state: StateLock::new(opened.state),
             writeback: Writeback::default(),
             policy,
             commit: GroupCommit::default(),
             degraded_writes: Mutex::new(()),
-        })
+        }
     }
 
     pub(crate) fn parts(&self) -> Parts<'_> {

@@ -1,6 +1,8 @@
 //! Opening a formatted cache: check it belongs to this origin, upgrade a
 //! format 1 cache in place, recover its state, load the integrity tags,
-//! and make what was replayed durable.
+//! and make what was replayed durable. Or, to look at it only
+//! ([`inspect`]), the same reading and recovery with no origin and no
+//! write.
 
 use std::sync::Arc;
 
@@ -15,13 +17,14 @@ use crate::error::{EngineError, EngineResult};
 use crate::health::Health;
 use crate::index::Index;
 use crate::log::{Log, LogPositions, WritebackCursors};
-use crate::options::OpenOptions;
+use crate::options::{EngineConfig, OpenOptions};
 use crate::policy::CacheMode;
 use crate::recovery;
 use crate::state::State;
 use crate::stats::Counters;
 use crate::superblocks::{self, LOG_COUNTER_LIMIT};
 use crate::tags::TagTable;
+use crate::unopened_origin::UnopenedOrigin;
 use crate::upgrade;
 use crate::volume_origin::VolumeOrigin;
 
@@ -37,23 +40,51 @@ pub(crate) struct Opened {
 /// from the recorded identity, or from what the user named).
 pub type OriginResolver<'a> = dyn FnMut(&VolumeEntry) -> EngineResult<Arc<dyn Device>> + 'a;
 
+/// What the cache device alone says, checked: its newest superblock, its
+/// volume table, the first volume's entry, the layout and each volume's
+/// mode.
+struct CacheRead {
+    superblock: Superblock,
+    volumes: VolumeTable,
+    first: VolumeEntry,
+    layout: Layout,
+    modes: Vec<(u16, CacheMode)>,
+}
+
+/// Read and check what every open starts from. Reads only.
+fn read_cache(cache: &dyn Device) -> EngineResult<CacheRead> {
+    cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
+    let superblock = superblocks::read_newest(cache)?;
+    let volumes = superblocks::read_table(cache, &superblock)?;
+    let first = first_volume(cache, &volumes)?.clone();
+    let layout = check_cache(cache, &superblock, &volumes)?;
+    let modes = volumes
+        .volumes()
+        .iter()
+        .map(|volume| Ok((volume.id, mode_of(cache, volume)?)))
+        .collect::<EngineResult<Vec<_>>>()?;
+    Ok(CacheRead {
+        superblock,
+        volumes,
+        first,
+        layout,
+        modes,
+    })
+}
+
 pub(crate) fn open(
     cache: Arc<dyn Device>,
     resolve: &mut OriginResolver<'_>,
     opts: &OpenOptions,
 ) -> EngineResult<Opened> {
-    cairn_format::crc32c_self_test().map_err(EngineError::ChecksumImplementation)?;
-    let superblock = superblocks::read_newest(cache.as_ref())?;
-    let volumes = superblocks::read_table(cache.as_ref(), &superblock)?;
-    let first = first_volume(cache.as_ref(), &volumes)?.clone();
-    let layout = check_cache(cache.as_ref(), &superblock, &volumes)?;
-    let mut origins = Vec::with_capacity(volumes.volumes().len());
-    let mut modes = Vec::with_capacity(volumes.volumes().len());
-    for volume in volumes.volumes() {
+    let read = read_cache(cache.as_ref())?;
+    let (superblock, first) = (&read.superblock, &read.first);
+    let mut origins = Vec::with_capacity(read.volumes.volumes().len());
+    for volume in read.volumes.volumes() {
         let origin = resolve(volume)?;
         // Only the first volume's origin is the one a user may name anew.
         let force = opts.force_origin && volume.id == first.id;
-        check_origin(origin.as_ref(), &superblock, volume, force)?;
+        check_origin(origin.as_ref(), superblock, volume, force)?;
         // A crashed cache's origin may have been claimed by another cache
         // since: replaying this one's log over it would roll it back.
         crate::origin_claims::claim(
@@ -67,34 +98,29 @@ pub(crate) fn open(
             origin,
             volume.origin_size_bytes / superblock.block_size_bytes as u64,
         ));
-        modes.push((volume.id, mode_of(cache.as_ref(), volume)?));
     }
-    let health = if superblock.degraded() {
-        Health::degraded()
-    } else {
-        Health::default()
-    };
-    let env = Env::new(
-        cache,
-        origins,
-        layout,
-        &superblock,
-        &first,
-        opts.config.clone(),
-        health,
-    );
+    let first_id = first.id;
+    let env = env_of(cache, origins, &read, opts.config.clone());
+    let CacheRead {
+        superblock,
+        volumes,
+        modes,
+        ..
+    } = read;
     if superblock.degraded() {
+        tracing::error!(
+            "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
+            env.cache.name(),
+            env.origins.first().device().identity()
+        );
         return Ok(open_degraded(env, superblock, volumes, modes));
     }
     let (superblock, volumes) = match &superblock.volumes {
         SuperblockVolumes::V1(v1) => upgrade::upgrade_v1(env.cache.as_ref(), &superblock, v1)?,
         SuperblockVolumes::V2 { .. } => (superblock, volumes),
     };
-    let mut state = recovery::recover(&env, superblock, volumes)?;
-    if env.integrity {
-        state.tags = Some(load_tags(&env, &mut state)?);
-    }
-    record_new_identities(&env, &mut state, opts.force_origin.then_some(first.id))?;
+    let mut state = recover_state(&env, superblock, volumes)?;
+    record_new_identities(&env, &mut state, opts.force_origin.then_some(first_id))?;
     // Bump the generation and make everything replayed durable before
     // anything new is written. A failure here refuses the open (nothing
     // new was written yet).
@@ -102,6 +128,80 @@ pub(crate) fn open(
     state.write_superblock(&env)?;
     state.log.recovered(state.superblock.generation);
     Ok(Opened { env, state, modes })
+}
+
+/// Open `cache` to look at it, changing nothing: no origin is opened
+/// (each volume's is an [`UnopenedOrigin`] that refuses every I/O), a
+/// format 1 cache is read as the format 2 one its upgrade would make, the
+/// log is replayed into memory only, and nothing is written back to the
+/// device: no claim, no upgrade, no superblock. The state is exactly what
+/// [`open`] would recover, so its figures (dirty blocks and all) are the
+/// ones a daemon starting now would show.
+pub(crate) fn inspect(cache: Arc<dyn Device>) -> EngineResult<Opened> {
+    let read = read_cache(cache.as_ref())?;
+    let block_bytes = read.superblock.block_size_bytes as u64;
+    let origins = read
+        .volumes
+        .volumes()
+        .iter()
+        .map(|volume| {
+            VolumeOrigin::new(
+                volume.id,
+                Arc::new(UnopenedOrigin::of(volume)),
+                volume.origin_size_bytes / block_bytes,
+            )
+        })
+        .collect();
+    let env = env_of(cache, origins, &read, EngineConfig::default());
+    let CacheRead {
+        superblock,
+        volumes,
+        modes,
+        ..
+    } = read;
+    if superblock.degraded() {
+        return Ok(open_degraded(env, superblock, volumes, modes));
+    }
+    let (superblock, volumes) = match &superblock.volumes {
+        SuperblockVolumes::V1(v1) => upgrade::upgraded_v1(env.cache.as_ref(), &superblock, v1)?,
+        SuperblockVolumes::V2 { .. } => (superblock, volumes),
+    };
+    let mut state = recover_state(&env, superblock, volumes)?;
+    state.log.recovered(state.superblock.generation);
+    Ok(Opened { env, state, modes })
+}
+
+/// The engine's shared context over `cache` and the volumes' `origins`.
+fn env_of(
+    cache: Arc<dyn Device>,
+    origins: Vec<VolumeOrigin>,
+    read: &CacheRead,
+    config: EngineConfig,
+) -> Env {
+    let health = if read.superblock.degraded() {
+        Health::degraded()
+    } else {
+        Health::default()
+    };
+    Env::new(
+        cache,
+        origins,
+        read.layout,
+        &read.superblock,
+        &read.first,
+        config,
+        health,
+    )
+}
+
+/// Recovery, then the integrity tags: the state every open starts from.
+/// Reads the cache device only.
+fn recover_state(env: &Env, superblock: Superblock, volumes: VolumeTable) -> EngineResult<State> {
+    let mut state = recovery::recover(env, superblock, volumes)?;
+    if env.integrity {
+        state.tags = Some(load_tags(env, &mut state)?);
+    }
+    Ok(state)
 }
 
 /// How an origin's identity now matches the one recorded (both compared
@@ -284,11 +384,6 @@ fn open_degraded(
     modes: Vec<(u16, CacheMode)>,
 ) -> Opened {
     assert!(superblock.degraded());
-    tracing::error!(
-        "cache {} is DEGRADED: a cache write failed for good earlier, every dirty block was written back and writes went straight to the origin since, so the cached data may be stale and is never used. Serving origin {} directly; every write is acknowledged once durable there",
-        env.cache.name(),
-        env.origins.first().device().identity()
-    );
     let slot_count = env.layout.log_blocks;
     let log = Log::new(
         slot_count,

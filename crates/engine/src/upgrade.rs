@@ -33,20 +33,10 @@ pub(crate) fn upgrade_v1(
     superblock: &Superblock,
     origin: &OriginV1,
 ) -> EngineResult<(Superblock, VolumeTable)> {
-    assert_eq!(superblock.volumes, SuperblockVolumes::V1(origin.clone()));
     assert!(!superblock.degraded(), "a degraded cache is never written");
-    let table = superblocks::table_of_v1(cache, superblock, origin, 1)?;
+    let (mut upgraded, table) = upgraded_v1(cache, superblock, origin)?;
     assert_eq!(VolumeTable::copy_for(table.sequence), 1);
     superblocks::write_table(cache, &table).map_err(EngineError::Cache)?;
-    let mut upgraded = superblock.clone();
-    upgraded.volumes = SuperblockVolumes::V2 {
-        table_sequence: table.sequence,
-        positions: vec![VolumePosition {
-            id: 0,
-            writeback_offset: superblock.writeback_offset,
-            recalc_position_blocks: origin.recalc_position_blocks,
-        }],
-    };
     for _ in 0..2 {
         upgraded.sequence += 1;
         let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(upgraded.sequence)];
@@ -58,5 +48,28 @@ pub(crate) fn upgrade_v1(
         cache = cache.name(),
         "upgraded the cache from format 1 to format 2 (a volume table; the log and checkpoints are unchanged)"
     );
+    Ok((upgraded, table))
+}
+
+/// The format 2 superblock (before its sequence is bumped for writing)
+/// and volume table that `superblock` (format 1, describing `origin`)
+/// upgrades to, in memory only: what an upgrade writes, and what an
+/// inspection of a format 1 cache reads it as without writing.
+pub(crate) fn upgraded_v1(
+    cache: &dyn Device,
+    superblock: &Superblock,
+    origin: &OriginV1,
+) -> EngineResult<(Superblock, VolumeTable)> {
+    assert_eq!(superblock.volumes, SuperblockVolumes::V1(origin.clone()));
+    let table = superblocks::table_of_v1(cache, superblock, origin, 1)?;
+    let mut upgraded = superblock.clone();
+    upgraded.volumes = SuperblockVolumes::V2 {
+        table_sequence: table.sequence,
+        positions: vec![VolumePosition {
+            id: 0,
+            writeback_offset: superblock.writeback_offset,
+            recalc_position_blocks: origin.recalc_position_blocks,
+        }],
+    };
     Ok((upgraded, table))
 }

@@ -19,7 +19,7 @@ mod common;
 use common::*;
 
 use cairn_device::{Device, Journal, JournalEvent, SimDevice};
-use cairn_engine::{Engine, StoredSettings, VolumeState};
+use cairn_engine::{Engine, Inspection, StoredSettings, VolumeState};
 use cairn_format::{Layout, Superblock, FORMAT_VERSION, FORMAT_VERSION_V1, SUPERBLOCK_OFFSETS};
 use common::crash_check::Shadow;
 use rand::SeedableRng;
@@ -224,6 +224,34 @@ fn a_v1_cache_opens_with_everything_it_held() {
 /// flush of the cache: each crash state (unflushed writes dropped, kept,
 /// or a random torn and reordered subset) is a valid format 1 or format 2
 /// cache, and opens with everything the fixture held. Both kinds occur.
+/// A v1 cache inspected (offline `status`) is read as the v2 cache its
+/// upgrade would make, without the upgrade: nothing is written, it stays
+/// v1, and its figures are those the real open (which upgrades) recovers.
+#[test]
+fn a_v1_cache_is_inspected_without_being_upgraded() {
+    let (cache, origin) = fixture_devices();
+    let before = cache.durable_image();
+    cache.reset_counters();
+    let seen = Inspection::open(std::sync::Arc::new(cache.clone()) as std::sync::Arc<dyn Device>)
+        .expect("the v1 cache is inspected");
+    assert_eq!(cache.counters().writes, 0, "{:?}", cache.counters());
+    assert_eq!(cache.counters().flushes, 0, "{:?}", cache.counters());
+    assert_eq!(cache.durable_image(), before);
+    assert_eq!(
+        superblock_versions(&cache.live_image()),
+        [FORMAT_VERSION_V1; 2]
+    );
+    let inspected = seen.stats();
+    assert!(inspected.dirty_blocks > 0, "{inspected:?}");
+    assert_eq!(seen.stored_settings(), stored_settings());
+    let opened = open(&cache, &origin).expect("the v1 cache opens");
+    let real = opened.stats();
+    assert_eq!(real.dirty_blocks, inspected.dirty_blocks);
+    assert_eq!(real.clean_blocks, inspected.clean_blocks);
+    assert_eq!(real.pending_ranges, inspected.pending_ranges);
+    assert_eq!(opened.volumes_status(), seen.volumes_status());
+}
+
 #[test]
 fn an_upgrade_cut_at_any_write_leaves_a_v1_or_a_v2_cache_with_all_its_data() {
     let (cache, origin) = fixture_devices();

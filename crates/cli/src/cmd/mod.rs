@@ -101,7 +101,9 @@ pub fn open_engine_with(
 
 /// Run `request` on `cache`: through the daemon serving it if one answers,
 /// else on the devices opened here. Both run `admin::exec::execute`; every
-/// reply before the final `Ok` goes to `on_reply`.
+/// reply before the final `Ok` goes to `on_reply`. Offline, a request that
+/// only reads (`status`, `volume list`) is answered from the cache device
+/// alone, opened read-only, with no origin (`status_offline`).
 pub fn run_request(
     cache: &Path,
     request: &AdminRequest,
@@ -109,6 +111,10 @@ pub fn run_request(
 ) -> Result<()> {
     if let Some(answer) = client::ask_daemon(cache, request, &mut on_reply) {
         return Ok(answer?);
+    }
+    if let Some(reply) = crate::status_offline::answer(cache, request)? {
+        on_reply(reply);
+        return Ok(());
     }
     let engine = open_engine(cache, None, false)?;
     let target = Target {

@@ -20,9 +20,17 @@ pub fn run(cache: &Path, json: bool, volume: Option<&str>) -> Result<()> {
     if json {
         say!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        crate::status::print_human(&v)?;
+        print_human(&v)?;
     }
     Ok(())
+}
+
+/// The human status: a daemon's, or the offline view of the cache alone.
+fn print_human(status: &serde_json::Value) -> std::io::Result<()> {
+    if status["view"] == "offline" {
+        return crate::status_offline::write_human(&mut std::io::stdout().lock(), status);
+    }
+    crate::status::print_human(status)
 }
 
 /// `status --volume NAME`: that volume's figures, then the cache totals
@@ -58,5 +66,5 @@ fn print_volume(status: &serde_json::Value, name: &str, json: bool) -> Result<()
             say!("volume {key}: {value}")?;
         }
     }
-    Ok(crate::status::print_human(status)?)
+    Ok(print_human(status)?)
 }

@@ -199,8 +199,18 @@ fn clear_o_direct(file: &File) -> io::Result<()> {
 /// A second, buffered descriptor of the same inode. Through /proc so it is
 /// the same file even if the path was replaced since; the path otherwise.
 fn reopen_buffered(file: &File, path: &Path) -> io::Result<File> {
+    // SAFETY: F_GETFL on a descriptor we own; no memory is passed.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // As the direct descriptor was opened: a read-only one stays so.
+    let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
     let mut options = OpenOptions::new();
-    options.read(true).write(true).custom_flags(libc::O_CLOEXEC);
+    options
+        .read(true)
+        .write(writes)
+        .custom_flags(libc::O_CLOEXEC);
     let buffered = options
         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
         .or_else(|_| options.open(path))?;
