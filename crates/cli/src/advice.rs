@@ -211,15 +211,17 @@ fn wrong_disk_advice(recorded: &str, given: &str) -> String {
 /// give it that size back first (for an RBD image, the `rbd resize` that
 /// does it); reformatting, which drops that data, comes last.
 fn origin_size_advice(origin: &str, recorded_bytes: u64, given_bytes: u64) -> String {
+    if given_bytes > recorded_bytes {
+        // Refused only where nothing but the size says which device this is
+        // (an NBD export, a path without a lasting id).
+        return format!(
+            "if {origin} is the origin this cache was formatted for, grown, start cairn with --force: it serves the {recorded_bytes} bytes it was formatted for (to use the new size, `cairn flush`, stop cairn, then `cairn format --force` the cache). If another export or disk now answers to that name, use the original"
+        );
+    }
     let restore = match origin.strip_prefix("rbd:") {
         Some(rest) => {
             let image = rest.split(['?', '#']).next().unwrap_or(rest);
-            let shrink = if given_bytes > recorded_bytes {
-                " --allow-shrink"
-            } else {
-                ""
-            };
-            format!("give the image its recorded size back, then start cairn again: `rbd resize --size {recorded_bytes}B{shrink} {image}`")
+            format!("give the image its recorded size back, then start cairn again: `rbd resize --size {recorded_bytes}B {image}`")
         }
         None => format!(
             "give the origin its recorded size back ({recorded_bytes} bytes), or use the original device"
@@ -274,24 +276,28 @@ mod tests {
                 && shrunk.contains("`rbd resize --size 268435456B rbd/vol4`"),
             "{shrunk}"
         );
+        // A grown origin is refused only where nothing but its size tells
+        // which device it is: never advised to shrink it.
         let grown = for_engine(&EngineError::OriginSizeChanged {
-            origin: "rbd:rbd/ns/vol4".into(),
+            origin: "nbd+unix:///?socket=/run/o.sock".into(),
             recorded_bytes: 268_435_456,
             given_bytes: 314_572_800,
         })
         .unwrap_or_default();
         assert!(
-            grown.contains("`rbd resize --size 268435456B --allow-shrink rbd/ns/vol4`"),
+            grown.contains("start cairn with --force")
+                && grown.contains("serves the 268435456 bytes")
+                && !grown.contains("shrink"),
             "{grown}"
         );
         let file = for_engine(&EngineError::OriginSizeChanged {
             origin: "/dev/sdb".into(),
-            recorded_bytes: 4096,
-            given_bytes: 8192,
+            recorded_bytes: 8192,
+            given_bytes: 4096,
         })
         .unwrap_or_default();
         assert!(
-            file.starts_with("give the origin its recorded size back (4096 bytes)")
+            file.starts_with("give the origin its recorded size back (8192 bytes)")
                 && file.find("format --force") > file.find("recorded size"),
             "{file}"
         );

@@ -299,42 +299,124 @@ fn the_cache_given_as_its_own_origin_is_named_as_such() {
 }
 
 #[test]
-fn origin_that_changed_size_is_refused() {
-    let ctx = Ctx::new("origin_resized");
+fn origin_that_shrank_is_refused() {
+    let ctx = Ctx::new("origin_shrunk");
     let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
     let c = cache.to_string_lossy();
     let sock = ctx.path("nbd.sock");
     let s = sock.to_string_lossy();
-    for new_size in [32 * MIB, 128 * MIB] {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&origin)
-            .and_then(|f| f.set_len(new_size))
-            .expect("resizing the origin");
-        for args in [
-            vec!["serve", "--cache", &c, "--socket", &s],
-            vec!["flush", "--cache", &c],
-        ] {
-            let out = ctx.cairn(&args);
-            assert_clean_failure(
-                &out,
-                &[
-                    &format!("is {new_size} bytes"),
-                    &format!("recorded {} bytes", 64 * MIB),
-                    &format!(
-                        "give the origin its recorded size back ({} bytes)",
-                        64 * MIB
-                    ),
-                ],
-            );
-        }
-        assert!(!sock.exists());
-        // Status reads the cache alone (the origin is not opened), so it
-        // answers, with the size recorded.
-        let st = ctx.status(&cache);
-        assert_eq!(st["served"], false, "{st}");
-        assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB, "{st}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&origin)
+        .and_then(|f| f.set_len(32 * MIB))
+        .expect("shrinking the origin");
+    for args in [
+        vec!["serve", "--cache", &c, "--socket", &s],
+        vec!["serve", "--cache", &c, "--socket", &s, "--force"],
+        vec!["flush", "--cache", &c],
+    ] {
+        let out = ctx.cairn(&args);
+        assert_clean_failure(
+            &out,
+            &[
+                &format!("is {} bytes", 32 * MIB),
+                &format!("recorded {} bytes", 64 * MIB),
+                &format!(
+                    "give the origin its recorded size back ({} bytes)",
+                    64 * MIB
+                ),
+            ],
+        );
     }
+    assert!(!sock.exists());
+    // Status reads the cache alone (the origin is not opened), so it
+    // answers, with the size recorded.
+    let st = ctx.status(&cache);
+    assert_eq!(st["served"], false, "{st}");
+    assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB, "{st}");
+}
+
+/// An origin file that grew (the same inode: `truncate -s`, an LV or image
+/// made larger) still holds every block where the cache knows it: served
+/// at the size the cache was formatted for, with a warning, its data and
+/// the cache's dirty blocks intact.
+#[test]
+fn origin_file_that_grew_is_served_at_its_recorded_size() {
+    let ctx = Ctx::new("origin_grown");
+    let (cache, origin) = ctx.setup(32 * MIB, 64 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let data = pattern(7, 64 * 1024);
+    nbd_write(&server.uri(), 60 * MIB, &data, true);
+    server.kill9();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&origin)
+        .and_then(|f| f.set_len(128 * MIB))
+        .expect("growing the origin");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    assert_eq!(nbd_read(&server.uri(), 60 * MIB, data.len()), data);
+    let st = ctx.status(&cache);
+    assert_eq!(st["served"], true, "{st}");
+    assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB, "{st}");
+    let past_end = try_nbd_read(&server.uri(), 64 * MIB, 4096);
+    assert!(
+        !past_end.status.success(),
+        "a read past the recorded size: {}",
+        describe(&past_end)
+    );
+    let out = ctx.flush(&cache);
+    assert!(out.status.success(), "{}", describe(&out));
+    server.terminate();
+    assert!(
+        server.proc.log_text().contains("the origin grew"),
+        "the grown origin is logged:\n{}",
+        server.proc.log_text()
+    );
+    assert_same_bytes(
+        "the origin after write-back",
+        &read_range(&origin, 60 * MIB, data.len()),
+        &data,
+    );
+}
+
+/// An NBD export is known by its URI alone: when it answers with a larger
+/// size, nothing says it is the same export, so it is refused with advice;
+/// `--force` (the operator saying it is) serves it at the recorded size.
+#[test]
+fn nbd_origin_that_grew_needs_force() {
+    if !require_tools("nbd_origin_that_grew_needs_force", &["nbdkit"]) {
+        return;
+    }
+    let ctx = Ctx::new("nbd_origin_grown");
+    let origin_sock = ctx.path("origin.sock");
+    let origin_file = ctx.file("origin.img", 64 * MIB);
+    let file_arg = format!("file={}", origin_file.display());
+    let mut nbdkit = start_nbdkit(&ctx, &origin_sock, &["file", &file_arg]);
+    let cache = ctx.file("cache.img", 32 * MIB);
+    ctx.format(&cache, &nbd_unix_uri(&origin_sock), &[]);
+    nbdkit.terminate(Duration::from_secs(10));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&origin_file)
+        .and_then(|f| f.set_len(128 * MIB))
+        .expect("growing the origin");
+    let _ = std::fs::remove_file(&origin_sock);
+    let _nbdkit = start_nbdkit(&ctx, &origin_sock, &["file", &file_arg]);
+    let (c, sock) = (cache.to_string_lossy(), ctx.path("nbd.sock"));
+    let s = sock.to_string_lossy();
+    let out = ctx.cairn(&["serve", "--cache", &c, "--socket", &s]);
+    assert_clean_failure(
+        &out,
+        &[
+            &format!("recorded {} bytes", 64 * MIB),
+            "start cairn with --force",
+        ],
+    );
+    let mut server = ctx.serve(&cache, &sock, &["--force"]);
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "volume_size_bytes"), 64 * MIB, "{st}");
+    server.terminate();
 }
 
 #[test]

@@ -39,8 +39,8 @@ pub use claim_mode::ClaimMode;
 pub use file::{FileDevice, OpenMode};
 pub use identity::{device_id_of_identity, identity_without_inode};
 pub use local::{
-    open_local, open_local_with, open_path_or_uri, open_path_or_uri_with, spec_of_identity,
-    IoBackend, LocalOptions, IO_BACKEND_ENV,
+    identity_is_lasting, open_local, open_local_with, open_path_or_uri, open_path_or_uri_with,
+    spec_of_identity, IoBackend, LocalOptions, IO_BACKEND_ENV,
 };
 pub use nbd::{NbdDevice, NbdOptions, NbdStats, NbdTransport, NbdUri};
 pub use rbd::{RbdDevice, RbdSpec};

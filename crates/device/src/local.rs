@@ -134,6 +134,17 @@ pub fn spec_of_identity(identity: &str) -> &str {
     identity.strip_prefix("file:").unwrap_or(identity)
 }
 
+/// True if `identity` names its device for good: a regular file by its
+/// inode, a block device by a lasting id from sysfs, an RBD image by its
+/// image id. A path alone, or an NBD export's URI, could name another
+/// device tomorrow, so only its size would tell the two apart.
+pub fn identity_is_lasting(identity: &str) -> bool {
+    if crate::RbdSpec::is_rbd(identity) {
+        return spec_of_identity(identity) != identity;
+    }
+    identity.starts_with("file:") && crate::identity::identity_without_inode(identity) != identity
+}
+
 /// The policy, with ring setup and file opening injectable so tests can
 /// exercise the fallbacks on a machine where everything works.
 pub(crate) fn open_local_impl(
@@ -184,6 +195,27 @@ pub(crate) fn open_local_impl(
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn lasting_identities_are_inodes_device_ids_and_image_ids() {
+        for lasting in [
+            "file:/srv/origin.img#ino=1234",
+            "file:/dev/sdb#dev=wwid:naa.5000c500a1b2c3d4",
+            "rbd:rbd/vol#10a2b3c4d5e6",
+        ] {
+            assert!(identity_is_lasting(lasting), "{lasting}");
+        }
+        for by_name in [
+            "file:/dev/sdb",
+            "file:/srv/origin.img",
+            "nbd+unix:///?socket=/run/origin.sock",
+            "nbd://example.net:10809/export",
+            "rbd:rbd/vol",
+            "sim:origin",
+        ] {
+            assert!(!identity_is_lasting(by_name), "{by_name}");
+        }
+    }
 
     fn temp_file(tag: &str, size_bytes: u64) -> std::path::PathBuf {
         static NEXT: AtomicUsize = AtomicUsize::new(0);

@@ -84,7 +84,7 @@ pub(crate) fn open(
         let origin = resolve(volume)?;
         // Only the first volume's origin is the one a user may name anew.
         let force = opts.force_origin && volume.id == first.id;
-        check_origin(origin.as_ref(), superblock, volume, force)?;
+        check_origin(cache.as_ref(), origin.as_ref(), superblock, volume, force)?;
         // A crashed cache's origin may have been claimed by another cache
         // since: replaying this one's log over it would roll it back.
         crate::origin_claims::claim(
@@ -297,8 +297,10 @@ fn first_volume<'a>(cache: &dyn Device, volumes: &'a VolumeTable) -> EngineResul
 }
 
 /// A volume's origin must be the one it was made for (unless `force`), of
-/// the size it had, and one `format` accepts for the block size.
+/// the size it had (or grown, if it is known to be the same device), and
+/// one `format` accepts for the block size.
 fn check_origin(
+    cache: &dyn Device,
     origin: &dyn Device,
     superblock: &Superblock,
     volume: &VolumeEntry,
@@ -314,16 +316,46 @@ fn check_origin(
             given: origin.identity(),
         });
     }
-    if origin.size_bytes() != volume.origin_size_bytes {
+    let (recorded_bytes, given_bytes) = (volume.origin_size_bytes, origin.size_bytes());
+    if given_bytes == recorded_bytes {
+        // The table passed its checksum, but its fields are still device
+        // contents.
+        return crate::format::check_origin_size(origin, superblock.block_size_bytes);
+    }
+    // A shrunk origin would lose the blocks past its end that the cache
+    // holds or writes back: never. A grown one holds every block the cache
+    // knows, where it was: served at the recorded size, if the origin is
+    // known to be the same device (a lasting identity that matches, or
+    // the operator's --force); otherwise its size is the only sign that
+    // another export or disk now answers to the name.
+    let same_device =
+        matched == IdentityMatch::Same && cairn_device::identity_is_lasting(&identity);
+    if given_bytes < recorded_bytes || !(same_device || force) {
         return Err(EngineError::OriginSizeChanged {
             origin: origin.name().to_string(),
-            recorded_bytes: volume.origin_size_bytes,
-            given_bytes: origin.size_bytes(),
+            recorded_bytes,
+            given_bytes,
         });
     }
-    // The table passed its checksum, but its fields are still device
-    // contents.
-    crate::format::check_origin_size(origin, superblock.block_size_bytes)
+    // Formatted at the recorded size, which format checked; the table's
+    // field is device contents, so it is checked again.
+    if recorded_bytes == 0 || !recorded_bytes.is_multiple_of(superblock.block_size_bytes as u64) {
+        return Err(EngineError::SuperblockInvalid {
+            device: cache.name().to_string(),
+            detail: format!(
+                "origin size {recorded_bytes} recorded for volume {:?} is not a multiple of the block size",
+                volume.name
+            ),
+        });
+    }
+    tracing::warn!(
+        volume = volume.name.as_str(),
+        origin = origin.name(),
+        recorded_bytes,
+        given_bytes,
+        "the origin grew since the cache was formatted; cairn serves the {recorded_bytes} bytes it was formatted for, and the rest is not reachable through it (to use the new size: `cairn flush` to write everything back, stop cairn, then `cairn format --force` the cache)"
+    );
+    Ok(())
 }
 
 /// The cache must be laid out as the superblock says, with a tag area
