@@ -135,6 +135,60 @@ fn osd_outage(
     );
 }
 
+/// The image grew while cairn was stopped (its id unchanged): served at
+/// the volume's recorded size, and a later shrink back to that size is
+/// no shrink of the volume, so writes and write-back go on.
+fn image_grown_before_a_restart(
+    ctx: &Ctx,
+    ceph: &CephCluster,
+    cache: &std::path::Path,
+    serve_args: &[&str],
+) {
+    ceph.rbd(&["resize", "--size", "160M", "rbd/vol"]);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(cache, &sock, serve_args);
+    let uri = server.uri();
+    let st = ctx.status(cache);
+    assert_eq!(u64_of(&st, "volume_size_bytes"), 128 * MIB, "{st}");
+    let first = pattern(0x41, MIB as usize);
+    nbd_write(&uri, 100 * MIB, &first, true);
+    wait_drained(ctx, cache);
+    ceph.rbd(&[
+        "resize",
+        "--allow-shrink",
+        "--size",
+        "134217728B",
+        "rbd/vol",
+    ]);
+    let second = pattern(0x42, MIB as usize);
+    nbd_write(&uri, 110 * MIB, &second, true);
+    wait_drained(ctx, cache);
+    let st = ctx.status(cache);
+    assert_eq!(st["origin_state"], "ok", "{st}");
+    server.terminate();
+    assert!(
+        server.proc.log_text().contains("the origin grew"),
+        "{}",
+        server.proc.log_text()
+    );
+    let export = image_export(ctx, ceph, "export-grown.img");
+    assert_eq!(
+        export.len() as u64,
+        128 * MIB,
+        "the image is back at its size"
+    );
+    assert_same_bytes(
+        "written while grown",
+        &export[(100 * MIB) as usize..(101 * MIB) as usize],
+        &first,
+    );
+    assert_same_bytes(
+        "written after the shrink back",
+        &export[(110 * MIB) as usize..(111 * MIB) as usize],
+        &second,
+    );
+}
+
 /// `rbd resize --allow-shrink` from another client while cairn serves: a
 /// write inside the new size and one past it are absorbed and held,
 /// status names the shrink and the command that undoes it; after it,
@@ -384,6 +438,9 @@ fn rbd_origin_survives_kill9_and_a_stopped_osd() {
 
     // 4. Another client shrinks the image while cairn serves it.
     image_shrunk_while_serving(&ctx, &ceph, &cache, &serve_args);
+
+    // 4b. The image grows while cairn is stopped, then is shrunk back.
+    image_grown_before_a_restart(&ctx, &ceph, &cache, &serve_args);
 
     // 5. The cluster blocklists cairn while it serves.
     blocklisted_while_serving(&ctx, &ceph, &cache, &serve_args);

@@ -166,6 +166,14 @@ pub trait Device: Send + Sync {
 
     fn size_bytes(&self) -> u64;
 
+    /// This origin grew since the cache was formatted and is served at
+    /// `volume_bytes`, the size recorded then (less than `size_bytes`).
+    /// A device that watches its own size (an RBD image) measures a later
+    /// resize against the volume, not against the size it opened with.
+    fn serve_at_recorded_size(&self, volume_bytes: u64) {
+        let _ = volume_bytes;
+    }
+
     /// Mark this origin as written back to by `claim`'s cache, or check
     /// that it is (see [`OriginClaim`] and [`ClaimMode`]). Origins that can
     /// store nothing of the kind (a file, an NBD export) accept every

@@ -200,7 +200,16 @@ fn write_empty_checkpoint(
 }
 
 pub(crate) fn check_origin_size(origin: &dyn Device, block_bytes: u32) -> EngineResult<()> {
-    let size = origin.size_bytes();
+    check_origin_size_bytes(origin, origin.size_bytes(), block_bytes)
+}
+
+/// [`check_origin_size`] for `size` bytes of `origin` (the size recorded
+/// at format, for an origin that grew since).
+pub(crate) fn check_origin_size_bytes(
+    origin: &dyn Device,
+    size: u64,
+    block_bytes: u32,
+) -> EngineResult<()> {
     if size == 0 || !size.is_multiple_of(block_bytes as u64) {
         return Err(EngineError::OriginSizeUnaligned {
             origin: origin.name().to_string(),

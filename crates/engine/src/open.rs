@@ -84,7 +84,7 @@ pub(crate) fn open(
         let origin = resolve(volume)?;
         // Only the first volume's origin is the one a user may name anew.
         let force = opts.force_origin && volume.id == first.id;
-        check_origin(cache.as_ref(), origin.as_ref(), superblock, volume, force)?;
+        check_origin(origin.as_ref(), superblock, volume, force)?;
         // A crashed cache's origin may have been claimed by another cache
         // since: replaying this one's log over it would roll it back.
         crate::origin_claims::claim(
@@ -300,7 +300,6 @@ fn first_volume<'a>(cache: &dyn Device, volumes: &'a VolumeTable) -> EngineResul
 /// the size it had (or grown, if it is known to be the same device), and
 /// one `format` accepts for the block size.
 fn check_origin(
-    cache: &dyn Device,
     origin: &dyn Device,
     superblock: &Superblock,
     volume: &VolumeEntry,
@@ -328,8 +327,12 @@ fn check_origin(
     // known to be the same device (a lasting identity that matches, or
     // the operator's --force); otherwise its size is the only sign that
     // another export or disk now answers to the name.
-    let same_device =
-        matched == IdentityMatch::Same && cairn_device::identity_is_lasting(&identity);
+    // Lasting as recorded (a recorded identity cut to the superblock's
+    // limit may have lost its inode or id) and recorded whole, so that
+    // `Same` compared all of it.
+    let same_device = matched == IdentityMatch::Same
+        && origin_identity_for_superblock(&identity) == identity
+        && cairn_device::identity_is_lasting(&volume.origin_identity);
     if given_bytes < recorded_bytes || !(same_device || force) {
         return Err(EngineError::OriginSizeChanged {
             origin: origin.name().to_string(),
@@ -337,17 +340,10 @@ fn check_origin(
             given_bytes,
         });
     }
-    // Formatted at the recorded size, which format checked; the table's
-    // field is device contents, so it is checked again.
-    if recorded_bytes == 0 || !recorded_bytes.is_multiple_of(superblock.block_size_bytes as u64) {
-        return Err(EngineError::SuperblockInvalid {
-            device: cache.name().to_string(),
-            detail: format!(
-                "origin size {recorded_bytes} recorded for volume {:?} is not a multiple of the block size",
-                volume.name
-            ),
-        });
-    }
+    // Format checked the recorded size; the table's field is device
+    // contents, so it is checked again, as the size is on the equal path.
+    crate::format::check_origin_size_bytes(origin, recorded_bytes, superblock.block_size_bytes)?;
+    origin.serve_at_recorded_size(recorded_bytes);
     tracing::warn!(
         volume = volume.name.as_str(),
         origin = origin.name(),

@@ -418,6 +418,10 @@ impl Device for RbdDevice {
         self.size_bytes
     }
 
+    fn serve_at_recorded_size(&self, volume_bytes: u64) {
+        self.size_check.set_volume_bytes(volume_bytes);
+    }
+
     /// Recorded in the image's metadata (see [`super::claim`]).
     fn claim(&self, claim: &OriginClaim) -> DeviceResult<()> {
         super::claim::claim_image(&self.handles, &self.image_path, claim).map_err(|message| {

@@ -9,8 +9,11 @@
 //! (the volume's origin is failing, nothing is dropped) until the image
 //! has its size back. Reads past the new end are refused the same way;
 //! reads inside it go on. Grown, the image still holds the whole volume:
-//! requests go on, and the next open refuses the new size (the engine
-//! compares it with the recorded one), which the log says now.
+//! requests go on, and the next open serves it at the volume's size (the
+//! engine accepts a grown image whose id matches), which the log says now.
+//! The volume's size is the size the image opened with, or the recorded
+//! one when the image had grown before the open
+//! ([`SizeCheck::set_volume_bytes`]).
 //!
 //! Reading the size after a header change asks the cluster (librbd
 //! refreshes the header first), so it is never done on the reactor, whose
@@ -52,7 +55,7 @@ pub(super) enum Caller {
 pub(super) struct SizeCheck {
     /// `POOL/[NAMESPACE/]IMAGE`, for the advice.
     image_path: String,
-    volume_bytes: u64,
+    volume_bytes: AtomicU64,
     seen_bytes: AtomicU64,
     /// Held from taking the watch's flag to storing the size it led to,
     /// so sizes are stored in the order they were read (a stale shrink
@@ -67,11 +70,22 @@ impl SizeCheck {
     pub fn new(image_path: String, volume_bytes: u64) -> SizeCheck {
         SizeCheck {
             image_path,
-            volume_bytes,
+            volume_bytes: AtomicU64::new(volume_bytes),
             seen_bytes: AtomicU64::new(volume_bytes),
             look: Mutex::new(None),
             look_queued: AtomicBool::new(false),
         }
+    }
+
+    /// The volume is `volume_bytes`, less than the image's size at open:
+    /// it grew before this open, and the engine serves the recorded size.
+    pub fn set_volume_bytes(&self, volume_bytes: u64) {
+        debug_assert!(volume_bytes <= self.seen_bytes.load(Ordering::Acquire));
+        self.volume_bytes.store(volume_bytes, Ordering::Release);
+    }
+
+    fn volume_bytes(&self) -> u64 {
+        self.volume_bytes.load(Ordering::Acquire)
     }
 
     /// Whether a request over `offset..offset + len` may go to the image.
@@ -90,7 +104,7 @@ impl SizeCheck {
             }
         }
         let seen = self.seen_bytes.load(Ordering::Acquire);
-        if seen >= self.volume_bytes {
+        if seen >= self.volume_bytes() {
             return Ok(());
         }
         if access == Access::Read && offset.saturating_add(len) <= seen {
@@ -110,14 +124,14 @@ impl SizeCheck {
             self.look_again_elsewhere(handles);
         }
         let seen = self.seen_bytes.load(Ordering::Acquire);
-        (seen < self.volume_bytes).then(|| self.shrunk_message(seen))
+        (seen < self.volume_bytes()).then(|| self.shrunk_message(seen))
     }
 
     fn shrunk_message(&self, seen: u64) -> String {
         format!(
             "the image {image} was shrunk from {volume} to {seen} bytes by another client while cairn served it, and its data past {seen} bytes is gone; cairn holds the volume's writes (nothing is dropped) until the image has its size back: `rbd resize --size {volume}B {image}`",
             image = self.image_path,
-            volume = self.volume_bytes,
+            volume = self.volume_bytes(),
         )
     }
 
@@ -153,7 +167,7 @@ impl SizeCheck {
         let mut failed_at = self.look.lock().unwrap_or_else(PoisonError::into_inner);
         let now = self.read_size(handles, &mut failed_at)?;
         drop(failed_at);
-        if now < self.volume_bytes {
+        if now < self.volume_bytes() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 self.shrunk_message(now),
@@ -210,12 +224,12 @@ impl SizeCheck {
         if now == before {
             return;
         }
-        let volume = self.volume_bytes;
+        let volume = self.volume_bytes();
         if now < volume {
             tracing::error!(image = %self.image_path, volume_bytes = volume, image_bytes = now, "{}", self.shrunk_message(now));
         } else if now > volume {
             tracing::warn!(image = %self.image_path, volume_bytes = volume, image_bytes = now,
-                "the image grew past the volume; cairn goes on serving {volume} bytes, and will refuse to open the image at its new size: `rbd resize --allow-shrink --size {volume}B {}` before cairn restarts", self.image_path);
+                "the image grew past the volume; cairn goes on serving {volume} bytes, and serves that much after a restart too (to use the new size: `cairn flush`, stop cairn, `cairn format --force` the cache)");
         } else {
             tracing::info!(image = %self.image_path, volume_bytes = volume, "the image has the volume's size again; writes go on");
         }
