@@ -271,15 +271,27 @@ fn main() -> ExitCode {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
+    let cli = Cli::try_parse();
+    // A query prints its answer and nothing else unless something is
+    // wrong: the offline status's recovery would otherwise log its INFO
+    // lines around the answer.
+    let quiet = matches!(
+        &cli,
+        Ok(Cli {
+            command: Command::Status { .. }
+                | Command::Volume(cmd::volume::VolumeCommand::List { .. })
+        })
+    );
+    let default_filter = if quiet { "warn" } else { "info" };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CAIRN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = match Cli::try_parse() {
+    let cli = match cli {
         Ok(cli) => cli,
         Err(e) => return parse_failed(&e),
     };

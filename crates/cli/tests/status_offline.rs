@@ -80,11 +80,15 @@ fn offline_status_needs_no_origin_and_writes_nothing() {
     assert!(volumes[0]["origin_state"].is_null(), "{st}");
     assert!(volumes[0].get("connections").is_none(), "{st}");
 
-    let human = stdout(&ctx.cairn_ok(&["status", "--cache", &c]));
+    let out = ctx.cairn_ok(&["status", "--cache", &c]);
+    let human = stdout(&out);
     assert!(
         human.contains("not served (offline view") && human.contains(&format!("{dirty} dirty")),
         "{human}"
     );
+    // A query's answer comes alone: the recovery's INFO lines stay out.
+    let noise = stderr(&out);
+    assert!(!noise.contains(" INFO "), "status logged: {noise}");
     let one = json_in(&stdout(
         &ctx.cairn_ok(&["status", "--cache", &c, "--volume", "", "--json"]),
     ));
