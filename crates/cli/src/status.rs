@@ -291,7 +291,7 @@ pub(crate) fn integrity_line(v: &Value) -> String {
 /// read as EIO until rewritten. Said in words, so the block counts (which
 /// hold the corrupt ones) are not taken for a miscount and the loss is not
 /// missed.
-pub(crate) fn write_lost_data(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+fn write_lost_data(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     let count = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
     let lost_data = count("corrupt_blocks") + count("lost_blocks");
     if lost_data > 0 {
@@ -342,12 +342,18 @@ pub fn print_human(v: &Value) -> std::io::Result<()> {
     write_human(&mut std::io::stdout().lock(), v)
 }
 
-/// The human form of the status `v`.
-fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+/// The first lines of a human status, the same online and offline: the
+/// cache, its sizes, its blocks and any data lost; `served` follows the
+/// mode and state on the first line.
+pub(crate) fn write_head(
+    out: &mut impl std::io::Write,
+    v: &Value,
+    served: &str,
+) -> std::io::Result<()> {
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
     writeln!(
         out,
-        "cairn cache: {} (mode {}, {})",
+        "cairn cache: {} (mode {}, {}){served}",
         get("origin"),
         get("mode"),
         get("state")
@@ -367,7 +373,13 @@ fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> 
         get("free_blocks"),
         get("corrupt_blocks")
     )?;
-    write_lost_data(out, v)?;
+    write_lost_data(out, v)
+}
+
+/// The human form of the status `v`.
+fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
+    let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
+    write_head(out, v, "")?;
     // `reads` and `writes` count client requests; hits, misses and
     // bypassed count blocks (one request spans many), so each says which.
     writeln!(

@@ -131,29 +131,11 @@ fn volumes_json(inspection: &Inspection) -> Value {
 /// plainly that it is not served.
 pub fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> {
     let get = |k: &str| v.get(k).map(|x| x.to_string()).unwrap_or_default();
-    writeln!(
+    crate::status::write_head(
         out,
-        "cairn cache: {} (mode {}, {}), not served (offline view: read from the cache device only; the origin was not opened)",
-        get("origin"),
-        get("mode"),
-        get("state")
+        v,
+        ", not served (offline view: read from the cache device only; the origin was not opened)",
     )?;
-    writeln!(
-        out,
-        "  block size {} B, volume {} B, cache {} blocks",
-        get("block_size_bytes"),
-        get("volume_size_bytes"),
-        get("cache_blocks")
-    )?;
-    writeln!(
-        out,
-        "  blocks: {} dirty, {} clean, {} free, {} corrupt",
-        get("dirty_blocks"),
-        get("clean_blocks"),
-        get("free_blocks"),
-        get("corrupt_blocks")
-    )?;
-    crate::status::write_lost_data(out, v)?;
     writeln!(
         out,
         "  log: {} of {} blocks in use; write-back position {} of {}",

@@ -728,6 +728,20 @@ fn patterned_origin(tag: &str, seed: u64, len: usize) -> (PathBuf, PathBuf, Vec<
     (dir, image, content)
 }
 
+/// nbdkit serving `image` with its reads slowed by `rdelay` (`rdelay=N`),
+/// shared so a test can stop and start it again under the device.
+fn shared_delayed_file_kit(
+    tag: &str,
+    image: &std::path::Path,
+    rdelay: &str,
+) -> Arc<std::sync::Mutex<NbdKit>> {
+    let image = image.to_str().expect("a UTF-8 scratch path");
+    Arc::new(std::sync::Mutex::new(NbdKit::start(
+        tag,
+        &["--filter=delay", "file", image, rdelay],
+    )))
+}
+
 /// Read `(offset, len)` pieces of `device` as tasks of `reactor`, all at
 /// once, as a connection's misses are.
 async fn reads_in_flight(
@@ -912,15 +926,7 @@ fn a_loop_connection_that_breaks_never_gives_wrong_data() {
         return;
     }
     let (dir, image, content) = patterned_origin("loop-break", 34, 8 << 20);
-    let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
-        "loop-break",
-        &[
-            "--filter=delay",
-            "file",
-            image.to_str().unwrap(),
-            "rdelay=200ms",
-        ],
-    )));
+    let kit = shared_delayed_file_kit("loop-break", &image, "rdelay=200ms");
     let uri = kit.lock().unwrap().uri();
     let device = Arc::new(
         NbdDevice::open_with(
@@ -1012,15 +1018,7 @@ fn reads_lost_with_their_connection_are_asked_again() {
         return;
     }
     let (dir, image, content) = patterned_origin("read-again", 36, 8 << 20);
-    let kit = Arc::new(std::sync::Mutex::new(NbdKit::start(
-        "read-again",
-        &[
-            "--filter=delay",
-            "file",
-            image.to_str().unwrap(),
-            "rdelay=300ms",
-        ],
-    )));
+    let kit = shared_delayed_file_kit("read-again", &image, "rdelay=300ms");
     let device = Arc::new(
         NbdDevice::open_with(
             &kit.lock().unwrap().uri(),

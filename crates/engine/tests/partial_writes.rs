@@ -229,12 +229,7 @@ fn engine_over_patterned(origin: &SimDevice) -> (Engine, SimDevice, Vec<u8>) {
         &FormatOptions::default(),
     )
     .expect("format");
-    let engine = Engine::open(
-        Arc::new(cache.clone()),
-        Arc::new(origin.clone()),
-        &open_opts(),
-    )
-    .expect("open");
+    let engine = open(&cache, origin).expect("open");
     (engine, cache, image)
 }
 
