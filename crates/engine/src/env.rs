@@ -80,8 +80,8 @@ impl Env {
         health: Health,
     ) -> Env {
         let block_size_bytes = superblock.block_size_bytes;
-        let record_bytes_max =
-            record_data_blocks_max(block_size_bytes) as usize * block_size_bytes as usize;
+        let record_data_blocks_max = record_data_blocks_max(block_size_bytes, superblock.features);
+        let record_bytes_max = record_data_blocks_max as usize * block_size_bytes as usize;
         let origin_slots = cairn_io::Semaphore::new(config.origin_queue_depth.max(1) as u64);
         Env {
             origin_slots,
@@ -93,7 +93,7 @@ impl Env {
             block_size_bytes: block_size_bytes as usize,
             volume_blocks: first.origin_size_bytes / block_size_bytes as u64,
             config,
-            record_data_blocks_max: record_data_blocks_max(block_size_bytes) as u64,
+            record_data_blocks_max: record_data_blocks_max as u64,
             record_entries_max: RecordHeader::entries_max(block_size_bytes),
             format_tag: chain_seed(&superblock.uuid),
             integrity: superblock.features & cairn_format::FEATURE_INTEGRITY != 0,

@@ -96,11 +96,7 @@ pub(crate) fn format(
         active_checkpoint: 0,
         checkpoint_sequence: 1,
         writeback_offset: 0,
-        features: match (layout.tag_pages > 0, extents) {
-            (false, _) => 0,
-            (true, false) => cairn_format::FEATURE_INTEGRITY,
-            (true, true) => cairn_format::FEATURE_INTEGRITY | cairn_format::FEATURE_TAG_EXTENTS,
-        },
+        features: features_for(&layout, extents),
         volumes: SuperblockVolumes::V2 {
             table_sequence: table.sequence,
             positions: vec![VolumePosition {
@@ -112,6 +108,23 @@ pub(crate) fn format(
     };
     superblocks::write_both(cache.as_ref(), &mut superblock).map_err(EngineError::Cache)?;
     Ok(superblock)
+}
+
+/// The superblock's feature bits for a cache of `layout`. Records are large
+/// wherever the log holds enough of them; tiny caches keep 256 KiB records,
+/// whose reserve for the next record is a quarter of the size.
+fn features_for(layout: &Layout, tag_extents: bool) -> u32 {
+    let tags = match (layout.tag_pages > 0, tag_extents) {
+        (false, _) => 0,
+        (true, false) => cairn_format::FEATURE_INTEGRITY,
+        (true, true) => cairn_format::FEATURE_INTEGRITY | cairn_format::FEATURE_TAG_EXTENTS,
+    };
+    let records = if layout.holds_large_records() {
+        cairn_format::FEATURE_LARGE_RECORDS
+    } else {
+        0
+    };
+    tags | records
 }
 
 /// Refuses a device that already holds a cairn cache, naming the origin

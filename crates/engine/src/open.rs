@@ -399,6 +399,20 @@ fn check_cache(
             detail: "superblock layout does not match the computed layout".into(),
         });
     }
+    // Device contents: a superblock claiming large records over a log too
+    // small for them (format never writes one) would make write-back and
+    // eviction wait for room that never comes.
+    if superblock.features & cairn_format::FEATURE_LARGE_RECORDS != 0
+        && !layout.holds_large_records()
+    {
+        return Err(EngineError::SuperblockInvalid {
+            device: cache.name().to_string(),
+            detail: format!(
+                "it claims records of up to 1 MiB, but its log of {} blocks is too small for them",
+                layout.log_blocks
+            ),
+        });
+    }
     Ok(layout)
 }
 

@@ -4,7 +4,7 @@
 
 use crate::{
     align_up, block_size_valid, record_data_blocks_max, tag_pages_for, CHECKPOINT_ENTRY_BYTES,
-    CHECKPOINT_HEADER_BYTES, LOG_RECORDS_MIN, METADATA_AREA_OFFSET, PENDING_RANGES_MAX,
+    CHECKPOINT_HEADER_BYTES, FEATURE_LARGE_RECORDS, LOG_RECORDS_MIN, METADATA_AREA_OFFSET, PENDING_RANGES_MAX,
     PENDING_RANGE_BYTES, TAG_PAGE_BYTES,
 };
 
@@ -78,8 +78,21 @@ impl Layout {
             .saturating_add(log_blocks * block_size_bytes as u64)
     }
 
+    /// The smallest log: [`LOG_RECORDS_MIN`] of the records a cache without
+    /// `FEATURE_LARGE_RECORDS` writes.
     pub fn log_blocks_min(block_size_bytes: u32) -> u64 {
-        LOG_RECORDS_MIN * (record_data_blocks_max(block_size_bytes) as u64 + 1)
+        Self::log_blocks_min_for(block_size_bytes, 0)
+    }
+
+    /// The smallest log for a cache with superblock `features`: it holds
+    /// [`LOG_RECORDS_MIN`] of its largest records.
+    pub fn log_blocks_min_for(block_size_bytes: u32, features: u32) -> u64 {
+        LOG_RECORDS_MIN * (record_data_blocks_max(block_size_bytes, features) as u64 + 1)
+    }
+
+    /// Is this log large enough for records of `FEATURE_LARGE_RECORDS`?
+    pub fn holds_large_records(&self) -> bool {
+        self.log_blocks >= Self::log_blocks_min_for(self.block_size_bytes, FEATURE_LARGE_RECORDS)
     }
 
     pub fn cache_bytes_min(block_size_bytes: u32) -> u64 {
@@ -292,5 +305,40 @@ mod tests {
             Layout::compute(1 << 30, 5000),
             Err(LayoutError::BadBlockSize(5000))
         );
+    }
+
+    /// Large records: 252 data blocks at 4 KiB (the header binds), 1 MiB at
+    /// larger blocks; 64 blocks (256 KiB) without the feature. A log holds
+    /// them only from 8 records' worth up.
+    #[test]
+    fn large_records_and_the_logs_that_hold_them() {
+        use crate::{record_data_blocks_max, FEATURE_INTEGRITY, FEATURE_LARGE_RECORDS};
+        let large = FEATURE_LARGE_RECORDS | FEATURE_INTEGRITY;
+        assert_eq!(record_data_blocks_max(4096, 0), 64);
+        assert_eq!(record_data_blocks_max(4096, FEATURE_INTEGRITY), 64);
+        assert_eq!(record_data_blocks_max(4096, large), 252);
+        assert_eq!(record_data_blocks_max(8192, large), 128);
+        assert_eq!(record_data_blocks_max(65536, 0), 4);
+        assert_eq!(record_data_blocks_max(65536, large), 16);
+        for block_bytes in [4096u32, 16384, 65536] {
+            let need = Layout::log_blocks_min_for(block_bytes, FEATURE_LARGE_RECORDS);
+            assert!(need > Layout::log_blocks_min(block_bytes));
+            let smallest = Layout::compute(Layout::cache_bytes_min(block_bytes), block_bytes)
+                .expect("the smallest cache");
+            assert!(!smallest.holds_large_records());
+            let per_block = block_bytes as u64 + 2 * crate::CHECKPOINT_ENTRY_BYTES as u64;
+            let mut size = Layout::cache_bytes_min(block_bytes) + need * per_block;
+            let enough = Layout::compute(size, block_bytes).expect("layout");
+            assert!(enough.log_blocks >= need && enough.holds_large_records());
+            // Bounded: each step takes one block of log away.
+            for _ in 0..4 * need {
+                if !Layout::compute(size, block_bytes).expect("layout").holds_large_records() {
+                    break;
+                }
+                size -= per_block;
+            }
+            let short = Layout::compute(size, block_bytes).expect("layout");
+            assert_eq!(short.log_blocks, need - 1, "the boundary is exact");
+        }
     }
 }

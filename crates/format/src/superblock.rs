@@ -542,8 +542,12 @@ mod tests {
 
     #[test]
     fn unknown_feature_bits_are_refused() {
-        // Bits 0 (integrity), 1 (degraded) and 2 (tag extents) are known.
-        for bit in 3..32 {
+        // Bits 0 (integrity), 1 (degraded), 2 (tag extents) and 3 (large
+        // records) are known.
+        let mut large = sample();
+        large.features = crate::FEATURE_LARGE_RECORDS;
+        assert_eq!(Superblock::decode(&large.encode()), Ok(large));
+        for bit in 4..32 {
             let mut sb = sample();
             sb.features = 1 << bit;
             assert_eq!(
