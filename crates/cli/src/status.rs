@@ -96,6 +96,13 @@ pub fn status_json(
         }),
     );
     m.insert("block_size_bytes".into(), json!(s.block_size_bytes));
+    // 1 MiB (252 blocks at 4 KiB) for caches formatted with large records,
+    // 256 KiB before: tells an operator whether a reformat would gain them.
+    let record_blocks = cairn_format::record_data_blocks_max(sb.block_size_bytes, sb.features);
+    m.insert(
+        "record_data_max_bytes".into(),
+        json!(record_blocks as u64 * sb.block_size_bytes as u64),
+    );
     m.insert("volume_size_bytes".into(), json!(s.volume_size_bytes));
     m.insert("cache_size_bytes".into(), json!(sb.cache_size_bytes));
     m.insert("cache_blocks".into(), json!(s.cache_blocks));
@@ -360,8 +367,9 @@ pub(crate) fn write_head(
     )?;
     writeln!(
         out,
-        "  block size {} B, volume {} B, cache {} blocks",
+        "  block size {} B, records up to {} B, volume {} B, cache {} blocks",
         get("block_size_bytes"),
+        get("record_data_max_bytes"),
         get("volume_size_bytes"),
         get("cache_blocks")
     )?;

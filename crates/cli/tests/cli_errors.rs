@@ -550,7 +550,10 @@ fn block_size_must_be_a_power_of_two_in_range() {
             "--force",
         ]);
     }
-    assert_eq!(u64_of(&ctx.status(&cache), "block_size_bytes"), 65536);
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "block_size_bytes"), 65536);
+    // 32 MiB holds 8 records of 1 MiB: 16 blocks of 64 KiB each.
+    assert_eq!(u64_of(&st, "record_data_max_bytes"), 1 << 20, "{st}");
 }
 
 #[test]

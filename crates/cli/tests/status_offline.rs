@@ -66,6 +66,8 @@ fn offline_status_needs_no_origin_and_writes_nothing() {
     assert_eq!(st["origin"], uri, "{st}");
     assert_eq!(u64_of(&st, "volume_size_bytes"), 16 * MIB, "{st}");
     assert_eq!(u64_of(&st, "block_size_bytes"), 4096, "{st}");
+    // An 8 MiB cache is too small for 1 MiB records.
+    assert_eq!(u64_of(&st, "record_data_max_bytes"), 256 << 10, "{st}");
     assert_eq!(st["mode"], "writeback", "{st}");
     assert!(u64_of(&st, "log_used_blocks") >= dirty, "{st}");
     assert!(u64_of(&st, "cache_blocks") > 0, "{st}");

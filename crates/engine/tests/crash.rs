@@ -114,16 +114,17 @@ fn run_seed(
     random_states_per_cut: usize,
     degrade_at: Option<DegradeAt>,
     keep_log_full: bool,
+    cache_base_bytes: u64,
 ) {
     // A quarter of the seeds keep origin integrity tags.
     let integrity = seed % 4 == 1;
     let mut rig = if integrity {
         Rig::with_integrity(
-            cache_bytes_small() + 2 * 4096 * cairn_format::tag_pages_for(volume_blocks),
+            cache_base_bytes + 2 * 4096 * cairn_format::tag_pages_for(volume_blocks),
             volume_blocks,
         )
     } else {
-        Rig::new(cache_bytes_small(), volume_blocks)
+        Rig::new(cache_base_bytes, volume_blocks)
     };
     let journal = Journal::default();
     rig.cache.attach_journal(&journal, 0);
@@ -438,7 +439,7 @@ fn keep_big_allocations_on_heap() {
 fn run_seeds(seeds: &[u64]) {
     keep_big_allocations_on_heap();
     for &seed in seeds {
-        run_seed(seed, 400, 128, 6, None, false);
+        run_seed(seed, 400, 128, 6, None, false, cache_bytes_small());
     }
 }
 
@@ -455,7 +456,15 @@ fn crash_states_through_the_switch_to_degraded() {
     let seeds = seeds(24);
     for &seed in &seeds {
         let op = 60 + (seed as usize * 53) % 240;
-        run_seed(seed, 400, 128, 4, Some(DegradeAt { op }), false);
+        run_seed(
+            seed,
+            400,
+            128,
+            4,
+            Some(DegradeAt { op }),
+            false,
+            cache_bytes_small(),
+        );
     }
     report!(
         "crash harness through degraded mode: {} seeds, {} cut points inside the switch, {} crash states recovered and verified, 0 violations",
@@ -475,7 +484,7 @@ fn crash_states_with_the_log_full_of_dirty_data() {
     let before = STATES.load(Ordering::Relaxed);
     let seeds = seeds(10);
     for &seed in &seeds {
-        run_seed(seed, 300, 2048, 2, None, true);
+        run_seed(seed, 300, 2048, 2, None, true, cache_bytes_small());
     }
     let stalls = FULL_LOG_STALLS.load(Ordering::Relaxed);
     report!(
@@ -486,6 +495,40 @@ fn crash_states_with_the_log_full_of_dirty_data() {
     );
     assert!(
         stalls > 0,
+        "the log never filled: the test checks nothing new"
+    );
+}
+
+/// A cache large enough for records of up to 1 MiB (`FEATURE_LARGE_RECORDS`),
+/// with the log kept full of dirty data so records fill to their 252 blocks
+/// and the log wraps: torn and reordered large records, and eviction and
+/// write-back around them, at every cut.
+#[test]
+fn crash_states_with_large_records() {
+    keep_big_allocations_on_heap();
+    let before = STATES.load(Ordering::Relaxed);
+    let stalls_before = FULL_LOG_STALLS.load(Ordering::Relaxed);
+    // The cache these seeds run on really has large records.
+    let probe = cairn_device::SimDevice::new("cache", cache_bytes_large_records());
+    let formatted = cairn_engine::Engine::format(
+        std::sync::Arc::new(probe),
+        std::sync::Arc::new(cairn_device::SimDevice::new("origin", 8192 * BS)),
+        &cairn_engine::FormatOptions::default(),
+    )
+    .expect("format");
+    assert_ne!(formatted.features & cairn_format::FEATURE_LARGE_RECORDS, 0);
+    // Four times the log, as above, and enough ops to fill it.
+    let seeds = seeds(4);
+    for &seed in &seeds {
+        run_seed(seed, 700, 8192, 2, None, true, cache_bytes_large_records());
+    }
+    report!(
+        "crash harness with large records: {} seeds, {} crash states recovered and verified, 0 violations",
+        seeds.len(),
+        STATES.load(Ordering::Relaxed) - before,
+    );
+    assert!(
+        FULL_LOG_STALLS.load(Ordering::Relaxed) > stalls_before,
         "the log never filled: the test checks nothing new"
     );
 }

@@ -689,11 +689,13 @@ fn flush_costs_one_barrier_and_none_when_clean() {
 /// counted: the runs only timed out under load.)
 #[test]
 fn writes_below_their_bounds_cost_no_flush_and_no_checkpoint() {
-    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let rig = Rig::new(cache_bytes_small_records(), VOLUME_BLOCKS);
     let e = rig.engine();
     // A checkpoint well into the log (past a quarter of it), so a bound
     // measured from the wrong place shows.
-    let slots = Layout::compute(16 << 20, BS as u32).unwrap().log_blocks;
+    let slots = Layout::compute(cache_bytes_small_records(), BS as u32)
+        .unwrap()
+        .log_blocks;
     for i in 0..slots / 4 + 100 {
         let lba = i % VOLUME_BLOCKS;
         e.write(lba * BS, &pattern(400 + i, BS as usize), false)
@@ -725,7 +727,7 @@ fn writes_below_their_bounds_cost_no_flush_and_no_checkpoint() {
 /// made writes never flush, which no test counted.)
 #[test]
 fn writes_past_unsynced_blocks_max_cost_an_internal_flush() {
-    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let rig = Rig::new(cache_bytes_small_records(), VOLUME_BLOCKS);
     let e = rig.engine();
     rig.cache.reset_counters();
     let before = e.stats();
@@ -1807,7 +1809,7 @@ fn a_damaged_dirty_block_drained_at_the_switch_reads_as_eio() {
 /// `< 0` in `write_unflushed`.)
 #[test]
 fn a_damaged_unflushed_record_drained_at_the_switch_reads_as_eio() {
-    let mut rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let mut rig = Rig::new(cache_bytes_small_records(), VOLUME_BLOCKS);
     let e = rig.engine();
     let old: Vec<u8> = (0..64u64)
         .flat_map(|k| pattern(6000 + k, BS as usize))
@@ -1869,7 +1871,7 @@ fn a_damaged_unflushed_record_drained_at_the_switch_reads_as_eio() {
 /// first are on the device only), then the log stops taking writes and
 /// reads.
 fn rig_whose_log_fails_reads_and_writes(written_back: bool) -> (Rig, Model) {
-    let rig = Rig::new(16 << 20, VOLUME_BLOCKS);
+    let rig = Rig::new(cache_bytes_small_records(), VOLUME_BLOCKS);
     let mut model = Model::new(VOLUME_BLOCKS);
     let e = rig.engine();
     let blocks = |range: std::ops::Range<u64>| -> Vec<u8> {

@@ -37,7 +37,20 @@ fn check_geometry(block_bytes: u32, cache_bytes: u64, origin_bytes: u64, integri
         },
     );
     match formatted {
-        Ok(_) => {}
+        Ok(superblock) => {
+            // Large records exactly where the log holds 8 of them.
+            let layout = Layout::compute_with_tags(
+                cache_bytes,
+                block_bytes,
+                integrity.then_some(origin_bytes / block_bytes as u64),
+            )
+            .expect("the layout format used");
+            assert_eq!(
+                superblock.features & cairn_format::FEATURE_LARGE_RECORDS != 0,
+                layout.holds_large_records(),
+                "{ctx}: large records"
+            );
+        }
         Err(EngineError::Layout { .. }) => return false,
         Err(e) => panic!("{ctx}: format failed with something other than a size error: {e}"),
     }
@@ -111,9 +124,13 @@ fn every_accepted_geometry_fills_checkpoints_and_recovers() {
     let mut refused = 0;
     for block_bytes in [4096u32, 8192, 16384, 65536] {
         let min = Layout::cache_bytes_min(block_bytes);
+        // Either side of the smallest cache that takes large records.
+        let large = Layout::cache_bytes_min_for(block_bytes, cairn_format::FEATURE_LARGE_RECORDS);
         for cache_bytes in [
             min,
             min + 3 * block_bytes as u64,
+            large - block_bytes as u64,
+            large,
             8 << 20,
             16 << 20,
             64 << 20,
@@ -135,5 +152,5 @@ fn every_accepted_geometry_fills_checkpoints_and_recovers() {
     report!(
         "geometries: {checked} formatted, filled, checkpointed, recovered and drained; {refused} refused by format as too small"
     );
-    assert!(checked >= 60, "too few geometries were accepted: {checked}");
+    assert!(checked >= 90, "too few geometries were accepted: {checked}");
 }

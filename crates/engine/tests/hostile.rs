@@ -476,6 +476,26 @@ fn superblock_counters_out_of_range_are_refused() {
 }
 
 #[test]
+fn large_records_claimed_over_a_log_too_small_for_them_are_refused() {
+    // format gives the smallest caches 256 KiB records; a superblock that
+    // claims 1 MiB records over such a log would let write-back and
+    // eviction wait for room that never comes.
+    let f = formatted();
+    assert_eq!(f.sb.features & cairn_format::FEATURE_LARGE_RECORDS, 0);
+    assert!(!f.layout.holds_large_records());
+    let mut sb = f.sb.clone();
+    sb.features |= cairn_format::FEATURE_LARGE_RECORDS;
+    f.write_superblock(&sb);
+    match f.open() {
+        Err(EngineError::SuperblockInvalid { detail, .. }) => {
+            assert!(detail.contains("too small for them"), "{detail}");
+        }
+        Err(other) => panic!("expected SuperblockInvalid, got {other}"),
+        Ok(_) => panic!("expected SuperblockInvalid, got success"),
+    }
+}
+
+#[test]
 fn superblock_with_an_unaligned_origin_size_is_refused() {
     // format never accepts an origin that is not a whole number of blocks;
     // a superblock that records one (and an origin of that size) is

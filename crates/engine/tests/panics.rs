@@ -225,7 +225,8 @@ fn a_record_writer_that_panics_marks_its_record_failed() {
     // the caller's thread, so the full record goes to a writer thread.
     let (cache, engine) = rig(1024, 64 << 20);
     cache.write_armed.store(true, Ordering::SeqCst);
-    let data = pattern(3, 100 * BS as usize);
+    // 300 blocks: more than a record holds (252 in a 64 MiB cache).
+    let data = pattern(3, 300 * BS as usize);
     let written = write_on_a_reactor(&engine, &data);
     assert!(
         !cache.write_armed.load(Ordering::SeqCst),
@@ -236,7 +237,7 @@ fn a_record_writer_that_panics_marks_its_record_failed() {
     assert_eq!(written, Some(true), "the write returns and succeeds");
     let e = engine.clone();
     let got = returns("a read of the write", move || {
-        let mut buf = vec![0u8; 100 * BS as usize];
+        let mut buf = vec![0u8; 300 * BS as usize];
         e.read(0, &mut buf).expect("read");
         buf
     });

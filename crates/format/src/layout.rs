@@ -4,8 +4,8 @@
 
 use crate::{
     align_up, block_size_valid, record_data_blocks_max, tag_pages_for, CHECKPOINT_ENTRY_BYTES,
-    CHECKPOINT_HEADER_BYTES, FEATURE_LARGE_RECORDS, LOG_RECORDS_MIN, METADATA_AREA_OFFSET, PENDING_RANGES_MAX,
-    PENDING_RANGE_BYTES, TAG_PAGE_BYTES,
+    CHECKPOINT_HEADER_BYTES, FEATURE_LARGE_RECORDS, LOG_RECORDS_MIN, METADATA_AREA_OFFSET,
+    PENDING_RANGES_MAX, PENDING_RANGE_BYTES, TAG_PAGE_BYTES,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +96,17 @@ impl Layout {
     }
 
     pub fn cache_bytes_min(block_size_bytes: u32) -> u64 {
-        Self::bytes_needed(Self::log_blocks_min(block_size_bytes), block_size_bytes, 0)
+        Self::cache_bytes_min_for(block_size_bytes, 0)
+    }
+
+    /// The smallest cache (no tags) whose log holds [`LOG_RECORDS_MIN`] of
+    /// the records of a cache with `features`.
+    pub fn cache_bytes_min_for(block_size_bytes: u32, features: u32) -> u64 {
+        Self::bytes_needed(
+            Self::log_blocks_min_for(block_size_bytes, features),
+            block_size_bytes,
+            0,
+        )
     }
 
     /// The largest log that fits a cache of `cache_size_bytes` (no tags).
@@ -326,13 +336,24 @@ mod tests {
             let smallest = Layout::compute(Layout::cache_bytes_min(block_bytes), block_bytes)
                 .expect("the smallest cache");
             assert!(!smallest.holds_large_records());
+            let large_min = Layout::cache_bytes_min_for(block_bytes, FEATURE_LARGE_RECORDS);
+            let just = Layout::compute(large_min, block_bytes).expect("layout");
+            assert!(just.holds_large_records());
+            assert!(
+                !Layout::compute(large_min - block_bytes as u64, block_bytes)
+                    .expect("layout")
+                    .holds_large_records()
+            );
             let per_block = block_bytes as u64 + 2 * crate::CHECKPOINT_ENTRY_BYTES as u64;
             let mut size = Layout::cache_bytes_min(block_bytes) + need * per_block;
             let enough = Layout::compute(size, block_bytes).expect("layout");
             assert!(enough.log_blocks >= need && enough.holds_large_records());
             // Bounded: each step takes one block of log away.
             for _ in 0..4 * need {
-                if !Layout::compute(size, block_bytes).expect("layout").holds_large_records() {
+                if !Layout::compute(size, block_bytes)
+                    .expect("layout")
+                    .holds_large_records()
+                {
                     break;
                 }
                 size -= per_block;

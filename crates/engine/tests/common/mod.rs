@@ -33,6 +33,20 @@ pub fn cache_bytes_small() -> u64 {
     Layout::cache_bytes_min(BS as u32) + 64 * BS
 }
 
+/// The smallest cache whose records may carry 1 MiB
+/// (`FEATURE_LARGE_RECORDS`), so its log wraps often too.
+pub fn cache_bytes_large_records() -> u64 {
+    Layout::cache_bytes_min_for(BS as u32, cairn_format::FEATURE_LARGE_RECORDS) + 64 * BS
+}
+
+/// A cache a little too small for large records, so it writes 256 KiB
+/// records (64 blocks) into a log of about 1,960 blocks: for tests whose
+/// scenario needs several records sealed from a few hundred blocks (of a
+/// 256-block volume) and no bound reached.
+pub fn cache_bytes_small_records() -> u64 {
+    Layout::cache_bytes_min_for(BS as u32, cairn_format::FEATURE_LARGE_RECORDS) - 64 * BS
+}
+
 pub fn config() -> EngineConfig {
     EngineConfig {
         promote_read_misses: true,
