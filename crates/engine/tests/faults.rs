@@ -720,6 +720,25 @@ fn writes_below_their_bounds_cost_no_flush_and_no_checkpoint() {
     assert_eq!(s.checkpoints, before.checkpoints, "{s:?}");
 }
 
+/// A cache large enough for them writes records of 252 blocks (1008 KiB):
+/// 300 blocks written seal one record, not the four 64-block records of a
+/// cache formatted before `FEATURE_LARGE_RECORDS`.
+#[test]
+fn a_cache_with_large_records_seals_252_blocks_a_record() {
+    let rig = Rig::new(64 << 20, 1024);
+    let e = rig.engine();
+    let before = e.stats().records_sealed;
+    e.write(0, &pattern(1, 300 * BS as usize), false).unwrap();
+    assert_eq!(e.stats().records_sealed, before + 1, "{:?}", e.stats());
+    let small = Rig::new(cache_bytes_small_records(), 1024);
+    let before = small.engine().stats().records_sealed;
+    small
+        .engine()
+        .write(0, &pattern(1, 300 * BS as usize), false)
+        .unwrap();
+    assert_eq!(small.engine().stats().records_sealed, before + 4);
+}
+
 /// Past `unsynced_blocks_max` (512 here) blocks sealed without a barrier,
 /// the next write makes one (an internal flush): recovery's scan for lost
 /// records only looks that far ahead, and a write that fails must not
