@@ -80,7 +80,7 @@ impl OpenRecord {
         assert!(self.data_count() < self.capacity_data_blocks);
         self.data_entry.push(self.entries.len() as u16);
         self.entries.push(RecordEntry::Data { lba, crc, clean });
-        self.data.extend_from_slice(block);
+        self.data.extend_streaming(block);
         self.has_dirty |= !clean;
     }
 
