@@ -286,10 +286,20 @@ pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
 /// (little endian) followed by its bytes. Covering the address means a block
 /// written to the wrong place, or read from the wrong place, fails the check.
 pub fn block_checksum(lba: u64, data: &[u8]) -> u32 {
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    digest.update(&lba.to_le_bytes());
-    digest.update(data);
-    digest.finalize() as u32
+    thread_local! {
+        // One digest per thread, reset for each block: `Digest::new` copies
+        // the algorithm's parameter tables each time, which profiles of 64
+        // KiB writes (W3) put at up to 6% of the daemon's CPU.
+        static DIGEST: std::cell::RefCell<crc_fast::Digest> =
+            std::cell::RefCell::new(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi));
+    }
+    DIGEST.with(|digest| {
+        let mut digest = digest.borrow_mut();
+        digest.reset();
+        digest.update(&lba.to_le_bytes());
+        digest.update(data);
+        digest.finalize() as u32
+    })
 }
 
 /// True if `block_size_bytes` is a block size this format supports.
