@@ -137,14 +137,19 @@ impl BlockBuf {
 
     /// Append `bytes`; the capacity is fixed and must not be exceeded.
     #[inline]
-    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+    /// A fixed-capacity buffer never grows: more bytes than fit is a bug in
+    /// the caller's sizing.
+    fn assert_room_for(&self, len: usize) {
         assert!(
-            bytes.len() <= self.capacity - self.len,
-            "record buffer overflow: {} + {} > {}",
+            len <= self.capacity - self.len,
+            "record buffer overflow: {} + {len} > {}",
             self.len,
-            bytes.len(),
             self.capacity
         );
+    }
+
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        self.assert_room_for(bytes.len());
         // SAFETY: the destination `len..len + bytes.len()` lies inside our
         // allocation of `capacity` bytes (checked above), and `bytes` is a
         // different allocation (we never hand out a reference past `len`).
@@ -167,13 +172,7 @@ impl BlockBuf {
     /// Falls back to the plain copy where the destination is not 16-byte
     /// aligned or the length not a multiple of 16.
     pub fn extend_streaming(&mut self, bytes: &[u8]) {
-        assert!(
-            bytes.len() <= self.capacity - self.len,
-            "record buffer overflow: {} + {} > {}",
-            self.len,
-            bytes.len(),
-            self.capacity
-        );
+        self.assert_room_for(bytes.len());
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: as in `extend_from_slice`, the destination lies inside
@@ -257,13 +256,7 @@ mod tests {
             let mut plain = BlockBuf::with_capacity(4 * 4096);
             // 4096 (streamed), 5 and 16 (plain: length, then destination),
             // 11 (plain, realigns), 4096 (streamed again).
-            let pieces = [
-                block,
-                &block[..5],
-                &block[5..21],
-                &block[21..32],
-                block,
-            ];
+            let pieces = [block, &block[..5], &block[5..21], &block[21..32], block];
             for (k, piece) in pieces.into_iter().enumerate() {
                 streamed.extend_streaming(piece);
                 plain.extend_from_slice(piece);
