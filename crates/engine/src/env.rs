@@ -177,11 +177,12 @@ pub(crate) fn chain_seed(uuid: &[u8; 16]) -> u32 {
     cairn_format::crc32c(uuid)
 }
 
-/// Idle record buffers kept for reuse: 4 MiB of them (16 of 256 KiB, 4 of
-/// 1 MiB), and never fewer than 4. Sixteen idle 1 MiB buffers, as many as
-/// the sealed queue may hold, took the W5 daemon (a 4 GiB cache full of 4
-/// KiB blocks) from 6.0-6.4 to 8.4 MiB of RSS per GiB of cache; a stream
-/// of 64 KiB writes keeps about three records in use at once.
+/// Idle record buffers kept for reuse: 4 MiB of them (16 of 256 KiB, as
+/// before large records, or 4 of 1 MiB), and never fewer than 4. With 16
+/// idle 1 MiB buffers the W5 daemon (a 4 GiB cache full of 4 KiB blocks)
+/// measured 8.37 MiB of RSS per GiB of cache, with this bound 8.09, and the
+/// build before large records 8.02 (one run each); a stream of 64 KiB
+/// writes keeps about three records in use at once.
 fn record_bufs_idle_max(record_bytes_max: usize) -> usize {
     const RECORD_BUFS_IDLE_BYTES: usize = 4 << 20;
     (RECORD_BUFS_IDLE_BYTES / record_bytes_max.max(1)).max(4)

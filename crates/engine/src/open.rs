@@ -316,10 +316,13 @@ fn check_origin(
         });
     }
     let (recorded_bytes, given_bytes) = (volume.origin_size_bytes, origin.size_bytes());
+    // The table passed its checksum, but its fields are still device
+    // contents: the recorded size gets the checks format made.
+    let check_recorded = || {
+        crate::format::check_origin_size_bytes(origin, recorded_bytes, superblock.block_size_bytes)
+    };
     if given_bytes == recorded_bytes {
-        // The table passed its checksum, but its fields are still device
-        // contents.
-        return crate::format::check_origin_size(origin, superblock.block_size_bytes);
+        return check_recorded();
     }
     // A shrunk origin would lose the blocks past its end that the cache
     // holds or writes back: never. A grown one holds every block the cache
@@ -340,9 +343,7 @@ fn check_origin(
             given_bytes,
         });
     }
-    // Format checked the recorded size; the table's field is device
-    // contents, so it is checked again, as the size is on the equal path.
-    crate::format::check_origin_size_bytes(origin, recorded_bytes, superblock.block_size_bytes)?;
+    check_recorded()?;
     origin.serve_at_recorded_size(recorded_bytes);
     tracing::warn!(
         volume = volume.name.as_str(),

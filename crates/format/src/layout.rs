@@ -337,29 +337,12 @@ mod tests {
                 .expect("the smallest cache");
             assert!(!smallest.holds_large_records());
             let large_min = Layout::cache_bytes_min_for(block_bytes, FEATURE_LARGE_RECORDS);
+            // The boundary is exact: one block of log fewer is too small.
             let just = Layout::compute(large_min, block_bytes).expect("layout");
-            assert!(just.holds_large_records());
-            assert!(
-                !Layout::compute(large_min - block_bytes as u64, block_bytes)
-                    .expect("layout")
-                    .holds_large_records()
-            );
-            let per_block = block_bytes as u64 + 2 * crate::CHECKPOINT_ENTRY_BYTES as u64;
-            let mut size = Layout::cache_bytes_min(block_bytes) + need * per_block;
-            let enough = Layout::compute(size, block_bytes).expect("layout");
-            assert!(enough.log_blocks >= need && enough.holds_large_records());
-            // Bounded: each step takes one block of log away.
-            for _ in 0..4 * need {
-                if !Layout::compute(size, block_bytes)
-                    .expect("layout")
-                    .holds_large_records()
-                {
-                    break;
-                }
-                size -= per_block;
-            }
-            let short = Layout::compute(size, block_bytes).expect("layout");
-            assert_eq!(short.log_blocks, need - 1, "the boundary is exact");
+            assert!(just.log_blocks == need && just.holds_large_records());
+            let short =
+                Layout::compute(large_min - block_bytes as u64, block_bytes).expect("layout");
+            assert!(short.log_blocks == need - 1 && !short.holds_large_records());
         }
     }
 }

@@ -135,8 +135,6 @@ impl BlockBuf {
         self.len = len;
     }
 
-    /// Append `bytes`; the capacity is fixed and must not be exceeded.
-    #[inline]
     /// A fixed-capacity buffer never grows: more bytes than fit is a bug in
     /// the caller's sizing.
     fn assert_room_for(&self, len: usize) {
@@ -148,6 +146,8 @@ impl BlockBuf {
         );
     }
 
+    /// Append `bytes`; the capacity is fixed and must not be exceeded.
+    #[inline]
     pub fn extend_from_slice(&mut self, bytes: &[u8]) {
         self.assert_room_for(bytes.len());
         // SAFETY: the destination `len..len + bytes.len()` lies inside our
@@ -162,9 +162,7 @@ impl BlockBuf {
         };
         self.len += bytes.len();
     }
-}
 
-impl BlockBuf {
     /// [`BlockBuf::extend_from_slice`] with stores that bypass the CPU
     /// cache, for data written to a device and not read again by this
     /// thread (a log record's blocks): the copy then neither reads the
