@@ -409,12 +409,13 @@ fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> 
         .unwrap_or(0.0);
     writeln!(
         out,
-        "  flushes {} and FUA writes {} ({} barriers, {:.2} per barrier, {} joined one in progress), discards {}, checksum mismatches {}, repairs {}",
+        "  flushes {} and FUA writes {} ({} barriers, {:.2} per barrier, {} joined one in progress, {} barriers overlapped another), discards {}, checksum mismatches {}, repairs {}",
         get("flushes"),
         get("fua_writes"),
         get("flush_barriers"),
         flushes_per_barrier,
         get("group_commit_joins"),
+        get("overlapped_barriers"),
         get("discards"),
         get("checksum_mismatches"),
         get("repairs")

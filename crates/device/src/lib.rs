@@ -278,6 +278,34 @@ pub trait Device: Send + Sync {
     /// Make every completed write durable (a device barrier).
     fn flush(&self) -> DeviceResult<()>;
 
+    /// How many flushes may run at once, each through its own lane (see
+    /// [`Device::flush_lane`]). 1, the default: flushes must not overlap.
+    /// On a file, Linux reports a failed write-back of cached pages to one
+    /// `fdatasync` per open file description: of two overlapping calls on
+    /// one descriptor, the second may succeed although pages it vouches
+    /// for were lost.
+    fn flush_lanes(&self) -> usize {
+        1
+    }
+
+    /// [`Device::flush`] through lane `lane` (below
+    /// [`Device::flush_lanes`]). Flushes in different lanes may overlap:
+    /// each lane is told of every write error since its own last flush, so
+    /// one cannot take the error another needed to see. Plain `flush` is
+    /// a lane of its own.
+    fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
+        let _ = lane;
+        self.flush()
+    }
+
+    /// [`Device::write_vectored_at`] in the calling thread, in one system
+    /// call, when the backend can (no hand-off to another thread: the
+    /// write a barrier's thread makes and then flushes); otherwise the
+    /// same as `write_vectored_at`. Not durable until a flush.
+    fn write_vectored_inline(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        self.write_vectored_at(offset, bufs)
+    }
+
     /// `write_vectored_at` followed by `flush`, in as few system calls or
     /// round trips as the backend can (io_uring submits the write and the
     /// fdatasync together). On error nothing is known to be durable.

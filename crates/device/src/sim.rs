@@ -17,6 +17,9 @@ use crate::{check_range, ClaimDecision, Device, DeviceError, DeviceResult, Origi
 
 pub const SECTOR_BYTES: usize = 512;
 
+/// Flushes that may overlap (see [`Device::flush_lanes`]).
+const SIM_FLUSH_LANES: usize = 4;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingWrite {
     pub offset: u64,
@@ -529,6 +532,13 @@ impl Device for SimDevice {
             s.durable[at..at + w.data.len()].copy_from_slice(&w.data);
         }
         Ok(())
+    }
+
+    /// Its flushes are atomic and each reports its own failure (no page
+    /// cache holds an error for someone else), so overlapping ones are
+    /// safe: lanes let the engine's concurrent barriers be tested on it.
+    fn flush_lanes(&self) -> usize {
+        SIM_FLUSH_LANES
     }
 
     fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {

@@ -883,3 +883,69 @@ fn cacheable_reads_on_a_block_device() {
         "more than 1% of writes left a stale cached version: {report:?}"
     );
 }
+
+/// How many of this process's descriptors are open on `path`.
+fn descriptors_on(path: &Path) -> usize {
+    let target = std::fs::canonicalize(path).unwrap();
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+        .filter(|link| *link == target)
+        .count()
+}
+
+/// io_uring devices opened for writing flush through 4 lanes, each its own
+/// open file description (so a write-back error reaches every overlapping
+/// fdatasync, see `Device::flush_lanes`); overlapping flushes in them all
+/// succeed and cover the writes made before them. The pread backend and a
+/// read-only device have one lane.
+#[test]
+fn flush_lanes_are_descriptors_of_their_own() {
+    for flavor in FLAVORS {
+        let temp = TempDevice::new("lanes", DEVICE_BYTES);
+        let before = descriptors_on(&temp.path);
+        let device: Arc<dyn Device> = Arc::from(open(flavor, &temp.path));
+        let lanes = device.flush_lanes();
+        let own_descriptors = match (flavor, device.backend()) {
+            (Flavor::Pread, _) => {
+                assert_eq!(lanes, 1, "{flavor:?}");
+                1
+            }
+            (_, backend) => {
+                assert_eq!(lanes, 4, "{flavor:?}");
+                // The ring's descriptor, the buffered one beside a direct
+                // one, and a descriptor per lane.
+                lanes + if backend == "uring-direct" { 2 } else { 1 }
+            }
+        };
+        assert_eq!(
+            descriptors_on(&temp.path) - before,
+            own_descriptors,
+            "{flavor:?}"
+        );
+
+        let threads: Vec<_> = (0..lanes)
+            .map(|lane| {
+                let device = device.clone();
+                std::thread::spawn(move || {
+                    let data = pattern(lane as u64, 8192);
+                    let at = lane as u64 * 8192;
+                    device.write_vectored_inline(at, &[&data[..4096], &data[4096..]])?;
+                    device.flush_lane(lane)
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("flushing thread").expect("flush lane");
+        }
+        for lane in 0..lanes {
+            let got = read_vec(&*device, lane as u64 * 8192, 8192);
+            assert!(got == pattern(lane as u64, 8192), "{flavor:?} lane {lane}");
+        }
+        drop(device);
+        assert_eq!(descriptors_on(&temp.path), before, "{flavor:?}: closed");
+
+        let read_only = open_local_with(&temp.path, OpenMode::ReadOnly, &options(flavor)).unwrap();
+        assert_eq!(read_only.flush_lanes(), 1, "{flavor:?} read-only");
+    }
+}

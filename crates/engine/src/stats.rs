@@ -147,6 +147,7 @@ counters!(
     cache_barriers,
     flush_barriers,
     group_commit_joins,
+    overlapped_barriers,
     cache_bytes_written,
     records_sealed,
     epochs_sealed,

@@ -167,6 +167,13 @@ impl cairn_device::Device for SlowCache {
     fn flush(&self) -> cairn_device::DeviceResult<()> {
         self.inner.flush()
     }
+    /// Barriers overlap here as on a file: their syncs are slow too.
+    fn flush_lanes(&self) -> usize {
+        self.inner.flush_lanes()
+    }
+    fn flush_lane(&self, lane: usize) -> cairn_device::DeviceResult<()> {
+        self.slow(|| self.inner.flush_lane(lane))
+    }
     fn discard(&self, offset: u64, len: u64) -> cairn_device::DeviceResult<()> {
         self.inner.discard(offset, len)
     }

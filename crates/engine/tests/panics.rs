@@ -42,6 +42,20 @@ impl Panicking {
         }
     }
 
+    /// An armed barrier reports that it entered, waits for the release,
+    /// and panics.
+    fn panic_if_armed(&self) {
+        if self.barrier_armed.swap(false, Ordering::SeqCst) {
+            if let Some(tx) = self.entered.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            if let Some(rx) = self.release.lock().unwrap().take() {
+                let _ = rx.recv_timeout(WATCHDOG);
+            }
+            panic!("injected: a barrier panics");
+        }
+    }
+
     /// Arm the next barrier: returns (entered, release) for the test.
     fn arm_barrier(&self) -> (mpsc::Receiver<()>, mpsc::Sender<()>) {
         let (entered_tx, entered_rx) = mpsc::channel();
@@ -81,16 +95,14 @@ impl Device for Panicking {
         self.inner.flush()
     }
 
+    /// A group-commit barrier's sync.
+    fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
+        self.panic_if_armed();
+        self.inner.flush_lane(lane)
+    }
+
     fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
-        if self.barrier_armed.swap(false, Ordering::SeqCst) {
-            if let Some(tx) = self.entered.lock().unwrap().take() {
-                let _ = tx.send(());
-            }
-            if let Some(rx) = self.release.lock().unwrap().take() {
-                let _ = rx.recv_timeout(WATCHDOG);
-            }
-            panic!("injected: a barrier panics");
-        }
+        self.panic_if_armed();
         self.inner.write_vectored_at(offset, bufs)?;
         self.inner.flush()
     }

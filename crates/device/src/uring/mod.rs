@@ -119,6 +119,9 @@ pub struct UringDevice {
     /// Cacheable reads left to send straight to the ring, without first
     /// trying the page cache at once (see `read_cached_now`).
     nowait_skips: AtomicU32,
+    /// Descriptors of the same file opened apart, one per flush lane
+    /// (empty: one lane, `file`'s; see `open::flush_lanes`).
+    flush_lanes: Vec<File>,
 }
 
 /// After a cacheable read found its pages missing, this many more go
@@ -316,14 +319,15 @@ impl UringDevice {
         self.run(ring)
     }
 
-    /// A barrier write in the calling thread: pwritev on the direct
-    /// descriptor, then fdatasync; None when the buffers do not suit
-    /// O_DIRECT as they are (the ring then bounces them). Through the ring
-    /// the fdatasync waits for the write with IO_DRAIN and then runs on a
-    /// kernel worker thread, and each step wakes another thread: on the
-    /// fsync-bound W1 benchmark (4 KiB writes, each flushed) that cost
-    /// 25-30 us per flush, 7.8-8.2k IOPS against 10.3-10.9k this way.
-    fn sync_barrier_write(&self, offset: u64, bufs: &[&[u8]]) -> Option<DeviceResult<()>> {
+    /// A write in the calling thread: pwritev on the direct descriptor;
+    /// None when the buffers do not suit O_DIRECT as they are (the ring
+    /// then bounces them). A barrier's write goes this way, then its
+    /// fdatasync: through the ring the fdatasync waits for the write with
+    /// IO_DRAIN and then runs on a kernel worker thread, and each step
+    /// wakes another thread: on the fsync-bound W1 benchmark (4 KiB
+    /// writes, each flushed) that cost 25-30 us per flush, 7.8-8.2k IOPS
+    /// against 10.3-10.9k this way.
+    fn inline_write(&self, offset: u64, bufs: &[&[u8]]) -> Option<DeviceResult<()>> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if !self.direct
             || bufs.len() > MAX_IOVECS
@@ -346,7 +350,7 @@ impl UringDevice {
         };
         if written < total {
             // Finish the rest through the buffered descriptor, like a short
-            // ring transfer; the fdatasync below covers it.
+            // ring transfer; the flush that follows covers it.
             let pieces = bufs.iter().copied();
             let rest =
                 for_each_piece_after(offset, pieces, written, |at, p| self.sync_write(at, p));
@@ -354,7 +358,7 @@ impl UringDevice {
                 return Some(Err(e));
             }
         }
-        Some(self.file.sync_data().map_err(|e| self.io_error(0, 0, e)))
+        Some(Ok(()))
     }
 
     fn zero_buffer(&self) -> &BlockBuf {
@@ -428,11 +432,18 @@ impl Device for UringDevice {
         self.writev_runs(&[(offset, bufs)], false)
     }
 
-    fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
-        if let Some(result) = self.sync_barrier_write(offset, bufs) {
-            return result;
+    fn write_vectored_inline(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        match self.inline_write(offset, bufs) {
+            Some(result) => result,
+            None => self.writev_runs(&[(offset, bufs)], false),
         }
-        self.writev_runs(&[(offset, bufs)], true)
+    }
+
+    fn write_vectored_and_flush(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        match self.inline_write(offset, bufs) {
+            Some(result) => result.and_then(|()| self.flush()),
+            None => self.writev_runs(&[(offset, bufs)], true),
+        }
     }
 
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> DeviceResult<()> {
@@ -519,6 +530,25 @@ impl Device for UringDevice {
     /// thread and its completion handed back, two wake-ups for nothing.
     fn flush(&self) -> DeviceResult<()> {
         self.file.sync_data().map_err(|e| self.io_error(0, 0, e))
+    }
+
+    fn flush_lanes(&self) -> usize {
+        self.flush_lanes.len().max(1)
+    }
+
+    /// fdatasync through the lane's own open file description, so each
+    /// lane is told of every write-back error (see `open::flush_lanes`).
+    fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
+        match self.flush_lanes.get(lane) {
+            Some(file) => file.sync_data().map_err(|e| self.io_error(0, 0, e)),
+            None => {
+                assert!(
+                    self.flush_lanes.is_empty() && lane == 0,
+                    "flush lane {lane} out of range"
+                );
+                self.flush()
+            }
+        }
     }
 
     fn allocation(&self, offset: u64, len: u64) -> DeviceResult<Vec<crate::AllocationRun>> {

@@ -38,6 +38,20 @@ impl UringDevice {
         rings: RingPool,
         open_file: OpenFileFn<'_>,
     ) -> DeviceResult<UringDevice> {
+        let mut device = Self::open_descriptors(path, mode, direct_io, rings, open_file)?;
+        if mode.writes() {
+            device.flush_lanes = flush_lanes(&device.file, path, &device.name);
+        }
+        Ok(device)
+    }
+
+    fn open_descriptors(
+        path: &Path,
+        mode: OpenMode,
+        direct_io: bool,
+        rings: RingPool,
+        open_file: OpenFileFn<'_>,
+    ) -> DeviceResult<UringDevice> {
         if !direct_io {
             return Ok(Self::buffered(open_file(path, mode, 0)?, rings));
         }
@@ -111,6 +125,41 @@ impl UringDevice {
             zeroes: OnceLock::new(),
             cacheable_reads_seen: AtomicBool::new(false),
             nowait_skips: AtomicU32::new(0),
+            flush_lanes: Vec::new(),
+        }
+    }
+}
+
+/// Flushes that may overlap on a device opened for writing.
+const FLUSH_LANES: usize = 4;
+
+/// The flush lanes: the file opened apart once per lane, each a separate
+/// open file description. Linux reports a failed write-back of cached
+/// pages once to each open file description (`errseq_t`), so overlapping
+/// fdatasyncs on separate ones each see it; on one shared descriptor only
+/// the first would. Without them (a failed open is logged) the device has
+/// one lane and its flushes do not overlap.
+fn flush_lanes(file: &File, path: &Path, name: &str) -> Vec<File> {
+    let fd = file.as_raw_fd();
+    let lanes: io::Result<Vec<File>> = (0..FLUSH_LANES)
+        .map(|_| {
+            // Read-only is enough for fdatasync, and never writes.
+            let mut options = OpenOptions::new();
+            options.read(true).custom_flags(libc::O_CLOEXEC);
+            options
+                .open(format!("/proc/self/fd/{fd}"))
+                .or_else(|_| options.open(path))
+        })
+        .collect();
+    match lanes {
+        Ok(lanes) => lanes,
+        Err(err) => {
+            tracing::warn!(
+                device = %name,
+                error = %err,
+                "could not open the device again for concurrent flushes; barriers will not overlap"
+            );
+            Vec::new()
         }
     }
 }

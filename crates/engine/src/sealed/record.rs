@@ -27,6 +27,11 @@ pub(crate) struct SealedRecord {
     pub(crate) data: PooledBuf,
     /// Set once the write completed (successfully or not); `outcome` says.
     done: AtomicBool,
+    /// Set by a barrier once its write of the record succeeded, before its
+    /// sync: another barrier's sync then covers the record too, so that
+    /// barrier need not wait for this one's (see `crate::commit`). The
+    /// record stays unpublished, its data in memory, until this sync ends.
+    on_device: AtomicBool,
     outcome: OnceLock<Result<(), String>>,
     /// Tasks waiting for the write (see [`SealedRecord::written`]).
     wakers: Mutex<Vec<Waker>>,
@@ -52,6 +57,7 @@ impl SealedRecord {
             header_fields,
             data,
             done: AtomicBool::new(false),
+            on_device: AtomicBool::new(false),
             outcome: OnceLock::new(),
             wakers: Mutex::new(Vec::new()),
         }
@@ -157,10 +163,25 @@ impl SealedRecord {
         .await
     }
 
-    /// Wait (without the engine lock) until its write completed.
-    pub(crate) fn wait_done(&self, env: &Env) {
+    /// A barrier wrote it and has yet to sync: it is on the device, not
+    /// yet known durable. Wakes [`SealedRecord::wait_on_device`].
+    pub(crate) fn mark_on_device(&self, env: &Env) {
+        assert!(
+            !self.is_done(),
+            "record {} marked after its outcome",
+            self.sequence
+        );
+        let guard = env.record_io.lock();
+        self.on_device.store(true, Ordering::Release);
+        env.record_io.notify(&guard);
+    }
+
+    /// Wait (without the engine lock) until its write completed, or a
+    /// barrier's write of it did and that barrier's sync is still to come.
+    /// Either way a flush that starts now covers what was written.
+    pub(crate) fn wait_on_device(&self, env: &Env) {
         let mut guard = env.record_io.lock();
-        while !self.is_done() {
+        while !self.is_done() && !self.on_device.load(Ordering::Acquire) {
             guard = env.record_io.wait(guard);
         }
     }

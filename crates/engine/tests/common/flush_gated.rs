@@ -9,13 +9,22 @@ use super::gate::Gate;
 pub struct FlushGated {
     pub inner: SimDevice,
     pub gate: Gate,
+    /// Flush lanes it reports (the simulated device's, or 1 to make the
+    /// engine's barriers wait for each other).
+    lanes: usize,
 }
 
 impl FlushGated {
     pub fn new(inner: SimDevice) -> FlushGated {
+        let lanes = inner.flush_lanes();
+        FlushGated::with_lanes(inner, lanes)
+    }
+
+    pub fn with_lanes(inner: SimDevice, lanes: usize) -> FlushGated {
         FlushGated {
             inner,
             gate: Gate::default(),
+            lanes,
         }
     }
 }
@@ -40,6 +49,16 @@ impl Device for FlushGated {
     fn flush(&self) -> DeviceResult<()> {
         self.gate.pass(0, u64::MAX);
         self.inner.flush()
+    }
+
+    fn flush_lanes(&self) -> usize {
+        self.lanes
+    }
+
+    fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
+        assert!(lane < self.lanes, "flush lane {lane} of {}", self.lanes);
+        self.gate.pass(0, u64::MAX);
+        self.inner.flush_lane(lane)
     }
 
     /// A barrier's write and flush, the flush through the gate.
