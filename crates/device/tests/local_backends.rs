@@ -894,7 +894,7 @@ fn descriptors_on(path: &Path) -> usize {
         .count()
 }
 
-/// io_uring devices opened for writing flush through 4 lanes, each its own
+/// io_uring devices opened for writing flush through 2 lanes, each its own
 /// open file description (so a write-back error reaches every overlapping
 /// fdatasync, see `Device::flush_lanes`); overlapping flushes in them all
 /// succeed and cover the writes made before them. The pread backend and a
@@ -912,7 +912,7 @@ fn flush_lanes_are_descriptors_of_their_own() {
                 1
             }
             (_, backend) => {
-                assert_eq!(lanes, 4, "{flavor:?}");
+                assert_eq!(lanes, 2, "{flavor:?}");
                 // The ring's descriptor, the buffered one beside a direct
                 // one, and a descriptor per lane.
                 lanes + if backend == "uring-direct" { 2 } else { 1 }

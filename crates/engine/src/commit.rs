@@ -1,6 +1,5 @@
 //! Group commit: barriers made outside the engine lock, shared by every
-//! flush that arrives while one is in progress, and up to a few of them at
-//! once.
+//! flush that arrives while one is in progress, and two of them at once.
 //!
 //! A flush (or FUA write) seals what is open as an epoch-end record under
 //! the engine lock, without writing it, and then waits until every record
@@ -44,10 +43,11 @@ use crate::stats::Counters;
 const WAIT_ROUNDS_MAX: usize = 10_000;
 
 /// Barriers in progress at once, at most (fewer when the cache device has
-/// fewer flush lanes). Each is a write and an fdatasync; this VM's disk
-/// answered 4 overlapping fdatasyncs several times faster in all than 4 in
-/// a row (see `docs/design.md`, "Barriers that overlap").
-const BARRIERS_IN_FLIGHT_MAX: usize = 4;
+/// fewer flush lanes). Two, not more: with four, W7 (4 flushing clients)
+/// lost 10% on a quiet 2-core machine, where each extra barrier's CPU
+/// counts; with two it was even there and 10-20% ahead while another job
+/// kept the disk busy (see `docs/design.md`, "Barriers that overlap").
+const BARRIERS_IN_FLIGHT_MAX: usize = 2;
 
 /// A barrier in progress.
 struct InProgress {

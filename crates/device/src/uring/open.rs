@@ -130,8 +130,9 @@ impl UringDevice {
     }
 }
 
-/// Flushes that may overlap on a device opened for writing.
-const FLUSH_LANES: usize = 4;
+/// Flushes that may overlap on a device opened for writing (the engine
+/// overlaps two barriers at most).
+const FLUSH_LANES: usize = 2;
 
 /// The flush lanes: the file opened apart once per lane, each a separate
 /// open file description. Linux reports a failed write-back of cached
