@@ -97,6 +97,11 @@ impl ForwardMap {
         }
     }
 
+    /// Start loading the cell where a probe for `lba` begins.
+    pub(crate) fn prefetch(&self, lba: u64) {
+        cairn_io::prefetch(&self.cells[self.home(lba)]);
+    }
+
     pub(crate) fn get(&self, lba: u64, slots: &SlotTable) -> Option<u32> {
         let tag = self.tag(lba);
         let mut i = self.home(lba);

@@ -44,6 +44,11 @@ fn bucket(lba: u64) -> usize {
 }
 
 impl WriteStamps {
+    /// Start loading `lba`'s counter.
+    pub(crate) fn prefetch(&self, lba: u64) {
+        cairn_io::prefetch(&self.buckets[bucket(lba)]);
+    }
+
     /// `lba` changed (or may have).
     pub(crate) fn bump(&mut self, lba: u64) {
         let b = &mut self.buckets[bucket(lba)];

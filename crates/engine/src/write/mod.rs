@@ -35,6 +35,10 @@ pub(crate) use partial::PartialReads;
 /// since the last one: replay never covers more than that.
 const CHECKPOINT_EVERY_LOG_FRACTION: u64 = 4;
 
+/// How many blocks ahead a write loads the index cells of the blocks it
+/// will insert (a whole 64 KiB write at 4 KiB blocks, and then some).
+const PREFETCH_AHEAD_BLOCKS: u64 = 32;
+
 /// Rounds of "the log is full: write back one group" a writer waits at
 /// most before giving up with an error.
 const SPACE_RETRIES_MAX: usize = 100_000;
@@ -207,8 +211,19 @@ pub(crate) fn write_from(
             Room::Ready(st) => st,
             Room::Wait(want) => return needs_writeback(p, at, want),
         };
+        // The index cells of the next blocks are loaded ahead, so their
+        // misses overlap: a write of 16 blocks otherwise waited for 16
+        // misses in a row (a tenth of a connection's CPU on 64 KiB writes).
+        let end_lba = chunk_end.div_ceil(block_bytes);
+        let first_lba = at / block_bytes;
+        for lba in first_lba..end_lba.min(first_lba + PREFETCH_AHEAD_BLOCKS) {
+            st.index.prefetch(lba);
+        }
         while at < chunk_end {
             let lba = at / block_bytes;
+            if lba + PREFETCH_AHEAD_BLOCKS < end_lba {
+                st.index.prefetch(lba + PREFETCH_AHEAD_BLOCKS);
+            }
             let within = (at % block_bytes) as usize;
             let n = (block_bytes as usize - within).min((chunk_end - at) as usize);
             let src = &data[(at - offset) as usize..(at - offset) as usize + n];
