@@ -188,8 +188,9 @@ impl Drop for Leading<'_> {
 /// One barrier over everything sealed so far, outside the engine lock,
 /// synced through flush lane `lane`. `planned` learns the sequence it will
 /// make durable as soon as that is known. Other barriers may be in
-/// progress: this one waits for the records they write (they must be on
-/// the device before its fdatasync vouches for them), not for their syncs.
+/// progress: this one waits for the records they write to be on the
+/// device before its fdatasync, and for their outcome (their own syncs)
+/// only after it, before it vouches for anything.
 fn barrier(
     env: &Env,
     state: &StateLock,
@@ -204,17 +205,27 @@ fn barrier(
         }
         st.log.barrier_plan()
     };
-    planned(plan.target);
-    // The records this barrier took on are published whatever happens.
+    // The records this barrier took on are published whatever happens,
+    // a panic in `planned` included.
     let _claimed = crate::sealed::ClaimGuard::new(&plan.to_write, &env.record_io);
+    planned(plan.target);
     // Records another call is writing must be on the device before the
     // fdatasync that vouches for them; another barrier's sync need not
-    // have ended.
+    // have ended yet (its outcome is waited for after ours).
     for record in &plan.in_flight {
         record.wait_on_device(env);
     }
     if let Err(e) = write_and_sync(env, &plan, lane) {
         return Err(env.health.cache_write_failed("sealing a log record", e));
+    }
+    // This sync covers the others' records only if no sync failed in
+    // between: a device whose flush failed may have dropped every write
+    // it had not made durable, and a sync issued after that succeeds.
+    // So the outcome of each of them is waited for (a barrier in another
+    // lane publishes its records after its own sync), and a failure is
+    // found by the prune below. The syncs still overlap.
+    for record in &plan.in_flight {
+        record.wait_done(env);
     }
     Counters::add(&env.counters.cache_barriers, 1);
     if by == FlushBy::Client {
@@ -254,12 +265,27 @@ fn write_and_sync(env: &Env, plan: &BarrierPlan, lane: usize) -> Result<(), Devi
         Ok(())
     };
     let result = if whole {
-        // One client's flush alone (W1): a retry covers write and sync.
+        // One client's flush alone (W1): a retry covers write and sync, as
+        // long as nothing else went to the device since the plan. A failed
+        // sync may have lost every write not yet durable, and records
+        // sealed after the plan may have been written meanwhile (a record
+        // writer's, another lane's barrier's): rewriting this run would
+        // not bring them back, and a later sync would vouch for them. Any
+        // write since the plan is of a record sealed since: a sync failure
+        // then is final.
         let run = &runs[0];
         retrying_cache_write(env, "sealing a log record", true, || {
             write_run(run)?;
-            env.cache.flush_lane(lane)
+            match env.cache.flush_lane(lane) {
+                Ok(()) => Ok(Ok(())),
+                Err(e) if env.record_io.sealed_through() > plan.target => {
+                    Counters::add(&env.counters.cache_write_errors, 1);
+                    Ok(Err(e))
+                }
+                Err(e) => Err(e),
+            }
         })
+        .and_then(|synced| synced)
     } else {
         runs.iter()
             .try_for_each(|run| {

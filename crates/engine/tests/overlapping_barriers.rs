@@ -1,19 +1,25 @@
 //! Barriers overlap when the cache device has several flush lanes: a
-//! flush whose barrier is held in the device's sync does not hold up
-//! another client's flush, which makes its own barrier through another
-//! lane. That barrier waits for the held one's write, not its sync, and
-//! its own sync covers both records: after a crash at that moment both
-//! writes are there. With one lane the second flush waits for the first.
+//! flush whose barrier is held in the device's sync does not wait for that
+//! sync to start its own; another client's flush makes its barrier through
+//! another lane, after the held one's write, so its sync covers both
+//! records (a crash at that moment keeps both writes). It is answered only
+//! once the held barrier's outcome is known: a device whose flush failed
+//! may have dropped every write it had not made durable, and a sync issued
+//! after that succeeds, so one barrier's success cannot vouch for another's
+//! records. With one lane the second flush waits for the first.
 
 mod common;
 use common::flush_gated::FlushGated;
 use common::*;
 
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Duration;
+use common::gate::Gate;
 
-use cairn_device::{CrashPlan, Device, SimDevice};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cairn_device::{CrashPlan, Device, DeviceError, DeviceResult, SimDevice};
 use cairn_engine::{Engine, EngineResult, FormatOptions};
 
 /// Far longer than any of these requests takes, far shorter than forever.
@@ -77,19 +83,37 @@ fn join_within(handle: JoinHandle<EngineResult<()>>, what: &str) {
         .unwrap_or_else(|e| panic!("{what}: {e}"));
 }
 
+/// Wait until `count` reaches `at_least`, or fail naming `what`.
+fn wait_for_count(count: &AtomicUsize, at_least: usize, what: &str) {
+    let started = Instant::now();
+    while count.load(Ordering::SeqCst) < at_least {
+        assert!(started.elapsed() < WATCHDOG, "{what} never happened");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
-fn a_flush_does_not_wait_for_another_barriers_sync() {
+fn a_flush_syncs_beside_a_held_barrier_and_is_answered_after_it() {
     let held = first_flush_held(SimDevice::new("lanes", 4096).flush_lanes());
     assert!(held.cache.flush_lanes() > 1);
-    join_within(
-        second_client(&held.engine),
-        "the second flush (it waited for the first one's sync)",
+    let second = second_client(&held.engine);
+    // The second barrier's sync ran through another lane while the first
+    // one's is still held.
+    wait_for_count(
+        &held.cache.lane_flushes_done,
+        1,
+        "the second barrier's sync beside the held one",
+    );
+    assert_eq!(held.engine.stats().overlapped_barriers, 1);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !second.is_finished(),
+        "the second flush was answered before the first barrier's outcome was known"
     );
     assert!(
         !held.first.is_finished(),
         "the first flush was answered before its own barrier ended"
     );
-    assert_eq!(held.engine.stats().overlapped_barriers, 1);
 
     // A power cut now: the first barrier's sync never ran, but the second
     // barrier's sync came after the first one's write, so it covers both.
@@ -106,7 +130,8 @@ fn a_flush_does_not_wait_for_another_barriers_sync() {
 
     held.cache.gate.release();
     join_within(held.first, "the first flush");
-    report!("with a barrier's sync held, another client's flush made its own barrier through another lane; a crash then kept both writes");
+    join_within(second, "the second flush");
+    report!("with a barrier's sync held, another client's flush synced through another lane and was answered once the held one ended; a crash in between kept both writes");
 }
 
 #[test]
@@ -123,4 +148,246 @@ fn with_one_flush_lane_barriers_do_not_overlap() {
     join_within(second, "the second flush");
     assert_eq!(held.engine.stats().overlapped_barriers, 0);
     report!("with one flush lane, the second flush waited for the first barrier to end");
+}
+
+/// Flush lanes over a simulated device. Armed, the next flush through lane
+/// 0 plays a device that drops its volatile write cache (a controller
+/// reset) and fails that flush, reporting the failure only when the gate
+/// opens; every other flush succeeds, and covers what was written after
+/// the loss.
+struct CacheLoss {
+    inner: RwLock<SimDevice>,
+    /// Passed by a flush through lane N before anything else it does.
+    before_lane: [Gate; 2],
+    /// Passed by the armed flush after the loss, before it fails.
+    gate: Gate,
+    armed: AtomicBool,
+    lanes: usize,
+    lane_flushes_done: AtomicUsize,
+}
+
+impl CacheLoss {
+    fn current(&self) -> SimDevice {
+        self.inner.read().expect("device lock").clone()
+    }
+}
+
+impl Device for CacheLoss {
+    fn name(&self) -> &str {
+        "cache-loss"
+    }
+    fn size_bytes(&self) -> u64 {
+        self.current().size_bytes()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> DeviceResult<()> {
+        self.current().read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> DeviceResult<()> {
+        self.current().write_at(offset, buf)
+    }
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> DeviceResult<()> {
+        self.current().write_vectored_at(offset, bufs)
+    }
+    fn flush(&self) -> DeviceResult<()> {
+        self.current().flush()
+    }
+    fn flush_lanes(&self) -> usize {
+        self.lanes
+    }
+    fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
+        assert!(lane < self.lanes, "flush lane {lane} of {}", self.lanes);
+        self.before_lane[lane].pass(0, u64::MAX);
+        let result = if lane == 0 && self.armed.swap(false, Ordering::SeqCst) {
+            {
+                let mut device = self.inner.write().expect("device lock");
+                *device = device.crashed(CrashPlan::DropAll, 1);
+            }
+            self.gate.pass(0, u64::MAX);
+            Err(DeviceError::Io {
+                device: "cache-loss".into(),
+                offset: 0,
+                len: 0,
+                source: std::io::Error::other("flush failed: the write cache was lost"),
+            })
+        } else {
+            self.current().flush()
+        };
+        self.lane_flushes_done.fetch_add(1, Ordering::SeqCst);
+        result
+    }
+    fn discard(&self, offset: u64, len: u64) -> DeviceResult<()> {
+        self.current().discard(offset, len)
+    }
+}
+
+/// A formatted engine over a [`CacheLoss`] cache with `lanes` lanes, block
+/// 0 written (not flushed).
+fn cache_loss_engine(lanes: usize) -> (Arc<CacheLoss>, SimDevice, Arc<Engine>) {
+    let cache = Arc::new(CacheLoss {
+        inner: RwLock::new(SimDevice::new("cache", cache_bytes_small())),
+        before_lane: [Gate::default(), Gate::default()],
+        gate: Gate::default(),
+        armed: AtomicBool::new(false),
+        lanes,
+        lane_flushes_done: AtomicUsize::new(0),
+    });
+    let origin = SimDevice::new("origin", 256 * BS);
+    Engine::format(
+        cache.clone(),
+        Arc::new(origin.clone()),
+        &FormatOptions::default(),
+    )
+    .expect("format");
+    let engine = Arc::new(
+        Engine::open(cache.clone(), Arc::new(origin.clone()), &open_opts()).expect("open"),
+    );
+    engine
+        .write(0, &pattern(1, BS as usize), false)
+        .expect("write block 0");
+    (cache, origin, engine)
+}
+
+/// Found by review on 2026-12-07: a barrier vouched for another lane's
+/// records once they were written, without waiting for that lane's sync.
+/// That sync failed with the device's write cache lost; the second sync,
+/// issued after the loss, succeeded, and the second flush was answered
+/// although the record before it was gone: a crash then lost the
+/// acknowledged block 1 (recovery stops at the missing record).
+fn cache_lost_in_another_lanes_sync(lanes: usize) {
+    let (cache, origin, engine) = cache_loss_engine(lanes);
+    cache.gate.arm(None);
+    cache.armed.store(true, Ordering::SeqCst);
+    let first = {
+        let e = engine.clone();
+        std::thread::spawn(move || e.flush())
+    };
+    cache.gate.wait_entered(WATCHDOG, "the first flush");
+    let second = second_client(&engine);
+    if lanes > 1 {
+        wait_for_count(
+            &cache.lane_flushes_done,
+            1,
+            "the second barrier's sync beside the failing one",
+        );
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !second.is_finished(),
+        "the second flush was answered while the first barrier's failed sync was unreported"
+    );
+    // A power cut at this moment may lose both writes: neither is answered.
+    let crashed = cache.current().crashed(CrashPlan::DropAll, 1);
+    let origin_crashed = origin.crashed(CrashPlan::DropAll, 1);
+    cache.gate.release();
+    let first_result = finishes_within(WATCHDOG, move || first.join())
+        .expect("the first flush never finished")
+        .expect("the first flushing thread");
+    let second_result = finishes_within(WATCHDOG, move || second.join())
+        .expect("the second flush never finished")
+        .expect("the second flushing thread");
+    drop(open(&crashed, &origin_crashed).expect("open after a crash in the middle"));
+
+    // Whatever was answered is durable: on the cache, or on the origin if
+    // the failure sent the cache to degraded mode.
+    let answered_second = second_result.is_ok();
+    let volume = read_volume(&engine).expect("read after both flushes");
+    if first_result.is_ok() {
+        assert_eq!(&volume[..BS as usize], &pattern(1, BS as usize)[..]);
+    }
+    if answered_second {
+        assert_eq!(
+            &volume[..2 * BS as usize],
+            &[pattern(1, BS as usize), pattern(2, BS as usize)].concat()[..],
+            "an answered flush covers every write before it"
+        );
+    }
+    drop(engine);
+    let crashed = cache.current().crashed(CrashPlan::DropAll, 1);
+    let origin_crashed = origin.crashed(CrashPlan::DropAll, 1);
+    let reopened = open(&crashed, &origin_crashed).expect("open after the last crash");
+    let volume = read_volume(&reopened).expect("read after the last crash");
+    if answered_second {
+        assert_eq!(
+            &volume[BS as usize..2 * BS as usize],
+            &pattern(2, BS as usize)[..],
+            "an acknowledged flush (block 1) was lost in a crash"
+        );
+    }
+    report!(
+        "{lanes} lane(s): cache lost in the first barrier's sync; first flush {}, second flush {}; nothing answered was lost",
+        if first_result.is_ok() { "answered" } else { "failed" },
+        if answered_second { "answered" } else { "failed" }
+    );
+}
+
+#[test]
+fn a_flush_is_not_answered_over_another_lanes_failed_sync() {
+    cache_lost_in_another_lanes_sync(2);
+}
+
+#[test]
+fn with_one_lane_a_failed_sync_is_seen_by_the_next_barrier() {
+    cache_lost_in_another_lanes_sync(1);
+}
+
+/// Found by the same review: a barrier that wrote everything unsynced
+/// itself retried a failed sync after rewriting its records. But the lost
+/// write cache also held a record another lane's barrier wrote after this
+/// one's plan; that barrier's sync came after the loss and succeeded, the
+/// retry brought back only the first barrier's records, and the second
+/// flush was answered over a record that was gone. A failed sync is now
+/// retried only if nothing was sealed since the plan.
+#[test]
+fn a_failed_sync_is_not_retried_over_a_later_record() {
+    let (cache, origin, engine) = cache_loss_engine(2);
+    // The first barrier's sync waits before the loss.
+    cache.before_lane[0].arm(None);
+    cache.armed.store(true, Ordering::SeqCst);
+    let first = {
+        let e = engine.clone();
+        std::thread::spawn(move || e.flush())
+    };
+    cache.before_lane[0].wait_entered(WATCHDOG, "the first flush");
+    // The second writes its record, then waits before its sync.
+    cache.before_lane[1].arm(None);
+    let second = second_client(&engine);
+    cache.before_lane[1].wait_entered(WATCHDOG, "the second flush");
+    // The loss: both records were written and neither was synced.
+    cache.before_lane[0].release();
+    wait_for_count(&cache.lane_flushes_done, 1, "the failed sync");
+    // Time for a retry, if one were made.
+    std::thread::sleep(Duration::from_millis(200));
+    let lane_flushes = cache.lane_flushes_done.load(Ordering::SeqCst);
+    cache.before_lane[1].release();
+    let first_result = finishes_within(WATCHDOG, move || first.join())
+        .expect("the first flush never finished")
+        .expect("the first flushing thread");
+    let second_result = finishes_within(WATCHDOG, move || second.join())
+        .expect("the second flush never finished")
+        .expect("the second flushing thread");
+    drop(engine);
+    let crashed = cache.current().crashed(CrashPlan::DropAll, 1);
+    let origin_crashed = origin.crashed(CrashPlan::DropAll, 1);
+    let reopened = open(&crashed, &origin_crashed).expect("open after the crash");
+    let volume = read_volume(&reopened).expect("read after the crash");
+    if first_result.is_ok() {
+        assert_eq!(
+            &volume[..BS as usize],
+            &pattern(1, BS as usize)[..],
+            "an acknowledged flush (block 0) was lost in a crash"
+        );
+    }
+    if second_result.is_ok() {
+        assert_eq!(
+            &volume[BS as usize..2 * BS as usize],
+            &pattern(2, BS as usize)[..],
+            "an acknowledged flush (block 1) was lost in a crash"
+        );
+    }
+    report!(
+        "a sync lost the device's write cache under two barriers' records: {} lane flush(es) before the second sync (no retry), first flush {}, second flush {}; nothing answered was lost",
+        lane_flushes,
+        if first_result.is_ok() { "answered" } else { "failed" },
+        if second_result.is_ok() { "answered" } else { "failed" }
+    );
 }

@@ -147,9 +147,20 @@ fn flush_lanes(file: &File, path: &Path, name: &str) -> Vec<File> {
             // Read-only is enough for fdatasync, and never writes.
             let mut options = OpenOptions::new();
             options.read(true).custom_flags(libc::O_CLOEXEC);
-            options
+            let lane = options
                 .open(format!("/proc/self/fd/{fd}"))
-                .or_else(|_| options.open(path))
+                .or_else(|_| options.open(path))?;
+            // Opened by path, the name may since lead elsewhere (renamed,
+            // replaced): an fdatasync of another file would vouch for
+            // nothing. Only the very file, or block device, becomes a lane.
+            if same_file(file, &lane)? {
+                Ok(lane)
+            } else {
+                Err(io::Error::other(format!(
+                    "{} is no longer the file the cache was opened from",
+                    path.display()
+                )))
+            }
         })
         .collect();
     match lanes {
@@ -163,6 +174,18 @@ fn flush_lanes(file: &File, path: &Path, name: &str) -> Vec<File> {
             Vec::new()
         }
     }
+}
+
+/// Are `a` and `b` the same file (the same inode), or the same block
+/// device (perhaps through two device nodes)?
+fn same_file(a: &File, b: &File) -> io::Result<bool> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let (a, b) = (a.metadata()?, b.metadata()?);
+    Ok(if a.file_type().is_block_device() {
+        b.file_type().is_block_device() && a.rdev() == b.rdev()
+    } else {
+        a.dev() == b.dev() && a.ino() == b.ino()
+    })
 }
 
 /// The (offset, memory) alignment O_DIRECT needs on this file, or why

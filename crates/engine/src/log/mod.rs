@@ -415,6 +415,7 @@ impl Log {
         let sequence = self.next_sequence;
         self.prev_crc = header_crc;
         self.next_sequence += 1;
+        env.record_io.note_sealed(sequence);
         self.head = start + length;
         self.unsynced.push(sequence, self.head, length, epoch_end);
         self.epoch_open = !epoch_end;

@@ -176,6 +176,19 @@ impl SealedRecord {
         env.record_io.notify(&guard);
     }
 
+    /// Wait (without the engine lock) until its outcome is published: its
+    /// write completed (a record writer's), or the barrier that wrote it
+    /// ended its sync. A barrier whose sync overlapped another's waits for
+    /// this before it vouches for anything: a failed sync may have lost
+    /// every write the device had not made durable, this one included,
+    /// and only that barrier's outcome says so.
+    pub(crate) fn wait_done(&self, env: &Env) {
+        let mut guard = env.record_io.lock();
+        while !self.is_done() {
+            guard = env.record_io.wait(guard);
+        }
+    }
+
     /// Wait (without the engine lock) until its write completed, or a
     /// barrier's write of it did and that barrier's sync is still to come.
     /// Either way a flush that starts now covers what was written.

@@ -1,5 +1,6 @@
 //! Where threads wait for sealed record writes to complete.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// The lock holds the number of threads waiting, so a completion nobody
@@ -9,9 +10,23 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 pub(crate) struct RecordIo {
     waiters: Mutex<usize>,
     changed: Condvar,
+    /// The newest sequence sealed: readable without the engine lock, by a
+    /// barrier deciding whether a failed sync may be retried.
+    sealed_through: AtomicU64,
 }
 
 impl RecordIo {
+    /// Record `sequence` was sealed (under the engine lock, in order).
+    pub(crate) fn note_sealed(&self, sequence: u64) {
+        self.sealed_through.fetch_max(sequence, Ordering::AcqRel);
+    }
+
+    /// The newest sequence sealed so far (0 before the first seal since
+    /// open).
+    pub(crate) fn sealed_through(&self) -> u64 {
+        self.sealed_through.load(Ordering::Acquire)
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, usize> {
         self.waiters.lock().unwrap_or_else(|p| p.into_inner())
     }

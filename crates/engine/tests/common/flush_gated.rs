@@ -2,6 +2,8 @@
 //! flush (a cache barrier, or write-back's origin flush) waits inside the
 //! device until the test releases it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use cairn_device::{Device, DeviceResult, SimDevice};
 
 use super::gate::Gate;
@@ -12,6 +14,8 @@ pub struct FlushGated {
     /// Flush lanes it reports (the simulated device's, or 1 to make the
     /// engine's barriers wait for each other).
     lanes: usize,
+    /// Flushes through a lane that returned, successfully or not.
+    pub lane_flushes_done: AtomicUsize,
 }
 
 impl FlushGated {
@@ -25,6 +29,7 @@ impl FlushGated {
             inner,
             gate: Gate::default(),
             lanes,
+            lane_flushes_done: AtomicUsize::new(0),
         }
     }
 }
@@ -58,7 +63,9 @@ impl Device for FlushGated {
     fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
         assert!(lane < self.lanes, "flush lane {lane} of {}", self.lanes);
         self.gate.pass(0, u64::MAX);
-        self.inner.flush_lane(lane)
+        let result = self.inner.flush_lane(lane);
+        self.lane_flushes_done.fetch_add(1, Ordering::SeqCst);
+        result
     }
 
     /// A barrier's write and flush, the flush through the gate.
