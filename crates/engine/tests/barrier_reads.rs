@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cairn_device::SimDevice;
-use cairn_engine::{Engine, FormatOptions};
 
 /// Far longer than any of these requests takes, far shorter than forever.
 const WATCHDOG: Duration = Duration::from_secs(20);
@@ -33,15 +32,7 @@ fn reads_and_writes_go_on_while_a_flush_waits_for_its_barrier() {
         cache_bytes_small(),
     )));
     let origin = SimDevice::new("origin", volume_blocks * BS);
-    Engine::format(
-        cache.clone(),
-        Arc::new(origin.clone()),
-        &FormatOptions::default(),
-    )
-    .expect("format");
-    let engine = Arc::new(
-        Engine::open(cache.clone(), Arc::new(origin.clone()), &open_opts()).expect("open"),
-    );
+    let engine = format_and_open(cache.clone(), &origin);
     let cached = pattern(1, BS as usize);
     engine.write(0, &cached, false).expect("write");
     engine.flush().expect("flush");

@@ -186,7 +186,6 @@ impl cairn_device::Device for SlowCache {
 /// concurrently, and the volume and the origin end up exact.
 #[test]
 fn sealed_records_in_flight_are_read_from_memory_and_flushed_in_order() {
-    use cairn_engine::{Engine, FormatOptions};
     const WRITERS: u64 = 4;
     const BLOCKS_PER_WRITER: u64 = 512;
     let volume_blocks = WRITERS * BLOCKS_PER_WRITER;
@@ -198,15 +197,7 @@ fn sealed_records_in_flight_are_read_from_memory_and_flushed_in_order() {
         writing: Default::default(),
         writing_max: Default::default(),
     });
-    Engine::format(
-        cache.clone(),
-        Arc::new(origin.clone()),
-        &FormatOptions::default(),
-    )
-    .expect("format");
-    let engine = Arc::new(
-        Engine::open(cache.clone(), Arc::new(origin.clone()), &open_opts()).expect("open"),
-    );
+    let engine = format_and_open(cache.clone(), &origin);
     let mut handles = Vec::new();
     for t in 0..WRITERS {
         let e = engine.clone();

@@ -128,6 +128,14 @@ impl Rig {
     }
 }
 
+/// Format `cache` over `origin` with the default options and open an
+/// engine on them with [`open_opts`], shared by the threads of a test.
+pub fn format_and_open(cache: Arc<dyn Device>, origin: &SimDevice) -> Arc<Engine> {
+    let origin: Arc<dyn Device> = Arc::new(origin.clone());
+    Engine::format(cache.clone(), origin.clone(), &FormatOptions::default()).expect("format");
+    Arc::new(Engine::open(cache, origin, &open_opts()).expect("open"))
+}
+
 pub fn open(cache: &SimDevice, origin: &SimDevice) -> Result<Engine, cairn_engine::EngineError> {
     Engine::open(
         Arc::new(cache.clone()) as Arc<dyn Device>,
