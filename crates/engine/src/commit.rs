@@ -264,6 +264,9 @@ fn write_and_sync(env: &Env, plan: &BarrierPlan, lane: usize) -> Result<(), Devi
         }
         Ok(())
     };
+    // Every sync of this barrier (a retry included) is watched: another
+    // barrier vouches for nothing while it runs, and not at all if it fails.
+    let sync = env.syncs.begin();
     let result = if whole {
         // One client's flush alone (W1): a retry covers write and sync, as
         // long as nothing else went to the device since the plan. A failed
@@ -297,6 +300,12 @@ fn write_and_sync(env: &Env, plan: &BarrierPlan, lane: usize) -> Result<(), Devi
                 })
             })
     };
+    sync.end(result.is_err());
+    // A sync that succeeded vouches only once the syncs running beside it
+    // ended, none of them failed (one that failed may have lost this
+    // barrier's records, before this sync was served), and no earlier one
+    // did. Only then are the records published as written.
+    let result = result.and_then(|()| env.syncs.settle(env.cache.name()));
     let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
     for record in &plan.to_write {
         record.publish(env, outcome.clone());

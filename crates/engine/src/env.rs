@@ -17,6 +17,7 @@ use crate::origins::Origins;
 use crate::sealed::RecordIo;
 use crate::sealed::RecordWriters;
 use crate::stats::Counters;
+use crate::sync_watch::SyncWatch;
 use crate::volume_origin::VolumeOrigin;
 use cairn_device::BufPool;
 
@@ -52,6 +53,9 @@ pub(crate) struct Env {
     pub(crate) health: Health,
     /// Where barriers wait for sealed records written outside the lock.
     pub(crate) record_io: Arc<RecordIo>,
+    /// The cache device's syncs in progress, and whether one failed: a
+    /// barrier vouches for nothing until the syncs around its own ended.
+    pub(crate) syncs: SyncWatch,
     /// Threads that write sealed records for reactor tasks.
     pub(crate) record_writers: RecordWriters,
     /// Reused record buffers.
@@ -99,6 +103,7 @@ impl Env {
             integrity: superblock.features & cairn_format::FEATURE_INTEGRITY != 0,
             health,
             record_io: Arc::new(RecordIo::default()),
+            syncs: SyncWatch::default(),
             record_writers: RecordWriters::default(),
             record_bufs: Arc::new(BufPool::with_backing(
                 Backing::Mapped,

@@ -54,6 +54,7 @@ mod state;
 mod state_lock;
 mod stats;
 mod superblocks;
+mod sync_watch;
 mod tags;
 mod unopened_origin;
 mod upgrade;

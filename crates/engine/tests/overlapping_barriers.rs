@@ -14,7 +14,7 @@ use common::*;
 
 use common::gate::Gate;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -146,8 +146,11 @@ fn with_one_flush_lane_barriers_do_not_overlap() {
     report!("with one flush lane, the second flush waited for the first barrier to end");
 }
 
-/// Flush lanes over a simulated device. Armed, the next flush through lane
-/// 0 plays a device that drops its volatile write cache (a controller
+/// No lane: [`CacheLoss::drop_lane`] disarmed.
+const NO_LANE: usize = usize::MAX;
+
+/// Flush lanes over a simulated device. Armed, the next flush through the
+/// lane named plays a device that drops its volatile write cache (a controller
 /// reset) and fails that flush, reporting the failure only when the gate
 /// opens; every other flush succeeds, and covers what was written after
 /// the loss.
@@ -155,9 +158,11 @@ struct CacheLoss {
     inner: RwLock<SimDevice>,
     /// Passed by a flush through lane N before anything else it does.
     before_lane: [Gate; 2],
-    /// Passed by the armed flush after the loss, before it fails.
+    /// Passed by the failing flush after the loss, before it fails.
     gate: Gate,
-    armed: AtomicBool,
+    /// The lane whose next flush loses the cache and fails ([`NO_LANE`]:
+    /// none).
+    drop_lane: AtomicUsize,
     lanes: usize,
     lane_flushes_done: AtomicUsize,
 }
@@ -193,7 +198,11 @@ impl Device for CacheLoss {
     fn flush_lane(&self, lane: usize) -> DeviceResult<()> {
         assert!(lane < self.lanes, "flush lane {lane} of {}", self.lanes);
         self.before_lane[lane].pass(0, u64::MAX);
-        let result = if lane == 0 && self.armed.swap(false, Ordering::SeqCst) {
+        let result = if self
+            .drop_lane
+            .compare_exchange(lane, NO_LANE, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
             {
                 let mut device = self.inner.write().expect("device lock");
                 *device = device.crashed(CrashPlan::DropAll, 1);
@@ -223,7 +232,7 @@ fn cache_loss_engine(lanes: usize) -> (Arc<CacheLoss>, SimDevice, Arc<Engine>) {
         inner: RwLock::new(SimDevice::new("cache", cache_bytes_small())),
         before_lane: [Gate::default(), Gate::default()],
         gate: Gate::default(),
-        armed: AtomicBool::new(false),
+        drop_lane: AtomicUsize::new(NO_LANE),
         lanes,
         lane_flushes_done: AtomicUsize::new(0),
     });
@@ -244,7 +253,7 @@ fn cache_loss_engine(lanes: usize) -> (Arc<CacheLoss>, SimDevice, Arc<Engine>) {
 fn cache_lost_in_another_lanes_sync(lanes: usize) {
     let (cache, origin, engine) = cache_loss_engine(lanes);
     cache.gate.arm(None);
-    cache.armed.store(true, Ordering::SeqCst);
+    cache.drop_lane.store(0, Ordering::SeqCst);
     let first = {
         let e = engine.clone();
         std::thread::spawn(move || e.flush())
@@ -348,7 +357,7 @@ fn a_failed_sync_is_not_retried_over_a_later_record() {
     let (cache, origin, engine) = cache_loss_engine(2);
     // The first barrier's sync waits before the loss.
     cache.before_lane[0].arm(None);
-    cache.armed.store(true, Ordering::SeqCst);
+    cache.drop_lane.store(0, Ordering::SeqCst);
     let first = {
         let e = engine.clone();
         std::thread::spawn(move || e.flush())
@@ -372,6 +381,65 @@ fn a_failed_sync_is_not_retried_over_a_later_record() {
     report!(
         "a sync lost the device's write cache under two barriers' records: {} lane flush(es) before the second sync (no retry), first flush {}, second flush {}; nothing answered was lost",
         lane_flushes,
+        outcome(&first_result),
+        outcome(&second_result)
+    );
+}
+
+/// Found by a second review on 2026-12-07, of the first fix: the victim is
+/// the barrier planned first. Its record is written and its sync is slow;
+/// a later barrier in the other lane fails its sync after the device
+/// dropped its cache (the first record with it); the first sync, served
+/// after the loss, succeeds. The first barrier had nothing of the other's
+/// to wait for, so it answered its flush over a lost record (block 0 gone
+/// after a crash, and even the live engine then found the log damaged).
+/// Now every barrier waits for the syncs running beside its own
+/// (`sync_watch.rs`) and vouches for nothing once one failed.
+#[test]
+fn an_earlier_barrier_is_not_answered_over_a_later_lanes_failed_sync() {
+    let (cache, origin, engine) = cache_loss_engine(2);
+    // The first barrier (lane 0): its record written, its sync held.
+    cache.before_lane[0].arm(None);
+    let first = {
+        let e = engine.clone();
+        std::thread::spawn(move || e.flush())
+    };
+    cache.before_lane[0].wait_entered(WATCHDOG, "the first flush");
+    // The second barrier (lane 1): its sync loses the write cache and
+    // fails, the failure held after the loss.
+    cache.gate.arm(None);
+    cache.drop_lane.store(1, Ordering::SeqCst);
+    let second = second_client(&engine);
+    cache
+        .gate
+        .wait_entered(WATCHDOG, "the second flush's failing sync");
+    // The first sync is served after the loss, and succeeds.
+    cache.before_lane[0].release();
+    wait_for_count(&cache.lane_flushes_done, 1, "the first sync");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !first.is_finished(),
+        "the first flush was answered while the overlapping sync's failure was unreported"
+    );
+    cache.gate.release();
+    let first_result = result_within(first, "the first flush");
+    let second_result = result_within(second, "the second flush");
+    // Whatever was answered reads back, live and after a crash.
+    let volume = read_volume(&engine).expect("read after both flushes");
+    for (block, result) in [&first_result, &second_result].into_iter().enumerate() {
+        if result.is_ok() {
+            let at = block * BS as usize;
+            assert_eq!(
+                &volume[at..at + BS as usize],
+                &pattern(block as u64 + 1, BS as usize)[..],
+                "an answered flush's block {block} reads wrong"
+            );
+        }
+    }
+    drop(engine);
+    answered_flushes_survive_a_crash(&cache, &origin, &first_result, &second_result);
+    report!(
+        "a later lane's sync lost the write cache while the first barrier's sync was slow: first flush {}, second flush {}; nothing answered was lost",
         outcome(&first_result),
         outcome(&second_result)
     );

@@ -460,9 +460,13 @@ impl Log {
             &[header, data]
         };
         let retry_safe = self.unsynced.is_empty();
-        retrying_cache_write(env, "sealing a log record", retry_safe, || {
+        // Watched like a lane barrier's sync (see `crate::sync_watch`).
+        let sync = env.syncs.begin();
+        let result = retrying_cache_write(env, "sealing a log record", retry_safe, || {
             env.cache.write_vectored_and_flush(at, bufs)
-        })
+        });
+        sync.end(result.is_err());
+        result.and_then(|()| env.syncs.settle(env.cache.name()))
     }
 
     /// Seal and make durable everything acknowledged so far; ends an epoch.

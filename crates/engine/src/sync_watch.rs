@@ -1,0 +1,166 @@
+//! The cache device's syncs in progress, and whether one ever failed.
+//!
+//! A sync that fails may have cost the device every write it had not made
+//! durable: a controller that resets drops its volatile cache. A sync in
+//! another flush lane that succeeds around that moment proves nothing: it
+//! may have been served after the loss, with nothing left to write. So a
+//! barrier whose own sync succeeded vouches for its records only once
+//! every sync that was still running has ended, and only if none of the
+//! device's syncs ever failed for good (the cache then goes degraded, and
+//! never back). Waiting for other *syncs*, not for other barriers, keeps
+//! this free of cycles: a sync is one system call, which waits for no one.
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use cairn_device::DeviceError;
+
+#[derive(Default)]
+struct Syncs {
+    running: Vec<u64>,
+    next_ticket: u64,
+    failed: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct SyncWatch {
+    syncs: Mutex<Syncs>,
+    ended: Condvar,
+}
+
+/// A sync in progress; [`SyncTicket::end`] says how it ended. Dropped
+/// without that (the sync unwound from a panic), it counts as failed: no
+/// one can say what it left on the device.
+pub(crate) struct SyncTicket<'a> {
+    watch: &'a SyncWatch,
+    ticket: u64,
+    ended: bool,
+}
+
+impl SyncWatch {
+    fn lock(&self) -> MutexGuard<'_, Syncs> {
+        self.syncs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A sync of the cache device (with its retries, if any) starts.
+    pub(crate) fn begin(&self) -> SyncTicket<'_> {
+        let mut syncs = self.lock();
+        let ticket = syncs.next_ticket;
+        syncs.next_ticket += 1;
+        // Bounded by the barriers in flight and the engine lock's holder.
+        syncs.running.push(ticket);
+        SyncTicket {
+            watch: self,
+            ticket,
+            ended: false,
+        }
+    }
+
+    fn finish(&self, ticket: u64, failed: bool) {
+        let mut syncs = self.lock();
+        let before = syncs.running.len();
+        syncs.running.retain(|&t| t != ticket);
+        assert_eq!(syncs.running.len() + 1, before, "a sync ends once");
+        syncs.failed |= failed;
+        self.ended.notify_all();
+    }
+
+    /// After a sync of one's own on `device` succeeded: wait until every
+    /// sync running now has ended, then fail if any sync of the device
+    /// failed for good. Never called with a ticket of one's own still open.
+    pub(crate) fn settle(&self, device: &str) -> Result<(), DeviceError> {
+        let mut syncs = self.lock();
+        let waited_for: Vec<u64> = syncs.running.clone();
+        // Bounded: tickets only end, and each is a system call in progress.
+        while syncs.running.iter().any(|t| waited_for.contains(t)) {
+            syncs = self.ended.wait(syncs).unwrap_or_else(|p| p.into_inner());
+        }
+        if syncs.failed {
+            return Err(DeviceError::Io {
+                device: device.to_string(),
+                offset: 0,
+                len: 0,
+                source: std::io::Error::other(
+                    "another sync of the cache device failed, so this one cannot vouch for what was written before it",
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Has a sync of the device ever failed for good?
+    #[cfg(test)]
+    fn any_failed(&self) -> bool {
+        self.lock().failed
+    }
+}
+
+impl SyncTicket<'_> {
+    /// The sync returned: `failed` if it failed for good (no retry will
+    /// cover what it may have lost).
+    pub(crate) fn end(mut self, failed: bool) {
+        self.ended = true;
+        self.watch.finish(self.ticket, failed);
+    }
+}
+
+impl Drop for SyncTicket<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.watch.finish(self.ticket, true);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::SyncWatch;
+
+    #[test]
+    fn settle_waits_for_the_syncs_running_and_reports_a_failure() {
+        let watch = Arc::new(SyncWatch::default());
+        assert!(
+            watch.settle("cache").is_ok(),
+            "nothing running, nothing failed"
+        );
+        let slow = watch.begin();
+        let settled = {
+            let watch = watch.clone();
+            std::thread::spawn(move || watch.settle("cache").is_ok())
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !settled.is_finished(),
+            "settle did not wait for the running sync"
+        );
+        slow.end(true);
+        assert!(
+            !settled.join().expect("settling thread"),
+            "the failure was not seen"
+        );
+        assert!(watch.any_failed());
+        // A sync that starts after a failure cannot undo it.
+        watch.begin().end(false);
+        assert!(watch.settle("cache").is_err());
+    }
+
+    #[test]
+    fn a_sync_that_unwinds_counts_as_failed() {
+        let watch = SyncWatch::default();
+        drop(watch.begin());
+        assert!(watch.settle("cache").is_err());
+    }
+
+    #[test]
+    fn successful_syncs_settle() {
+        let watch = SyncWatch::default();
+        let a = watch.begin();
+        let b = watch.begin();
+        b.end(false);
+        a.end(false);
+        assert!(watch.settle("cache").is_ok());
+        assert!(!watch.any_failed());
+    }
+}
