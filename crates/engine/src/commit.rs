@@ -42,12 +42,10 @@ use crate::stats::Counters;
 /// and the second barrier after a record was sealed covers it.
 const WAIT_ROUNDS_MAX: usize = 10_000;
 
-/// Barriers in progress at once, at most (fewer when the cache device has
-/// fewer flush lanes). Two, not more: with four, W7 (4 flushing clients)
-/// lost 10% on a quiet 2-core machine, where each extra barrier's CPU
-/// counts; with two it was even there and 10-20% ahead while another job
-/// kept the disk busy (see `docs/design.md`, "Barriers that overlap").
-const BARRIERS_IN_FLIGHT_MAX: usize = 2;
+/// Barriers in progress at once, at most, whatever the configuration
+/// (`EngineConfig::barriers_in_flight_max`; fewer when the cache device
+/// has fewer flush lanes).
+const BARRIERS_IN_FLIGHT_LIMIT: usize = 4;
 
 /// A barrier in progress.
 struct InProgress {
@@ -93,7 +91,11 @@ impl GroupCommit {
         target: u64,
         by: FlushBy,
     ) -> EngineResult<()> {
-        let lanes = env.cache.flush_lanes().clamp(1, BARRIERS_IN_FLIGHT_MAX);
+        let lanes = env
+            .cache
+            .flush_lanes()
+            .min(env.config.barriers_in_flight_max)
+            .clamp(1, BARRIERS_IN_FLIGHT_LIMIT);
         let mut followed = false;
         for _ in 0..WAIT_ROUNDS_MAX {
             if state.normal(env)?.log.durable_sequence() >= target {

@@ -74,6 +74,15 @@ pub struct EngineConfig {
     /// write fits) before the write fails with ENOSPC. Zero in the
     /// simulation tests.
     pub space_wait_for_writeback_ms: u64,
+    /// Barriers (flushes' fdatasyncs) in progress at once, each through a
+    /// flush lane of its own when the cache device has them. 1 (the
+    /// default): a flush that arrives during a barrier waits for it and
+    /// shares the next. 2 lets the next one start its sync at once; since
+    /// a barrier must then wait for the syncs beside its own before it
+    /// answers (`sync_watch.rs`), that measured no gain on 2 cores
+    /// (`docs/design.md`, "Barriers that overlap"). The tests run 2, so
+    /// the overlapping paths stay correct. Clamped to 1..=4.
+    pub barriers_in_flight_max: usize,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +98,7 @@ impl Default for EngineConfig {
             page_cache_reads: true,
             origin_queue_depth: 64,
             space_wait_for_writeback_ms: SPACE_WAIT_FOR_WRITEBACK_MS,
+            barriers_in_flight_max: 1,
         }
     }
 }

@@ -35,13 +35,20 @@ struct Held {
 
 /// A cache with `lanes` flush lanes; block 0 written and its flush's
 /// barrier held in the device's sync.
-fn first_flush_held(lanes: usize) -> Held {
+fn first_flush_held(lanes: usize, barriers_in_flight_max: usize) -> Held {
     let cache = Arc::new(FlushGated::with_lanes(
         SimDevice::new("cache", cache_bytes_small()),
         lanes,
     ));
     let origin = SimDevice::new("origin", 256 * BS);
-    let engine = format_and_open(cache.clone(), &origin);
+    let engine = format_and_open_with(
+        cache.clone(),
+        &origin,
+        cairn_engine::EngineConfig {
+            barriers_in_flight_max,
+            ..config()
+        },
+    );
     engine
         .write(0, &pattern(1, BS as usize), false)
         .expect("write");
@@ -90,7 +97,7 @@ fn wait_for_count(count: &AtomicUsize, at_least: usize, what: &str) {
 
 #[test]
 fn a_flush_syncs_beside_a_held_barrier_and_is_answered_after_it() {
-    let held = first_flush_held(SimDevice::new("lanes", 4096).flush_lanes());
+    let held = first_flush_held(SimDevice::new("lanes", 4096).flush_lanes(), 2);
     assert!(held.cache.flush_lanes() > 1);
     let second = second_client(&held.engine);
     // The second barrier's sync ran through another lane while the first
@@ -132,18 +139,34 @@ fn a_flush_syncs_beside_a_held_barrier_and_is_answered_after_it() {
 
 #[test]
 fn with_one_flush_lane_barriers_do_not_overlap() {
-    let held = first_flush_held(1);
+    one_barrier_at_a_time(first_flush_held(1, 2));
+}
+
+#[test]
+fn by_default_barriers_do_not_overlap() {
+    assert_eq!(
+        cairn_engine::EngineConfig::default().barriers_in_flight_max,
+        1
+    );
+    let lanes = SimDevice::new("lanes", 4096).flush_lanes();
+    assert!(lanes > 1);
+    one_barrier_at_a_time(first_flush_held(lanes, 1));
+}
+
+/// The first flush's barrier is held: the second client's flush waits for
+/// it, then both are answered.
+fn one_barrier_at_a_time(held: Held) {
     let second = second_client(&held.engine);
     std::thread::sleep(Duration::from_millis(200));
     assert!(
         !second.is_finished(),
-        "a second barrier overlapped the first on a device with one flush lane"
+        "a second barrier overlapped the first with one barrier allowed at a time"
     );
     held.cache.gate.release();
     join_within(held.first, "the first flush");
     join_within(second, "the second flush");
     assert_eq!(held.engine.stats().overlapped_barriers, 0);
-    report!("with one flush lane, the second flush waited for the first barrier to end");
+    report!("one barrier at a time: the second flush waited for the first barrier to end");
 }
 
 /// No lane: [`CacheLoss::drop_lane`] disarmed.

@@ -61,6 +61,9 @@ pub fn config() -> EngineConfig {
         origin_queue_depth: 64,
         // A write out of room whose write-back fails fails at once.
         space_wait_for_writeback_ms: 0,
+        // Barriers overlap in the tests (the daemon's default is 1), so the
+        // paths of two in flight stay covered.
+        barriers_in_flight_max: 2,
     }
 }
 
@@ -131,9 +134,22 @@ impl Rig {
 /// Format `cache` over `origin` with the default options and open an
 /// engine on them with [`open_opts`], shared by the threads of a test.
 pub fn format_and_open(cache: Arc<dyn Device>, origin: &SimDevice) -> Arc<Engine> {
+    format_and_open_with(cache, origin, config())
+}
+
+/// [`format_and_open`] with the engine configured by `config`.
+pub fn format_and_open_with(
+    cache: Arc<dyn Device>,
+    origin: &SimDevice,
+    config: EngineConfig,
+) -> Arc<Engine> {
     let origin: Arc<dyn Device> = Arc::new(origin.clone());
     Engine::format(cache.clone(), origin.clone(), &FormatOptions::default()).expect("format");
-    Arc::new(Engine::open(cache, origin, &open_opts()).expect("open"))
+    let opts = OpenOptions {
+        config,
+        ..open_opts()
+    };
+    Arc::new(Engine::open(cache, origin, &opts).expect("open"))
 }
 
 pub fn open(cache: &SimDevice, origin: &SimDevice) -> Result<Engine, cairn_engine::EngineError> {
