@@ -1,5 +1,7 @@
 //! Group commit: barriers made outside the engine lock, shared by every
-//! flush that arrives while one is in progress, and two of them at once.
+//! flush that arrives while one is in progress; with
+//! `EngineConfig::barriers_in_flight_max` above 1 (the tests; the daemon
+//! runs 1), several at once.
 //!
 //! A flush (or FUA write) seals what is open as an epoch-end record under
 //! the engine lock, without writing it, and then waits until every record

@@ -52,13 +52,18 @@ impl State {
         let retry_safe = self.log.unsynced_blocks() == 0;
         if let Some(tags) = self.tags.as_mut() {
             // A failed persist changes nothing, so it is retried whole.
-            retrying_cache_write(env, "writing integrity tag pages", retry_safe, || {
-                tags.persist(env.cache.as_ref(), &env.layout, &env.counters)
-            })
-            .map_err(|e| {
-                env.health
-                    .cache_write_failed("writing integrity tag pages", e)
-            })?;
+            // Watched whole (retries included), so only a final failure
+            // counts against the barriers beside it.
+            env.syncs
+                .watch(|| {
+                    retrying_cache_write(env, "writing integrity tag pages", retry_safe, || {
+                        tags.persist(env.cache.as_ref(), &env.layout, &env.counters)
+                    })
+                })
+                .map_err(|e| {
+                    env.health
+                        .cache_write_failed("writing integrity tag pages", e)
+                })?;
             for volume in tags.volumes() {
                 let (id, at) = (volume.volume_id, volume.recalc_pos);
                 superblocks::set_recalc_position(&mut self.superblock, id, at);
@@ -90,10 +95,13 @@ impl State {
         };
         table.sequence = *table_sequence + 1;
         let retry_safe = self.log.unsynced_blocks() == 0;
-        retrying_cache_write(env, "writing the volume table", retry_safe, || {
-            superblocks::write_table(env.cache.as_ref(), &table)
-        })
-        .map_err(|e| env.health.cache_write_failed("writing the volume table", e))?;
+        env.syncs
+            .watch(|| {
+                retrying_cache_write(env, "writing the volume table", retry_safe, || {
+                    superblocks::write_table(env.cache.as_ref(), &table)
+                })
+            })
+            .map_err(|e| env.health.cache_write_failed("writing the volume table", e))?;
         let named = std::mem::replace(table_sequence, table.sequence);
         if let Err(e) = self.write_superblock(env) {
             // The superblock on the device may name either table; both are

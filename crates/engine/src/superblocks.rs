@@ -233,8 +233,10 @@ pub(crate) fn write_next(
     lift_positions(&mut next);
     let buf = next.encode();
     let at = SUPERBLOCK_OFFSETS[Superblock::copy_index(next.sequence)];
-    retrying_cache_write(env, "writing the superblock", retry_safe, || {
-        env.cache.write_vectored_and_flush(at, &[&buf])
+    env.syncs.watch(|| {
+        retrying_cache_write(env, "writing the superblock", retry_safe, || {
+            env.cache.write_vectored_and_flush(at, &[&buf])
+        })
     })?;
     *superblock = next;
     Counters::add(&env.counters.cache_bytes_written, buf.len() as u64);

@@ -64,6 +64,17 @@ impl SyncWatch {
         self.ended.notify_all();
     }
 
+    /// Run `sync` (a cache write with its flush, or a flush, retries
+    /// included) as a watched sync that vouches for no log record itself:
+    /// the superblock, the volume table, tag pages, a checkpoint. Its
+    /// failure is one no barrier may vouch beside.
+    pub(crate) fn watch<T, E>(&self, sync: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+        let ticket = self.begin();
+        let result = sync();
+        ticket.end(result.is_err());
+        result
+    }
+
     /// After a sync of one's own on `device` succeeded: wait until every
     /// sync running now has ended, then fail if any sync of the device
     /// failed for good. Never called with a ticket of one's own still open.
@@ -150,6 +161,15 @@ mod tests {
     fn a_sync_that_unwinds_counts_as_failed() {
         let watch = SyncWatch::default();
         drop(watch.begin());
+        assert!(watch.settle("cache").is_err());
+    }
+
+    #[test]
+    fn a_watched_sync_that_fails_is_seen_by_settle() {
+        let watch = SyncWatch::default();
+        assert_eq!(watch.watch(|| Ok::<u8, ()>(7)), Ok(7));
+        assert!(watch.settle("cache").is_ok());
+        assert_eq!(watch.watch(|| Err::<u8, ()>(())), Err(()));
         assert!(watch.settle("cache").is_err());
     }
 

@@ -131,7 +131,8 @@ impl UringDevice {
 }
 
 /// Flushes that may overlap on a device opened for writing (the engine
-/// overlaps two barriers at most).
+/// overlaps at most `EngineConfig::barriers_in_flight_max` barriers, 1 in
+/// the daemon, which then syncs through the first lane alone).
 const FLUSH_LANES: usize = 2;
 
 /// The flush lanes: the file opened apart once per lane, each a separate

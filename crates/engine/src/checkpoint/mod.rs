@@ -25,7 +25,9 @@ pub(crate) fn write(env: &Env, st: &mut State) -> EngineResult<()> {
     // The slot is retried whole: its chunks are plain writes covered by
     // the header's barrier, so if that barrier fails the chunks must be
     // written again too, not just the header.
-    let header = retrying_cache_write(env, "writing a checkpoint", true, || write_slot(env, st))
+    let header = env
+        .syncs
+        .watch(|| retrying_cache_write(env, "writing a checkpoint", true, || write_slot(env, st)))
         .map_err(|e| env.health.cache_write_failed("writing a checkpoint", e))?;
     st.superblock.active_checkpoint = 1 - st.superblock.active_checkpoint;
     st.superblock.checkpoint_sequence = header.sequence;

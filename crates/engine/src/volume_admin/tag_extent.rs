@@ -80,18 +80,22 @@ pub(crate) fn fresh_tags(p: Parts<'_>, blocks: u64) -> EngineResult<(VolumeTags,
         armed: true,
     };
     let volume = VolumeTags::new_unset(extent, blocks);
-    write_fresh(
-        env.cache.as_ref(),
-        &env.layout,
-        &volume,
-        &[0, 1],
-        stamp,
-        &env.counters,
-    )
-    .map_err(|e| {
-        env.health
-            .cache_write_failed("writing integrity tag pages", e)
-    })?;
+    // Without the engine lock, beside barriers: watched like their syncs.
+    env.syncs
+        .watch(|| {
+            write_fresh(
+                env.cache.as_ref(),
+                &env.layout,
+                &volume,
+                &[0, 1],
+                stamp,
+                &env.counters,
+            )
+        })
+        .map_err(|e| {
+            env.health
+                .cache_write_failed("writing integrity tag pages", e)
+        })?;
     Ok((volume, reserved))
 }
 
