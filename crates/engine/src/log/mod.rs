@@ -398,9 +398,23 @@ impl Log {
         );
         open.debug_check(env.block_size_bytes);
         if barrier {
-            if let Err(e) = self.write_with_barrier(env, at, &header_buf, open.data()) {
-                self.open = Some(open);
-                return Err(env.health.cache_write_failed("sealing a log record", e));
+            // The open record holds acknowledged writes and nothing else
+            // does: a barrier that fails, or unwinds from a panic (the NBD
+            // server answers EIO and goes on), leaves it open, so reads
+            // and degraded mode's drain still find its blocks.
+            let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.write_with_barrier(env, at, &header_buf, open.data())
+            }));
+            match written {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    self.open = Some(open);
+                    return Err(env.health.cache_write_failed("sealing a log record", e));
+                }
+                Err(panic) => {
+                    self.open = Some(open);
+                    std::panic::resume_unwind(panic);
+                }
             }
         }
         Counters::add(&env.counters.records_sealed, 1);
