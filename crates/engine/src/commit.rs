@@ -222,12 +222,12 @@ fn barrier(
     if let Err(e) = write_and_sync(env, &plan, lane) {
         return Err(env.health.cache_write_failed("sealing a log record", e));
     }
-    // This sync covers the others' records only if no sync failed in
-    // between: a device whose flush failed may have dropped every write
-    // it had not made durable, and a sync issued after that succeeds.
-    // So the outcome of each of them is waited for (a barrier in another
-    // lane publishes its records after its own sync), and a failure is
-    // found by the prune below. The syncs still overlap.
+    // The others' records are done before this barrier moves the durable
+    // position past them, so every record behind it has its outcome
+    // published (write-back and degraded mode's drain rely on that). Since
+    // the settle in `write_and_sync`, this wait no longer guards against a
+    // failed sync beside ours (the settle does); a barrier in another lane
+    // publishes its records right after its own settle.
     for record in &plan.in_flight {
         record.wait_done(env);
     }
@@ -269,47 +269,47 @@ fn write_and_sync(env: &Env, plan: &BarrierPlan, lane: usize) -> Result<(), Devi
         Ok(())
     };
     // Every sync of this barrier (a retry included) is watched: another
-    // barrier vouches for nothing while it runs, and not at all if it fails.
-    let sync = env.syncs.begin();
-    let result = if whole {
-        // One client's flush alone (W1): a retry covers write and sync, as
-        // long as nothing else went to the device since the plan. A failed
-        // sync may have lost every write not yet durable, and records
-        // sealed after the plan may have been written meanwhile (a record
-        // writer's, another lane's barrier's): rewriting this run would
-        // not bring them back, and a later sync would vouch for them. Any
-        // write since the plan is of a record sealed since: a sync failure
-        // then is final.
-        let run = &runs[0];
-        retrying_cache_write(env, "sealing a log record", true, || {
-            write_run(run)?;
-            match env.cache.flush_lane(lane) {
-                Ok(()) => Ok(Ok(())),
-                Err(e) if env.record_io.sealed_through() > plan.target => {
-                    Counters::add(&env.counters.cache_write_errors, 1);
-                    Ok(Err(e))
+    // barrier vouches for nothing while it runs, and not at all if it
+    // fails. A sync that succeeded vouches only once the syncs running
+    // beside it ended and none of the device's ever failed (one that
+    // failed may have lost this barrier's records before this sync was
+    // served). Only then are the records published as written.
+    let sync = || {
+        if whole {
+            // One client's flush alone (W1): a retry covers write and sync, as
+            // long as nothing else went to the device since the plan. A failed
+            // sync may have lost every write not yet durable, and records
+            // sealed after the plan may have been written meanwhile (a record
+            // writer's, another lane's barrier's): rewriting this run would
+            // not bring them back, and a later sync would vouch for them. Any
+            // write since the plan is of a record sealed since: a sync failure
+            // then is final.
+            let run = &runs[0];
+            retrying_cache_write(env, "sealing a log record", true, || {
+                write_run(run)?;
+                match env.cache.flush_lane(lane) {
+                    Ok(()) => Ok(Ok(())),
+                    Err(e) if env.record_io.sealed_through() > plan.target => {
+                        Counters::add(&env.counters.cache_write_errors, 1);
+                        Ok(Err(e))
+                    }
+                    Err(e) => Err(e),
                 }
-                Err(e) => Err(e),
-            }
-        })
-        .and_then(|synced| synced)
-    } else {
-        runs.iter()
-            .try_for_each(|run| {
-                retrying_cache_write(env, "sealing a log record", true, || write_run(run))
             })
-            .and_then(|()| {
-                retrying_cache_write(env, "flushing the cache device", false, || {
-                    env.cache.flush_lane(lane)
+            .and_then(|synced| synced)
+        } else {
+            runs.iter()
+                .try_for_each(|run| {
+                    retrying_cache_write(env, "sealing a log record", true, || write_run(run))
                 })
-            })
+                .and_then(|()| {
+                    retrying_cache_write(env, "flushing the cache device", false, || {
+                        env.cache.flush_lane(lane)
+                    })
+                })
+        }
     };
-    sync.end(result.is_err());
-    // A sync that succeeded vouches only once the syncs running beside it
-    // ended, none of them failed (one that failed may have lost this
-    // barrier's records, before this sync was served), and no earlier one
-    // did. Only then are the records published as written.
-    let result = result.and_then(|()| env.syncs.settle(env.cache.name()));
+    let result = env.syncs.vouching(env.cache.name(), sync);
     let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
     for record in &plan.to_write {
         record.publish(env, outcome.clone());

@@ -75,6 +75,18 @@ impl SyncWatch {
         result
     }
 
+    /// Run `sync` (a barrier's writes and sync, retries included) as a
+    /// watched sync and, if it succeeded, [`SyncWatch::settle`]: Ok only if
+    /// the barrier may vouch for what it wrote.
+    pub(crate) fn vouching(
+        &self,
+        device: &str,
+        sync: impl FnOnce() -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        self.watch(sync)?;
+        self.settle(device)
+    }
+
     /// After a sync of one's own on `device` succeeded: wait until every
     /// sync running now has ended, then fail if any sync of the device
     /// failed for good. Never called with a ticket of one's own still open.

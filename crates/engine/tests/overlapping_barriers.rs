@@ -346,13 +346,19 @@ fn answered_flushes_survive_a_crash(
     let origin_crashed = origin.crashed(CrashPlan::DropAll, 1);
     let reopened = open(&crashed, &origin_crashed).expect("open after the crash");
     let volume = read_volume(&reopened).expect("read after the crash");
-    for (block, result) in [first, second].into_iter().enumerate() {
+    answered_blocks_read_back(&volume, [first, second], "was lost in a crash");
+}
+
+/// Block 0 (the first client's) and block 1 (the second's) of `volume`
+/// hold what their clients wrote, for each flush that was answered.
+fn answered_blocks_read_back(volume: &[u8], flushes: [&EngineResult<()>; 2], otherwise: &str) {
+    for (block, result) in flushes.into_iter().enumerate() {
         if result.is_ok() {
             let at = block * BS as usize;
             assert_eq!(
                 &volume[at..at + BS as usize],
                 &pattern(block as u64 + 1, BS as usize)[..],
-                "an acknowledged flush (block {block}) was lost in a crash"
+                "an acknowledged flush (block {block}) {otherwise}"
             );
         }
     }
@@ -449,16 +455,7 @@ fn an_earlier_barrier_is_not_answered_over_a_later_lanes_failed_sync() {
     let second_result = result_within(second, "the second flush");
     // Whatever was answered reads back, live and after a crash.
     let volume = read_volume(&engine).expect("read after both flushes");
-    for (block, result) in [&first_result, &second_result].into_iter().enumerate() {
-        if result.is_ok() {
-            let at = block * BS as usize;
-            assert_eq!(
-                &volume[at..at + BS as usize],
-                &pattern(block as u64 + 1, BS as usize)[..],
-                "an answered flush's block {block} reads wrong"
-            );
-        }
-    }
+    answered_blocks_read_back(&volume, [&first_result, &second_result], "reads wrong");
     drop(engine);
     answered_flushes_survive_a_crash(&cache, &origin, &first_result, &second_result);
     report!(

@@ -74,7 +74,6 @@ impl Index {
 
     // ------------------------------------------------------------ lookups
 
-    /// The slot holding the newest copy of `lba`.
     /// Start loading what a lookup and a dirty insert of `lba` read first
     /// (its forward-map cell and its write counter), so that a caller about
     /// to handle many blocks has their cache misses overlap: each is at a
@@ -84,6 +83,7 @@ impl Index {
         self.stamps.prefetch(lba);
     }
 
+    /// The slot holding the newest copy of `lba`.
     pub(crate) fn lookup(&self, lba: u64) -> Option<u32> {
         self.map.get(lba, &self.slots)
     }

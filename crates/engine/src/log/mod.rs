@@ -475,12 +475,11 @@ impl Log {
         };
         let retry_safe = self.unsynced.is_empty();
         // Watched like a lane barrier's sync (see `crate::sync_watch`).
-        let sync = env.syncs.begin();
-        let result = retrying_cache_write(env, "sealing a log record", retry_safe, || {
-            env.cache.write_vectored_and_flush(at, bufs)
-        });
-        sync.end(result.is_err());
-        result.and_then(|()| env.syncs.settle(env.cache.name()))
+        env.syncs.vouching(env.cache.name(), || {
+            retrying_cache_write(env, "sealing a log record", retry_safe, || {
+                env.cache.write_vectored_and_flush(at, bufs)
+            })
+        })
     }
 
     /// Seal and make durable everything acknowledged so far; ends an epoch.
