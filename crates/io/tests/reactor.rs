@@ -499,6 +499,48 @@ fn loop_values_are_made_once_per_key_and_outlive_the_tasks(backend: IoBackend) {
     assert_eq!(values, vec!["value 7", "value 8"]);
 }
 
+/// A file read a task starts reaches the kernel before the loop polls its
+/// next task (the device works on it meanwhile); a socket receive waits for
+/// the turn's one submission.
+#[test]
+fn file_operations_are_submitted_when_their_task_yields() {
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(4096).unwrap();
+    let fd = file.as_raw_fd();
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let socket = a.as_raw_fd();
+    let r = reactor(IoBackend::Uring, 16);
+    let r2 = r.clone();
+    let (after_read, after_recv) = r.run(async move {
+        // Spawned in one pass: the reader is polled first, then the
+        // observer, with no turn of the loop between them.
+        let reader = {
+            let r = r2.clone();
+            r2.spawn(async move { r.read_at(fd, 0, vec![0u8; 4096]).await.0 })
+        };
+        let observer = {
+            let r = r2.clone();
+            r2.spawn(async move { r.entries_unsubmitted() })
+        };
+        let after_read = observer.await;
+        assert_eq!(reader.await.unwrap(), 4096);
+        let receiver = {
+            let r = r2.clone();
+            r2.spawn(async move { r.recv(socket, vec![0u8; 16]).await.0 })
+        };
+        let observer = {
+            let r = r2.clone();
+            r2.spawn(async move { r.entries_unsubmitted() })
+        };
+        let after_recv = observer.await;
+        b.write_all(b"hello").unwrap();
+        assert_eq!(receiver.await.unwrap(), 5);
+        (after_read, after_recv)
+    });
+    assert_eq!(after_read, 0, "the read waited for the end of the turn");
+    assert_eq!(after_recv, 1, "a receive is submitted with the turn");
+}
+
 macro_rules! on_both_backends {
     ($($name:ident),* $(,)?) => {
         mod with_io_uring {

@@ -29,6 +29,7 @@ pub(crate) struct ReadAt<B> {
 
 impl<B: StableBufMut> OpKind for ReadAt<B> {
     type Output = (io::Result<usize>, B);
+    const SUBMIT_PROMPTLY: bool = true;
 
     fn entry(&mut self) -> squeue::Entry {
         let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX) as u32;
@@ -59,6 +60,7 @@ pub(crate) struct WriteAt<B> {
 
 impl<B: StableBuf> OpKind for WriteAt<B> {
     type Output = (io::Result<usize>, B);
+    const SUBMIT_PROMPTLY: bool = true;
 
     fn entry(&mut self) -> squeue::Entry {
         let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX) as u32;
@@ -91,6 +93,7 @@ pub(crate) struct WritevAt<B> {
 
 impl<B: StableBuf> OpKind for WritevAt<B> {
     type Output = (io::Result<usize>, Vec<B>);
+    const SUBMIT_PROMPTLY: bool = true;
 
     fn entry(&mut self) -> squeue::Entry {
         self.fill_iovecs();
@@ -138,6 +141,7 @@ pub(crate) struct Fsync {
 
 impl OpKind for Fsync {
     type Output = io::Result<()>;
+    const SUBMIT_PROMPTLY: bool = true;
 
     fn entry(&mut self) -> squeue::Entry {
         let mut op = opcode::Fsync::new(types::Fd(self.fd));

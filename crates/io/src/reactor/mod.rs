@@ -81,6 +81,9 @@ struct Inner {
     /// The eventfd read's 8-byte target: a stable heap allocation.
     eventfd_buf: RefCell<Box<[u8; 8]>>,
     eventfd_armed: Cell<bool>,
+    /// A file or device operation is queued and not yet submitted (see
+    /// [`OpKind::SUBMIT_PROMPTLY`]).
+    prompt_queued: Cell<bool>,
     /// Operations started so far (cancels included): what a caller's
     /// choice of operations costs the ring, for tests and profiles.
     ops_started: Cell<u64>,
@@ -160,6 +163,7 @@ impl Reactor {
                 ops_max: entries as usize,
                 eventfd_buf: RefCell::new(Box::new([0u8; 8])),
                 eventfd_armed: Cell::new(false),
+                prompt_queued: Cell::new(false),
                 ops_started: Cell::new(0),
                 locals: RefCell::new(HashMap::new()),
             }),
@@ -252,6 +256,15 @@ impl Reactor {
         self.inner.ops_started.get()
     }
 
+    /// Entries queued in the ring and not yet submitted to the kernel
+    /// (always 0 without a ring): for tests and profiles.
+    pub fn entries_unsubmitted(&self) -> usize {
+        match &self.inner.ring {
+            Some(ring) => ring.borrow_mut().submission().len(),
+            None => 0,
+        }
+    }
+
     /// Operations in flight in the ring.
     pub fn ops_in_flight(&self) -> usize {
         self.inner.ops.borrow().in_flight()
@@ -285,7 +298,7 @@ impl Reactor {
             if ready.is_empty() {
                 return;
             }
-            for &id in &ready {
+            for (index, &id) in ready.iter().enumerate() {
                 let taken = self.inner.tasks.borrow_mut().take(id);
                 let Some((mut future, waker)) = taken else {
                     continue;
@@ -296,8 +309,36 @@ impl Reactor {
                     std::task::Poll::Ready(()) => self.inner.tasks.borrow_mut().remove(id),
                     std::task::Poll::Pending => self.inner.tasks.borrow_mut().put_back(id, future),
                 }
+                let more_to_poll = index + 1 < ready.len() || self.inner.shared.has_ready();
+                if more_to_poll {
+                    self.submit_prompt_ops();
+                }
             }
         }
+    }
+
+    /// Submit the queued file and device operations now, before the
+    /// loop polls its next task, rather than at the end of the turn.
+    ///
+    /// Why: a connection that takes 30 read requests from one receive
+    /// used to prepare all 30 before the first reached the device, and
+    /// the replies came back as one wave; the device then idled while
+    /// the loop and the client turned the wave around. Measured with
+    /// W4d (4 KiB cached O_DIRECT reads, QD32): 43-46k IOPS with one
+    /// submission a turn, 60-67k submitting each task's reads as it
+    /// yields. The cost is a system call per task that started device
+    /// I/O, when another task is waiting to be polled; the last task of
+    /// a pass leaves its operations to the turn's own submission.
+    fn submit_prompt_ops(&self) {
+        if !self.inner.prompt_queued.replace(false) {
+            return;
+        }
+        let Some(ring) = &self.inner.ring else {
+            return;
+        };
+        // A failure here is not lost: the entries stay queued and the
+        // turn's submission, which handles its errors, sends them.
+        let _ = ring.borrow().submit();
     }
 
     /// Submit what is queued and reap completions, sleeping in the kernel
@@ -308,6 +349,8 @@ impl Reactor {
             return;
         };
         self.arm_eventfd();
+        // This submission sends every queued entry.
+        self.inner.prompt_queued.set(false);
         let wait = self.inner.shared.prepare_sleep();
         let submitted = {
             let ring = ring.borrow();
@@ -513,6 +556,9 @@ impl Reactor {
         let entry = kind.entry();
         let key = self.inner.ops.borrow_mut().start(kind);
         let pushed = self.push_entry(entry.user_data(key as u64));
+        if pushed && K::SUBMIT_PROMPTLY {
+            self.inner.prompt_queued.set(true);
+        }
         if !pushed {
             // Unreachable with room checked (the queue holds `ops_max`),
             // but never lose an operation: complete it as failed.

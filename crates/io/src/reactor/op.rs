@@ -21,6 +21,11 @@ use super::Reactor;
 /// yields.
 pub trait OpKind: 'static {
     type Output;
+    /// A read, write or sync of a file or device: submitted as soon as
+    /// the task that started it yields, so the device starts on it while
+    /// the loop serves its other ready tasks (socket operations wait for
+    /// the turn's one submission).
+    const SUBMIT_PROMPTLY: bool = false;
     /// The entry, pointing into `self` (which no longer moves).
     fn entry(&mut self) -> squeue::Entry;
     /// Without a ring: try the operation now with a plain system call.
