@@ -31,6 +31,7 @@ mod offload;
 pub mod oneshot;
 mod prefetch;
 mod reactor;
+mod recv_now;
 mod semaphore;
 mod send_now;
 
@@ -44,5 +45,6 @@ pub use notify::LocalNotify;
 pub use offload::offload;
 pub use prefetch::prefetch;
 pub use reactor::{JoinHandle, Reactor, ReactorOptions, RemoteWaker};
+pub use recv_now::recv_now;
 pub use semaphore::Semaphore;
 pub use send_now::send_now;

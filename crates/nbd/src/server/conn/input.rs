@@ -171,12 +171,28 @@ impl InBuf {
                 room
             };
             debug_assert!(want > 0 && want <= room);
-            let tail = Tail {
+            let mut tail = Tail {
                 data: std::mem::take(&mut self.data),
                 start: self.end,
                 len: want,
             };
-            let (received, tail) = conn.reactor.recv(conn.stream.raw_fd(), tail).await;
+            // After a large payload the client is streaming writes and
+            // its next header is most likely in the socket already; a
+            // small request's next one is usually not, and trying would
+            // cost a failed system call per request (W1 at QD1).
+            let now = if header_alone {
+                cairn_io::recv_now(conn.stream.raw_fd(), &mut tail)
+            } else {
+                Err(io::ErrorKind::WouldBlock.into())
+            };
+            let received = match now {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let (received, back) = conn.reactor.recv(conn.stream.raw_fd(), tail).await;
+                    tail = back;
+                    received
+                }
+                other => other,
+            };
             self.data = tail.data;
             match received {
                 Ok(0) => return Err(self.eof()),
@@ -224,11 +240,18 @@ impl InBuf {
             return Ok(payload);
         }
         while payload.len() < length {
-            let spare = Spare {
+            let mut spare = Spare {
                 vec: payload,
                 want: length,
             };
-            let (received, spare) = conn.reactor.recv(conn.stream.raw_fd(), spare).await;
+            let received = match cairn_io::recv_now(conn.stream.raw_fd(), &mut spare) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let (received, back) = conn.reactor.recv(conn.stream.raw_fd(), spare).await;
+                    spare = back;
+                    received
+                }
+                other => other,
+            };
             payload = spare.vec;
             match received {
                 Ok(0) => return Err(End::MidMessage),
