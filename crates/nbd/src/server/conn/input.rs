@@ -1,7 +1,7 @@
 //! The connection's input buffer: bytes received and not yet parsed.
-//! Filled with blocking reads during the handshake and with non-blocking
-//! reads, waiting for readiness on the event loop, once transmission
-//! starts.
+//! Filled with blocking reads during the handshake; once transmission
+//! starts, with ring receives on the event loop, and with a non-blocking
+//! `recv` tried first where the bytes are most likely there already.
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
@@ -149,6 +149,8 @@ impl InBuf {
     /// On the event loop: receive until at least `min_total` bytes are
     /// buffered. The receive is a ring operation: the task sleeps until
     /// the client's bytes are in, and they arrive with the completion.
+    /// After a large payload, a non-blocking `recv` is tried first (see
+    /// [`direct_first`]).
     pub(super) async fn fill_async(&mut self, conn: &Conn, min_total: usize) -> Result<(), End> {
         if let Some(tls) = &conn.tls {
             while self.len() < min_total {
@@ -180,7 +182,7 @@ impl InBuf {
             // its next header is most likely in the socket already; a
             // small request's next one is usually not, and trying would
             // cost a failed system call per request (W1 at QD1).
-            let now = if header_alone {
+            let now = if header_alone && direct_first(conn) {
                 cairn_io::recv_now(conn.stream.raw_fd(), &mut tail)
             } else {
                 Err(io::ErrorKind::WouldBlock.into())
@@ -244,7 +246,12 @@ impl InBuf {
                 vec: payload,
                 want: length,
             };
-            let received = match cairn_io::recv_now(conn.stream.raw_fd(), &mut spare) {
+            let now = if direct_first(conn) {
+                cairn_io::recv_now(conn.stream.raw_fd(), &mut spare)
+            } else {
+                Err(io::ErrorKind::WouldBlock.into())
+            };
+            let received = match now {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     let (received, back) = conn.reactor.recv(conn.stream.raw_fd(), spare).await;
                     spare = back;
@@ -287,6 +294,14 @@ impl InBuf {
         }
         Ok(())
     }
+}
+
+/// Try a non-blocking `recv` before the ring receive? Only with io_uring:
+/// without it, the loop's receive is itself a non-blocking `recv` tried at
+/// once (then a wait for readiness), and a second try would be a wasted
+/// system call.
+fn direct_first(conn: &Conn) -> bool {
+    conn.reactor.uses_io_uring()
 }
 
 /// `len` bytes of the free end of the input buffer, lent to a receive.
