@@ -14,13 +14,13 @@ use common::*;
 
 use common::gate::Gate;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cairn_device::{CrashPlan, Device, DeviceError, DeviceResult, SimDevice};
-use cairn_engine::{Engine, EngineResult};
+use cairn_engine::{CacheMode, Engine, EngineResult, FormatOptions, NewVolume};
 
 /// Far longer than any of these requests takes, far shorter than forever.
 const WATCHDOG: Duration = Duration::from_secs(20);
@@ -186,6 +186,9 @@ struct CacheLoss {
     /// The lane whose next flush loses the cache and fails ([`NO_LANE`]:
     /// none).
     drop_lane: AtomicUsize,
+    /// The next flush of the main descriptor (the superblock, the volume
+    /// table, tag pages, checkpoints) loses the cache and fails.
+    drop_main: AtomicBool,
     lanes: usize,
     lane_flushes_done: AtomicUsize,
 }
@@ -193,6 +196,22 @@ struct CacheLoss {
 impl CacheLoss {
     fn current(&self) -> SimDevice {
         self.inner.read().expect("device lock").clone()
+    }
+
+    /// A flush that finds the device reset: every write not yet durable is
+    /// gone, and the failure is reported once the gate opens.
+    fn lose_the_cache(&self) -> DeviceResult<()> {
+        {
+            let mut device = self.inner.write().expect("device lock");
+            *device = device.crashed(CrashPlan::DropAll, 1);
+        }
+        self.gate.pass(0, u64::MAX);
+        Err(DeviceError::Io {
+            device: "cache-loss".into(),
+            offset: 0,
+            len: 0,
+            source: std::io::Error::other("flush failed: the write cache was lost"),
+        })
     }
 }
 
@@ -213,6 +232,13 @@ impl Device for CacheLoss {
         self.current().write_vectored_at(offset, bufs)
     }
     fn flush(&self) -> DeviceResult<()> {
+        if self
+            .drop_main
+            .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            return self.lose_the_cache();
+        }
         self.current().flush()
     }
     fn flush_lanes(&self) -> usize {
@@ -226,17 +252,7 @@ impl Device for CacheLoss {
             .compare_exchange(lane, NO_LANE, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
         {
-            {
-                let mut device = self.inner.write().expect("device lock");
-                *device = device.crashed(CrashPlan::DropAll, 1);
-            }
-            self.gate.pass(0, u64::MAX);
-            Err(DeviceError::Io {
-                device: "cache-loss".into(),
-                offset: 0,
-                len: 0,
-                source: std::io::Error::other("flush failed: the write cache was lost"),
-            })
+            self.lose_the_cache()
         } else {
             self.current().flush()
         };
@@ -251,16 +267,27 @@ impl Device for CacheLoss {
 /// A formatted engine over a [`CacheLoss`] cache with `lanes` lanes, block
 /// 0 written (not flushed).
 fn cache_loss_engine(lanes: usize) -> (Arc<CacheLoss>, SimDevice, Arc<Engine>) {
+    cache_loss_engine_formatted(lanes, &FormatOptions::default())
+}
+
+/// [`cache_loss_engine`] with the cache formatted by `format`.
+fn cache_loss_engine_formatted(
+    lanes: usize,
+    format: &FormatOptions,
+) -> (Arc<CacheLoss>, SimDevice, Arc<Engine>) {
     let cache = Arc::new(CacheLoss {
         inner: RwLock::new(SimDevice::new("cache", cache_bytes_small())),
         before_lane: [Gate::default(), Gate::default()],
         gate: Gate::default(),
         drop_lane: AtomicUsize::new(NO_LANE),
+        drop_main: AtomicBool::new(false),
         lanes,
         lane_flushes_done: AtomicUsize::new(0),
     });
     let origin = SimDevice::new("origin", 256 * BS);
-    let engine = format_and_open(cache.clone(), &origin);
+    let origin_device: Arc<dyn Device> = Arc::new(origin.clone());
+    Engine::format(cache.clone(), origin_device.clone(), format).expect("format");
+    let engine = Arc::new(Engine::open(cache.clone(), origin_device, &open_opts()).expect("open"));
     engine
         .write(0, &pattern(1, BS as usize), false)
         .expect("write block 0");
@@ -462,5 +489,73 @@ fn an_earlier_barrier_is_not_answered_over_a_later_lanes_failed_sync() {
         "a later lane's sync lost the write cache while the first barrier's sync was slow: first flush {}, second flush {}; nothing answered was lost",
         outcome(&first_result),
         outcome(&second_result)
+    );
+}
+
+/// Found by the third review on 2026-12-07: the tag pages of a volume
+/// being added are written and flushed without the engine lock, beside
+/// barriers. That flush fails after the device dropped its write cache
+/// (the barrier's record with it); the barrier's own sync, served after the
+/// loss, succeeds. Unwatched, the barrier settled at once and answered its
+/// flush over a lost record. Now the tag write holds a sync ticket
+/// (`SyncWatch::watch` in `volume_admin/tag_extent.rs`), so the barrier
+/// waits for it and vouches for nothing once it failed.
+#[test]
+fn a_barrier_is_not_answered_over_a_failed_tag_write_beside_it() {
+    let format = FormatOptions {
+        integrity: true,
+        integrity_reserve_bytes: 256 * BS,
+        ..Default::default()
+    };
+    let (cache, origin, engine) = cache_loss_engine_formatted(2, &format);
+    // The barrier (lane 0): its record written, its sync held.
+    cache.before_lane[0].arm(None);
+    let flush = {
+        let e = engine.clone();
+        std::thread::spawn(move || e.flush())
+    };
+    cache.before_lane[0].wait_entered(WATCHDOG, "the flush's sync");
+    // A volume added meanwhile: its tag pages' flush loses the write cache
+    // and fails, the failure held after the loss.
+    cache.gate.arm(None);
+    cache.drop_main.store(true, Ordering::SeqCst);
+    let added = {
+        let e = engine.clone();
+        std::thread::spawn(move || {
+            let new = NewVolume {
+                name: "tagged".into(),
+                mode: CacheMode::WriteBack,
+                integrity: true,
+                dirty_share_pct: None,
+            };
+            let origin: Arc<dyn Device> = Arc::new(SimDevice::new("second", 64 * BS));
+            e.add_volume(origin, &new).map(|_| ())
+        })
+    };
+    cache
+        .gate
+        .wait_entered(WATCHDOG, "the tag pages' failing flush");
+    // The barrier's sync is served after the loss, and succeeds.
+    cache.before_lane[0].release();
+    wait_for_count(&cache.lane_flushes_done, 1, "the barrier's sync");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !flush.is_finished(),
+        "the flush was answered while the tag write's failed flush was unreported"
+    );
+    cache.gate.release();
+    let added = result_within(added, "the volume add");
+    assert!(added.is_err(), "a volume whose tags were lost was added");
+    let flushed = result_within(flush, "the flush");
+    // Whatever was answered reads back, live and after a crash.
+    let not_a_flush: EngineResult<()> =
+        Err(cairn_engine::EngineError::Failed("no second client".into()));
+    let volume = read_volume(&engine).expect("read after the flush");
+    answered_blocks_read_back(&volume, [&flushed, &not_a_flush], "reads wrong");
+    drop(engine);
+    answered_flushes_survive_a_crash(&cache, &origin, &flushed, &not_a_flush);
+    report!(
+        "a volume's tag write lost the write cache while a barrier's sync was slow: flush {}; nothing answered was lost",
+        outcome(&flushed)
     );
 }
