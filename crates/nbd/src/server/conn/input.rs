@@ -150,7 +150,7 @@ impl InBuf {
     /// buffered. The receive is a ring operation: the task sleeps until
     /// the client's bytes are in, and they arrive with the completion.
     /// After a large payload, a non-blocking `recv` is tried first (see
-    /// [`direct_first`]).
+    /// [`receive`]).
     pub(super) async fn fill_async(&mut self, conn: &Conn, min_total: usize) -> Result<(), End> {
         if let Some(tls) = &conn.tls {
             while self.len() < min_total {
@@ -173,7 +173,7 @@ impl InBuf {
                 room
             };
             debug_assert!(want > 0 && want <= room);
-            let mut tail = Tail {
+            let tail = Tail {
                 data: std::mem::take(&mut self.data),
                 start: self.end,
                 len: want,
@@ -182,19 +182,7 @@ impl InBuf {
             // its next header is most likely in the socket already; a
             // small request's next one is usually not, and trying would
             // cost a failed system call per request (W1 at QD1).
-            let now = if header_alone && direct_first(conn) {
-                cairn_io::recv_now(conn.stream.raw_fd(), &mut tail)
-            } else {
-                Err(io::ErrorKind::WouldBlock.into())
-            };
-            let received = match now {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let (received, back) = conn.reactor.recv(conn.stream.raw_fd(), tail).await;
-                    tail = back;
-                    received
-                }
-                other => other,
-            };
+            let (received, tail) = receive(conn, tail, header_alone).await;
             self.data = tail.data;
             match received {
                 Ok(0) => return Err(self.eof()),
@@ -242,23 +230,12 @@ impl InBuf {
             return Ok(payload);
         }
         while payload.len() < length {
-            let mut spare = Spare {
+            let spare = Spare {
                 vec: payload,
                 want: length,
             };
-            let now = if direct_first(conn) {
-                cairn_io::recv_now(conn.stream.raw_fd(), &mut spare)
-            } else {
-                Err(io::ErrorKind::WouldBlock.into())
-            };
-            let received = match now {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let (received, back) = conn.reactor.recv(conn.stream.raw_fd(), spare).await;
-                    spare = back;
-                    received
-                }
-                other => other,
-            };
+            // Its header has just arrived: the payload most likely too.
+            let (received, spare) = receive(conn, spare, true).await;
             payload = spare.vec;
             match received {
                 Ok(0) => return Err(End::MidMessage),
@@ -296,12 +273,24 @@ impl InBuf {
     }
 }
 
-/// Try a non-blocking `recv` before the ring receive? Only with io_uring:
+/// Receive into `buf` from the client: with one non-blocking `recv` first
+/// when `bytes_likely` (see `cairn_io::recv_now`), through the ring if
+/// nothing is there yet. The direct try is made only with io_uring:
 /// without it, the loop's receive is itself a non-blocking `recv` tried at
-/// once (then a wait for readiness), and a second try would be a wasted
-/// system call.
-fn direct_first(conn: &Conn) -> bool {
-    conn.reactor.uses_io_uring()
+/// once (then a wait for readiness), and a second would be a wasted call.
+async fn receive<B: cairn_io::StableBufMut + 'static>(
+    conn: &Conn,
+    mut buf: B,
+    bytes_likely: bool,
+) -> (io::Result<usize>, B) {
+    let fd = conn.stream.raw_fd();
+    if bytes_likely && conn.reactor.uses_io_uring() {
+        match cairn_io::recv_now(fd, &mut buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            done => return (done, buf),
+        }
+    }
+    conn.reactor.recv(fd, buf).await
 }
 
 /// `len` bytes of the free end of the input buffer, lent to a receive.
