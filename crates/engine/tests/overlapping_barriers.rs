@@ -53,10 +53,7 @@ fn first_flush_held(lanes: usize, barriers_in_flight_max: usize) -> Held {
         .write(0, &pattern(1, BS as usize), false)
         .expect("write");
     cache.gate.arm(None);
-    let first = {
-        let e = engine.clone();
-        std::thread::spawn(move || e.flush())
-    };
+    let first = flush_on_a_thread(&engine);
     cache.gate.wait_entered(WATCHDOG, "the first flush");
     Held {
         cache,
@@ -64,6 +61,12 @@ fn first_flush_held(lanes: usize, barriers_in_flight_max: usize) -> Held {
         engine,
         first,
     }
+}
+
+/// A client's flush, on a thread of its own.
+fn flush_on_a_thread(engine: &Arc<Engine>) -> JoinHandle<EngineResult<()>> {
+    let e = engine.clone();
+    std::thread::spawn(move || e.flush())
 }
 
 /// Another client's write and flush, on a thread of their own.
@@ -264,6 +267,22 @@ impl Device for CacheLoss {
     }
 }
 
+/// Lane 0's held sync is served now, after the device lost its write
+/// cache, and succeeds: `flush`, waiting on it, must still be unanswered
+/// while the failure beside it is unreported (else `unanswered`). Then the
+/// failure is reported.
+fn lane_0_synced_after_the_loss(
+    cache: &CacheLoss,
+    flush: &JoinHandle<EngineResult<()>>,
+    unanswered: &str,
+) {
+    cache.before_lane[0].release();
+    wait_for_count(&cache.lane_flushes_done, 1, "lane 0's sync");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!flush.is_finished(), "{unanswered}");
+    cache.gate.release();
+}
+
 /// A formatted engine over a [`CacheLoss`] cache with `lanes` lanes, block
 /// 0 written (not flushed).
 fn cache_loss_engine(lanes: usize) -> (Arc<CacheLoss>, SimDevice, Arc<Engine>) {
@@ -304,10 +323,7 @@ fn cache_lost_in_another_lanes_sync(lanes: usize) {
     let (cache, origin, engine) = cache_loss_engine(lanes);
     cache.gate.arm(None);
     cache.drop_lane.store(0, Ordering::SeqCst);
-    let first = {
-        let e = engine.clone();
-        std::thread::spawn(move || e.flush())
-    };
+    let first = flush_on_a_thread(&engine);
     cache.gate.wait_entered(WATCHDOG, "the first flush");
     let second = second_client(&engine);
     if lanes > 1 {
@@ -414,10 +430,7 @@ fn a_failed_sync_is_not_retried_over_a_later_record() {
     // The first barrier's sync waits before the loss.
     cache.before_lane[0].arm(None);
     cache.drop_lane.store(0, Ordering::SeqCst);
-    let first = {
-        let e = engine.clone();
-        std::thread::spawn(move || e.flush())
-    };
+    let first = flush_on_a_thread(&engine);
     cache.before_lane[0].wait_entered(WATCHDOG, "the first flush");
     // The second writes its record, then waits before its sync.
     cache.before_lane[1].arm(None);
@@ -456,10 +469,7 @@ fn an_earlier_barrier_is_not_answered_over_a_later_lanes_failed_sync() {
     let (cache, origin, engine) = cache_loss_engine(2);
     // The first barrier (lane 0): its record written, its sync held.
     cache.before_lane[0].arm(None);
-    let first = {
-        let e = engine.clone();
-        std::thread::spawn(move || e.flush())
-    };
+    let first = flush_on_a_thread(&engine);
     cache.before_lane[0].wait_entered(WATCHDOG, "the first flush");
     // The second barrier (lane 1): its sync loses the write cache and
     // fails, the failure held after the loss.
@@ -469,15 +479,11 @@ fn an_earlier_barrier_is_not_answered_over_a_later_lanes_failed_sync() {
     cache
         .gate
         .wait_entered(WATCHDOG, "the second flush's failing sync");
-    // The first sync is served after the loss, and succeeds.
-    cache.before_lane[0].release();
-    wait_for_count(&cache.lane_flushes_done, 1, "the first sync");
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(
-        !first.is_finished(),
-        "the first flush was answered while the overlapping sync's failure was unreported"
+    lane_0_synced_after_the_loss(
+        &cache,
+        &first,
+        "the first flush was answered while the overlapping sync's failure was unreported",
     );
-    cache.gate.release();
     let first_result = result_within(first, "the first flush");
     let second_result = result_within(second, "the second flush");
     // Whatever was answered reads back, live and after a crash.
@@ -510,10 +516,7 @@ fn a_barrier_is_not_answered_over_a_failed_tag_write_beside_it() {
     let (cache, origin, engine) = cache_loss_engine_formatted(2, &format);
     // The barrier (lane 0): its record written, its sync held.
     cache.before_lane[0].arm(None);
-    let flush = {
-        let e = engine.clone();
-        std::thread::spawn(move || e.flush())
-    };
+    let flush = flush_on_a_thread(&engine);
     cache.before_lane[0].wait_entered(WATCHDOG, "the flush's sync");
     // A volume added meanwhile: its tag pages' flush loses the write cache
     // and fails, the failure held after the loss.
@@ -535,15 +538,11 @@ fn a_barrier_is_not_answered_over_a_failed_tag_write_beside_it() {
     cache
         .gate
         .wait_entered(WATCHDOG, "the tag pages' failing flush");
-    // The barrier's sync is served after the loss, and succeeds.
-    cache.before_lane[0].release();
-    wait_for_count(&cache.lane_flushes_done, 1, "the barrier's sync");
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(
-        !flush.is_finished(),
-        "the flush was answered while the tag write's failed flush was unreported"
+    lane_0_synced_after_the_loss(
+        &cache,
+        &flush,
+        "the flush was answered while the tag write's failed flush was unreported",
     );
-    cache.gate.release();
     let added = result_within(added, "the volume add");
     assert!(added.is_err(), "a volume whose tags were lost was added");
     let flushed = result_within(flush, "the flush");

@@ -132,6 +132,17 @@ fn returns<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static
         .unwrap_or_else(|| panic!("{what} never returned after a panic in a cache write"))
 }
 
+/// The first `blocks` blocks of the volume, read on a thread that must
+/// return within the watchdog.
+fn read_within(engine: &Arc<Engine>, blocks: u64, what: &str) -> Vec<u8> {
+    let e = engine.clone();
+    returns(what, move || {
+        let mut buf = vec![0u8; (blocks * BS) as usize];
+        e.read(0, &mut buf).expect("read");
+        buf
+    })
+}
+
 fn silence_injected_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -247,12 +258,7 @@ fn a_record_writer_that_panics_marks_its_record_failed() {
     // The failed record sends the cache degraded, and the write goes to
     // the origin instead: acknowledged, and there.
     assert_eq!(written, Some(true), "the write returns and succeeds");
-    let e = engine.clone();
-    let got = returns("a read of the write", move || {
-        let mut buf = vec![0u8; 300 * BS as usize];
-        e.read(0, &mut buf).expect("read");
-        buf
-    });
+    let got = read_within(&engine, 300, "a read of the write");
     assert!(got == data, "the acknowledged write reads back");
     still_answers(&engine);
 }
@@ -287,20 +293,10 @@ fn a_barrier_under_the_engine_lock_that_panics_keeps_the_open_record() {
     });
     assert!(checkpoint, "the armed barrier panicked");
     assert!(!cache.barrier_armed.load(Ordering::SeqCst));
-    let e = engine.clone();
-    let got = returns("a read of the acknowledged write", move || {
-        let mut buf = vec![0u8; 8 * BS as usize];
-        e.read(0, &mut buf).expect("read");
-        buf
-    });
+    let got = read_within(&engine, 8, "a read of the acknowledged write");
     assert!(got == data, "the acknowledged write reads back");
     still_answers(&engine);
-    let e = engine.clone();
-    let got = returns("a read after the flush", move || {
-        let mut buf = vec![0u8; 8 * BS as usize];
-        e.read(0, &mut buf).expect("read");
-        buf
-    });
+    let got = read_within(&engine, 8, "a read after the flush");
     assert!(
         got == data,
         "the acknowledged write survives the flush after"

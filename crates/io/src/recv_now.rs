@@ -3,6 +3,7 @@
 use std::io;
 
 use crate::buf::StableBufMut;
+use crate::reactor::TRANSFER_BYTES_MAX;
 
 /// Receive into `buf` with one non-blocking `recv` on the socket `fd`,
 /// now: the bytes received (0 at the end of the stream), or `WouldBlock`
@@ -13,16 +14,26 @@ use crate::buf::StableBufMut;
 ///
 /// `buf` must not be empty: `Ok(0)` means the end of the stream.
 pub fn recv_now<B: StableBufMut>(fd: i32, buf: &mut B) -> io::Result<usize> {
-    let len = buf.stable_len();
-    debug_assert!(len > 0, "an empty receive reads as the end of the stream");
-    let ptr = buf.stable_mut_ptr();
-    // SAFETY: `ptr` is valid for writes of `len` bytes (the `StableBufMut`
-    // contract) for the whole call, and the kernel writes at most `len`.
-    let received = unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) };
+    debug_assert!(
+        buf.stable_len() > 0,
+        "an empty receive reads as the end of the stream"
+    );
+    let received = recv_dontwait(fd, buf);
     if received < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(received as usize)
+}
+
+/// One `recv(MSG_DONTWAIT)` into `buf` (at most [`TRANSFER_BYTES_MAX`]):
+/// the count, or -1 with `errno` set. Also the reactor's receive without
+/// a ring.
+pub(crate) fn recv_dontwait<B: StableBufMut>(fd: i32, buf: &mut B) -> isize {
+    let len = buf.stable_len().min(TRANSFER_BYTES_MAX);
+    let ptr = buf.stable_mut_ptr();
+    // SAFETY: `ptr` is valid for writes of `len` bytes (the `StableBufMut`
+    // contract) for the whole call, and the kernel writes at most `len`.
+    unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) }
 }
 
 #[cfg(test)]

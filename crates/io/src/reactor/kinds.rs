@@ -8,10 +8,11 @@ use io_uring::{opcode, squeue, types};
 use super::fallback::{poll_now, socket_attempt, syscall, Attempt, Wait};
 use super::op::OpKind;
 use crate::buf::{StableBuf, StableBufMut, StableBufs};
+use crate::recv_now::recv_dontwait;
 
 /// Most bytes one read or write asks for: the kernel caps a single
 /// transfer near 2 GiB anyway, and a u32 length must hold it.
-const TRANSFER_BYTES_MAX: usize = 1 << 30;
+pub(crate) const TRANSFER_BYTES_MAX: usize = 1 << 30;
 
 fn result(res: i32) -> io::Result<usize> {
     if res < 0 {
@@ -232,13 +233,8 @@ impl<B: StableBufMut> OpKind for Recv<B> {
     }
 
     fn attempt(&mut self) -> Attempt {
-        let len = self.buf.stable_len().min(TRANSFER_BYTES_MAX);
-        let ptr = self.buf.stable_mut_ptr();
         let fd = self.fd;
-        // SAFETY: `ptr` is valid for `len` bytes, owned by this op.
-        socket_attempt(fd, libc::POLLIN, || unsafe {
-            libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT)
-        })
+        socket_attempt(fd, libc::POLLIN, || recv_dontwait(fd, &mut self.buf))
     }
 
     fn finish(self: Box<Self>, res: i32) -> Self::Output {

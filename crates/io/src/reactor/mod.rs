@@ -22,6 +22,7 @@ use std::time::Duration;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use fallback::{Attempt, Waits};
+pub(crate) use kinds::TRANSFER_BYTES_MAX;
 use kinds::{Fsync, PollFd, ReadAt, Recv, SendOwned, Sleep, WriteAt, WritevAt};
 use op::{Op, OpKind, OpTable};
 use shared::Shared;
@@ -309,8 +310,11 @@ impl Reactor {
                     std::task::Poll::Ready(()) => self.inner.tasks.borrow_mut().remove(id),
                     std::task::Poll::Pending => self.inner.tasks.borrow_mut().put_back(id, future),
                 }
-                let more_to_poll = index + 1 < ready.len() || self.inner.shared.has_ready();
-                if more_to_poll {
+                // The ready queue's lock is taken only when an operation
+                // waits to be submitted, not once per poll.
+                if self.inner.prompt_queued.get()
+                    && (index + 1 < ready.len() || self.inner.shared.has_ready())
+                {
                     self.submit_prompt_ops();
                 }
             }
@@ -323,10 +327,11 @@ impl Reactor {
     /// Why: a connection that takes 30 read requests from one receive
     /// used to prepare all 30 before the first reached the device, and
     /// the replies came back as one wave; the device then idled while
-    /// the loop and the client turned the wave around. Measured with
-    /// W4d (4 KiB cached O_DIRECT reads, QD32): 43-46k IOPS with one
-    /// submission a turn, 60-67k submitting each task's reads as it
-    /// yields. The cost is a system call per task that started device
+    /// the loop and the client turned the wave around. Measured by hand
+    /// with W4d (4 KiB cached O_DIRECT reads, QD32): 41-46k IOPS with one
+    /// submission a turn, 59-63k submitting each task's reads as it
+    /// yields (less apart on other days: `docs/design.md`). The cost is
+    /// a system call per task that started device
     /// I/O, when another task is waiting to be polled; the last task of
     /// a pass leaves its operations to the turn's own submission.
     fn submit_prompt_ops(&self) {
