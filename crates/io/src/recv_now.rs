@@ -3,7 +3,7 @@
 use std::io;
 
 use crate::buf::StableBufMut;
-use crate::reactor::TRANSFER_BYTES_MAX;
+use crate::reactor::recv_dontwait;
 
 /// Receive into `buf` with one non-blocking `recv` on the socket `fd`,
 /// now: the bytes received (0 at the end of the stream), or `WouldBlock`
@@ -23,17 +23,6 @@ pub fn recv_now<B: StableBufMut>(fd: i32, buf: &mut B) -> io::Result<usize> {
         return Err(io::Error::last_os_error());
     }
     Ok(received as usize)
-}
-
-/// One `recv(MSG_DONTWAIT)` into `buf` (at most [`TRANSFER_BYTES_MAX`]):
-/// the count, or -1 with `errno` set. Also the reactor's receive without
-/// a ring.
-pub(crate) fn recv_dontwait<B: StableBufMut>(fd: i32, buf: &mut B) -> isize {
-    let len = buf.stable_len().min(TRANSFER_BYTES_MAX);
-    let ptr = buf.stable_mut_ptr();
-    // SAFETY: `ptr` is valid for writes of `len` bytes (the `StableBufMut`
-    // contract) for the whole call, and the kernel writes at most `len`.
-    unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) }
 }
 
 #[cfg(test)]

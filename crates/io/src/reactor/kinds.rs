@@ -8,11 +8,10 @@ use io_uring::{opcode, squeue, types};
 use super::fallback::{poll_now, socket_attempt, syscall, Attempt, Wait};
 use super::op::OpKind;
 use crate::buf::{StableBuf, StableBufMut, StableBufs};
-use crate::recv_now::recv_dontwait;
 
 /// Most bytes one read or write asks for: the kernel caps a single
 /// transfer near 2 GiB anyway, and a u32 length must hold it.
-pub(crate) const TRANSFER_BYTES_MAX: usize = 1 << 30;
+const TRANSFER_BYTES_MAX: usize = 1 << 30;
 
 fn result(res: i32) -> io::Result<usize> {
     if res < 0 {
@@ -240,6 +239,17 @@ impl<B: StableBufMut> OpKind for Recv<B> {
     fn finish(self: Box<Self>, res: i32) -> Self::Output {
         (result(res), self.buf)
     }
+}
+
+/// One `recv(MSG_DONTWAIT)` into `buf` (at most [`TRANSFER_BYTES_MAX`]):
+/// the count, or -1 with `errno` set. The receive without a ring, and
+/// `cairn_io::recv_now`.
+pub(crate) fn recv_dontwait<B: StableBufMut>(fd: i32, buf: &mut B) -> isize {
+    let len = buf.stable_len().min(TRANSFER_BYTES_MAX);
+    let ptr = buf.stable_mut_ptr();
+    // SAFETY: `ptr` is valid for writes of `len` bytes (the `StableBufMut`
+    // contract) for the whole call, and the kernel writes at most `len`.
+    unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) }
 }
 
 /// Send the buffers `owner` holds on a socket, in order, with

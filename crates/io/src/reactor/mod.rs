@@ -22,7 +22,7 @@ use std::time::Duration;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use fallback::{Attempt, Waits};
-pub(crate) use kinds::TRANSFER_BYTES_MAX;
+pub(crate) use kinds::recv_dontwait;
 use kinds::{Fsync, PollFd, ReadAt, Recv, SendOwned, Sleep, WriteAt, WritevAt};
 use op::{Op, OpKind, OpTable};
 use shared::Shared;
