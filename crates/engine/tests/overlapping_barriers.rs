@@ -619,7 +619,10 @@ fn a_barrier_is_not_answered_over_a_failed_volume_table() {
         "the flush was answered while the volume table's failed flush was unreported",
     );
     let changed = result_within(change, "the settings change");
-    assert!(changed.is_err(), "a volume table written over a lost write cache");
+    assert!(
+        changed.is_err(),
+        "a volume table written over a lost write cache"
+    );
     let flushed = result_within(flush, "the flush");
     let not_a_flush: EngineResult<()> =
         Err(cairn_engine::EngineError::Failed("no second client".into()));
