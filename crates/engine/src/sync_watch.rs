@@ -19,6 +19,10 @@ struct Syncs {
     running: Vec<u64>,
     next_ticket: u64,
     failed: bool,
+    /// Threads asleep in [`SyncWatch::settle`]: a sync that ends wakes
+    /// them only if there are any (the wake is a system call, and most
+    /// barriers end with nobody settling beside them).
+    settling: usize,
 }
 
 #[derive(Default)]
@@ -61,7 +65,11 @@ impl SyncWatch {
         syncs.running.retain(|&t| t != ticket);
         assert_eq!(syncs.running.len() + 1, before, "a sync ends once");
         syncs.failed |= failed;
-        self.ended.notify_all();
+        // A settler counts itself under this lock before it sleeps, so it
+        // is either counted here or has not yet looked at `running`.
+        if syncs.settling > 0 {
+            self.ended.notify_all();
+        }
     }
 
     /// Run `sync` (a cache write with its flush, or a flush, retries
@@ -95,7 +103,10 @@ impl SyncWatch {
         let waited_for: Vec<u64> = syncs.running.clone();
         // Bounded: tickets only end, and each is a system call in progress.
         while syncs.running.iter().any(|t| waited_for.contains(t)) {
+            syncs.settling += 1;
             syncs = self.ended.wait(syncs).unwrap_or_else(|p| p.into_inner());
+            assert!(syncs.settling > 0, "a settler counted itself");
+            syncs.settling -= 1;
         }
         if syncs.failed {
             return Err(DeviceError::Io {
@@ -149,20 +160,21 @@ mod tests {
             "nothing running, nothing failed"
         );
         let slow = watch.begin();
-        let settled = {
+        let (settled_tx, settled) = std::sync::mpsc::channel();
+        {
             let watch = watch.clone();
-            std::thread::spawn(move || watch.settle("cache").is_ok())
-        };
-        std::thread::sleep(Duration::from_millis(50));
+            std::thread::spawn(move || settled_tx.send(watch.settle("cache").is_ok()));
+        }
         assert!(
-            !settled.is_finished(),
+            settled.recv_timeout(Duration::from_millis(50)).is_err(),
             "settle did not wait for the running sync"
         );
         slow.end(true);
-        assert!(
-            !settled.join().expect("settling thread"),
-            "the failure was not seen"
-        );
+        // Woken by the sync's end, not by a timeout of its own.
+        let ok = settled
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the settling thread was never woken");
+        assert!(!ok, "the failure was not seen");
         assert!(watch.any_failed());
         // A sync that starts after a failure cannot undo it.
         watch.begin().end(false);
