@@ -846,6 +846,13 @@ fn misses_read_on_the_loops_connection(backend: cairn_io::IoBackend) {
             "every read went to the loop's connection: {after:?}"
         );
         assert_eq!(after.loop_connections, 1, "one per loop: {after:?}");
+        // All 64 were asked in one pass of the loop: their requests left
+        // together, not in a system call each.
+        assert_eq!(
+            after.loop_sends - before.loop_sends,
+            1,
+            "the requests of one pass leave in one send: {after:?}"
+        );
 
         // A write not flushed yet: reads go to the main connection, which
         // sees it, until a flush makes it visible on every connection.

@@ -6,9 +6,10 @@
 //! loop's send, the reader thread's wake-up and the loop's wake-up. Here
 //! the loop itself receives the replies (a `recv` on its own ring, made by
 //! a task of the loop), so a reply wakes the loop directly and no other
-//! thread is involved. Requests are written by the task that makes them,
-//! at once when the socket takes them, else queued in order for the
-//! channel's writer task.
+//! thread is involved. Requests are queued in order for the channel's
+//! writer task, which sends what a pass of the loop queued in one
+//! `sendmsg` (measured: a burst of 23 misses cost 23 sends of 30-50 us
+//! each, 1.3 ms from the first request to the last).
 //!
 //! A channel serves reads only. Writes, flushes and everything else stay
 //! on the main connection, where their order and FLUSH semantics are kept
@@ -123,8 +124,8 @@ impl LoopChannel {
         }
     }
 
-    /// Enter a read in the table and send it (or queue it behind what is
-    /// still being sent).
+    /// Enter a read in the table and queue its request for the writer
+    /// task.
     fn send_read(&self, offset: u64, len: u32) -> Result<Rc<ReplySlot>, LoopReadError> {
         let mut state = self.state.borrow_mut();
         if let Some(reason) = &state.dead {
@@ -136,28 +137,12 @@ impl LoopChannel {
         state.pending.insert(cookie, Rc::clone(&slot));
         self.counters.requests.fetch_add(1, Ordering::Relaxed);
         let header = Command::bare(CMD_READ, offset, len).header(cookie);
-        if !state.outbox.is_empty() || state.sending {
-            state.outbox.extend_from_slice(&header);
-            return Ok(slot);
-        }
-        let mut now = Outgoing {
-            bytes: header.to_vec(),
-            sent: 0,
-        };
-        match send_now(self.fd(), &now) {
-            Ok(taken) => now.sent = taken,
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
-            Err(err) => {
-                drop(state);
-                self.kill(format!("sending a request failed: {err}"));
-                return Ok(slot);
-            }
-        }
-        if !now.is_done() {
-            state.outbox.extend_from_slice(&now.bytes[now.sent..]);
-            if let Some(writer) = state.writer.take() {
-                writer.wake();
-            }
+        // Queued for the writer task, which runs after the tasks ready now:
+        // the requests a burst of misses makes in one pass leave in one
+        // `sendmsg` instead of one each.
+        state.outbox.extend_from_slice(&header);
+        if let Some(writer) = state.writer.take() {
+            writer.wake();
         }
         Ok(slot)
     }
@@ -292,7 +277,18 @@ async fn write_loop(reactor: Reactor, channel: Rc<LoopChannel>) {
         let Some(bytes) = next else {
             return;
         };
+        channel.counters.loop_sends.fetch_add(1, Ordering::Relaxed);
         let mut out = Outgoing { bytes, sent: 0 };
+        // Sent at once when the socket takes it (the usual case); through
+        // the ring, waiting for room, only what it does not.
+        match send_now(channel.fd(), &out) {
+            Ok(taken) => out.sent = taken,
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+            Err(err) => {
+                channel.kill(format!("sending a request failed: {err}"));
+                return;
+            }
+        }
         while !out.is_done() {
             let (sent, returned) = reactor.send_owned(channel.fd(), out).await;
             out = returned;

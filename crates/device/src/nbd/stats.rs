@@ -21,6 +21,9 @@ pub struct NbdStats {
     pub loop_reads: u64,
     /// Such connections opened.
     pub loop_connections: u64,
+    /// Sends of requests on those connections: each carries every request
+    /// the loop queued since the last one (one per pass of the loop).
+    pub loop_sends: u64,
 }
 
 /// The live counters, shared by the device, its link and its connections.
@@ -33,6 +36,7 @@ pub(super) struct Counters {
     pub peak_in_flight: AtomicU64,
     pub loop_reads: AtomicU64,
     pub loop_connections: AtomicU64,
+    pub loop_sends: AtomicU64,
 }
 
 impl Counters {
@@ -45,6 +49,7 @@ impl Counters {
             peak_in_flight: self.peak_in_flight.load(Ordering::Relaxed),
             loop_reads: self.loop_reads.load(Ordering::Relaxed),
             loop_connections: self.loop_connections.load(Ordering::Relaxed),
+            loop_sends: self.loop_sends.load(Ordering::Relaxed),
         }
     }
 }
