@@ -45,10 +45,9 @@ struct ChannelState {
     dead: Option<String>,
     pending: HashMap<u64, Rc<ReplySlot>>,
     next_cookie: u64,
-    /// Request bytes the socket has not taken yet, in order.
+    /// Requests queued for the writer task, in order.
     outbox: Vec<u8>,
-    /// The writer task has a send in flight: new requests queue behind it.
-    sending: bool,
+    /// The writer task, asleep on an empty outbox.
     writer: Option<Waker>,
 }
 
@@ -76,7 +75,6 @@ impl LoopChannel {
                 pending: HashMap::new(),
                 next_cookie: 1,
                 outbox: Vec::new(),
-                sending: false,
                 writer: None,
             }),
             counters,
@@ -258,7 +256,9 @@ async fn read_loop(reactor: Reactor, channel: Rc<LoopChannel>) {
     }
 }
 
-/// The writer task: send what the request tasks could not, in order.
+/// The writer task: send what the request tasks queued, in order, all that
+/// one pass of the loop queued at once; the next batch waits until this one
+/// is sent.
 async fn write_loop(reactor: Reactor, channel: Rc<LoopChannel>) {
     loop {
         let next = std::future::poll_fn(|cx| {
@@ -270,7 +270,6 @@ async fn write_loop(reactor: Reactor, channel: Rc<LoopChannel>) {
                 state.writer = Some(cx.waker().clone());
                 return Poll::Pending;
             }
-            state.sending = true;
             Poll::Ready(Some(std::mem::take(&mut state.outbox)))
         })
         .await;
@@ -305,6 +304,5 @@ async fn write_loop(reactor: Reactor, channel: Rc<LoopChannel>) {
                 }
             }
         }
-        channel.state.borrow_mut().sending = false;
     }
 }
