@@ -63,16 +63,23 @@ fn first_flush_held(lanes: usize, barriers_in_flight_max: usize) -> Held {
     }
 }
 
+/// `call` on `engine`, on a thread of its own.
+fn on_a_thread(
+    engine: &Arc<Engine>,
+    call: impl FnOnce(&Engine) -> EngineResult<()> + Send + 'static,
+) -> JoinHandle<EngineResult<()>> {
+    let e = engine.clone();
+    std::thread::spawn(move || call(&e))
+}
+
 /// A client's flush, on a thread of its own.
 fn flush_on_a_thread(engine: &Arc<Engine>) -> JoinHandle<EngineResult<()>> {
-    let e = engine.clone();
-    std::thread::spawn(move || e.flush())
+    on_a_thread(engine, Engine::flush)
 }
 
 /// Another client's write and flush, on a thread of their own.
 fn second_client(engine: &Arc<Engine>) -> JoinHandle<EngineResult<()>> {
-    let e = engine.clone();
-    std::thread::spawn(move || {
+    on_a_thread(engine, |e| {
         e.write(BS, &pattern(2, BS as usize), false)?;
         e.flush()
     })
@@ -275,6 +282,15 @@ impl Device for CacheLoss {
     }
 }
 
+/// A client's flush on a thread, its barrier's record written and its sync
+/// held before lane 0.
+fn flush_with_lane_0_held(cache: &CacheLoss, engine: &Arc<Engine>) -> JoinHandle<EngineResult<()>> {
+    cache.before_lane[0].arm(None);
+    let flush = flush_on_a_thread(engine);
+    cache.before_lane[0].wait_entered(WATCHDOG, "the flush's sync");
+    flush
+}
+
 /// Lane 0's held sync is served now, after the device lost its write
 /// cache, and succeeds: `flush`, waiting on it, must still be unanswered
 /// while the failure beside it is unreported (else `unanswered`). Then the
@@ -417,6 +433,22 @@ fn answered_blocks_read_back(volume: &[u8], flushes: [&EngineResult<()>; 2], oth
     }
 }
 
+/// The one client's flush (block 0) ended with `flushed`: if it was
+/// answered, block 0 reads back, live and after a crash.
+fn a_lone_answered_flush_is_kept(
+    cache: &CacheLoss,
+    origin: &SimDevice,
+    engine: Arc<Engine>,
+    flushed: &EngineResult<()>,
+) {
+    let not_a_flush: EngineResult<()> =
+        Err(cairn_engine::EngineError::Failed("no second client".into()));
+    let volume = read_volume(&engine).expect("read after the flush");
+    answered_blocks_read_back(&volume, [flushed, &not_a_flush], "reads wrong");
+    drop(engine);
+    answered_flushes_survive_a_crash(cache, origin, flushed, &not_a_flush);
+}
+
 #[test]
 fn a_flush_is_not_answered_over_another_lanes_failed_sync() {
     cache_lost_in_another_lanes_sync(2);
@@ -478,9 +510,7 @@ fn a_failed_sync_is_not_retried_over_a_later_record() {
 fn an_earlier_barrier_is_not_answered_over_a_later_lanes_failed_sync() {
     let (cache, origin, engine) = cache_loss_engine(2);
     // The first barrier (lane 0): its record written, its sync held.
-    cache.before_lane[0].arm(None);
-    let first = flush_on_a_thread(&engine);
-    cache.before_lane[0].wait_entered(WATCHDOG, "the first flush");
+    let first = flush_with_lane_0_held(&cache, &engine);
     // The second barrier (lane 1): its sync loses the write cache and
     // fails, the failure held after the loss.
     cache.gate.arm(None);
@@ -525,26 +555,21 @@ fn a_barrier_is_not_answered_over_a_failed_tag_write_beside_it() {
     };
     let (cache, origin, engine) = cache_loss_engine_formatted(2, &format);
     // The barrier (lane 0): its record written, its sync held.
-    cache.before_lane[0].arm(None);
-    let flush = flush_on_a_thread(&engine);
-    cache.before_lane[0].wait_entered(WATCHDOG, "the flush's sync");
+    let flush = flush_with_lane_0_held(&cache, &engine);
     // A volume added meanwhile: its tag pages' flush loses the write cache
     // and fails, the failure held after the loss.
     cache.gate.arm(None);
     cache.drop_main_at.store(1, Ordering::SeqCst);
-    let added = {
-        let e = engine.clone();
-        std::thread::spawn(move || {
-            let new = NewVolume {
-                name: "tagged".into(),
-                mode: CacheMode::WriteBack,
-                integrity: true,
-                dirty_share_pct: None,
-            };
-            let origin: Arc<dyn Device> = Arc::new(SimDevice::new("second", 64 * BS));
-            e.add_volume(origin, &new).map(|_| ())
-        })
-    };
+    let added = on_a_thread(&engine, |e| {
+        let new = NewVolume {
+            name: "tagged".into(),
+            mode: CacheMode::WriteBack,
+            integrity: true,
+            dirty_share_pct: None,
+        };
+        let origin: Arc<dyn Device> = Arc::new(SimDevice::new("second", 64 * BS));
+        e.add_volume(origin, &new).map(|_| ())
+    });
     cache
         .gate
         .wait_entered(WATCHDOG, "the tag pages' failing flush");
@@ -556,13 +581,7 @@ fn a_barrier_is_not_answered_over_a_failed_tag_write_beside_it() {
     let added = result_within(added, "the volume add");
     assert!(added.is_err(), "a volume whose tags were lost was added");
     let flushed = result_within(flush, "the flush");
-    // Whatever was answered reads back, live and after a crash.
-    let not_a_flush: EngineResult<()> =
-        Err(cairn_engine::EngineError::Failed("no second client".into()));
-    let volume = read_volume(&engine).expect("read after the flush");
-    answered_blocks_read_back(&volume, [&flushed, &not_a_flush], "reads wrong");
-    drop(engine);
-    answered_flushes_survive_a_crash(&cache, &origin, &flushed, &not_a_flush);
+    a_lone_answered_flush_is_kept(&cache, &origin, engine, &flushed);
     report!(
         "a volume's tag write lost the write cache while a barrier's sync was slow: flush {}; nothing answered was lost",
         outcome(&flushed)
@@ -594,17 +613,12 @@ fn change_a_setting(engine: &Engine) -> EngineResult<()> {
 fn a_barrier_is_not_answered_over_a_failed_volume_table() {
     let (cache, origin, engine) = cache_loss_engine(2);
     // The barrier (lane 0): its record written, its sync held.
-    cache.before_lane[0].arm(None);
-    let flush = flush_on_a_thread(&engine);
-    cache.before_lane[0].wait_entered(WATCHDOG, "the flush's sync");
+    let flush = flush_with_lane_0_held(&cache, &engine);
     // The change: its table's flush loses the write cache and fails, the
     // failure held after the loss.
     cache.gate.arm(None);
     cache.drop_main_at.store(1, Ordering::SeqCst);
-    let change = {
-        let e = engine.clone();
-        std::thread::spawn(move || change_a_setting(&e))
-    };
+    let change = on_a_thread(&engine, change_a_setting);
     cache
         .gate
         .wait_entered(WATCHDOG, "the volume table's failing flush");
@@ -624,12 +638,7 @@ fn a_barrier_is_not_answered_over_a_failed_volume_table() {
         "a volume table written over a lost write cache"
     );
     let flushed = result_within(flush, "the flush");
-    let not_a_flush: EngineResult<()> =
-        Err(cairn_engine::EngineError::Failed("no second client".into()));
-    let volume = read_volume(&engine).expect("read after the flush");
-    answered_blocks_read_back(&volume, [&flushed, &not_a_flush], "reads wrong");
-    drop(engine);
-    answered_flushes_survive_a_crash(&cache, &origin, &flushed, &not_a_flush);
+    a_lone_answered_flush_is_kept(&cache, &origin, engine, &flushed);
     report!(
         "a settings change's volume table lost the write cache (its write at {failed_at}) while a barrier's sync was slow: flush {}; nothing answered was lost",
         outcome(&flushed)
@@ -647,14 +656,9 @@ fn a_barrier_is_not_answered_over_a_failed_volume_table() {
 #[test]
 fn a_checkpoint_waits_for_the_barrier_in_flight() {
     let (cache, origin, engine) = cache_loss_engine(2);
-    cache.before_lane[0].arm(None);
-    let flush = flush_on_a_thread(&engine);
-    cache.before_lane[0].wait_entered(WATCHDOG, "the flush's sync");
+    let flush = flush_with_lane_0_held(&cache, &engine);
     let main_flushes = cache.main_flushes.load(Ordering::SeqCst);
-    let checkpoint = {
-        let e = engine.clone();
-        std::thread::spawn(move || e.checkpoint())
-    };
+    let checkpoint = on_a_thread(&engine, Engine::checkpoint);
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(
         cache.main_flushes.load(Ordering::SeqCst),
@@ -667,9 +671,6 @@ fn a_checkpoint_waits_for_the_barrier_in_flight() {
     flushed.as_ref().expect("the flush");
     join_within(checkpoint, "the checkpoint");
     assert!(cache.main_flushes.load(Ordering::SeqCst) > main_flushes);
-    let not_a_flush: EngineResult<()> =
-        Err(cairn_engine::EngineError::Failed("no second client".into()));
-    drop(engine);
-    answered_flushes_survive_a_crash(&cache, &origin, &flushed, &not_a_flush);
+    a_lone_answered_flush_is_kept(&cache, &origin, engine, &flushed);
     report!("a checkpoint waited for the lane barrier in flight before its first flush; the answered flush survived a crash");
 }
