@@ -212,6 +212,99 @@ fn failing_nbd_origin_keeps_dirty_data_until_it_recovers() {
     assert!(server.terminate().success());
 }
 
+/// Writes `argv[2]`'s 4 KiB blocks to `argv[1]`, block k at `k * 3`
+/// blocks (each a run of its own on the origin), then one FLUSH: one
+/// write-back group of many runs.
+const PY_SCATTERED_BLOCKS: &str = r#"
+import nbd, sys
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+data = open(sys.argv[2], "rb").read()
+for k in range(len(data) // 4096):
+    h.pwrite(data[k * 4096:(k + 1) * 4096], k * 3 * 4096)
+h.flush()
+h.shutdown()
+"#;
+
+/// An origin that fails one write in ten (nbdkit's error filter, EIO):
+/// write-back writes each failed one again instead of failing its whole
+/// group, so every group reaches the origin, and `cairn flush` ends with
+/// the origin holding exactly what was written. Before, one failed write
+/// failed a group of hundreds, the group never went through, the cache
+/// filled, and clients got ENOSPC.
+#[test]
+fn flaky_nbd_origin_takes_every_group() {
+    if !require_tools("nbd_flaky", &["nbdkit"]) || !require_python_nbd("nbd_flaky") {
+        return;
+    }
+    let ctx = Ctx::new("nbd_flaky");
+    let size = 16 * MIB;
+    let origin = NbdOrigin::start(
+        &ctx,
+        size,
+        0x0F,
+        &[
+            "--filter=error",
+            "error-pwrite-rate=10%",
+            "error-pwrite=EIO",
+        ],
+    );
+    let cache = format_for(&ctx, &origin, 8 * MIB);
+    let sock = ctx.path("nbd.sock");
+    let mut server = ctx.serve(&cache, &sock, &[]);
+    let uri = server.uri();
+    let mut image = pattern(0x0F, size as usize);
+    // 600 blocks, three apart: one group of 600 runs.
+    let blocks = 600usize;
+    let data = pattern(0x5CA7, blocks * 4096);
+    let data_file = ctx.path("blocks.bin");
+    std::fs::write(&data_file, &data).expect("write the blocks file");
+    python_ok(PY_SCATTERED_BLOCKS, &[&uri, &data_file.to_string_lossy()]);
+    for k in 0..blocks {
+        let at = k * 3 * 4096;
+        image[at..at + 4096].copy_from_slice(&data[k * 4096..(k + 1) * 4096]);
+    }
+    // Then a few groups of one large run each.
+    for (i, at) in [9 * MIB, 11 * MIB + 4096, 13 * MIB].into_iter().enumerate() {
+        let chunk = pattern(0xB10C + i as u64, 256 << 10);
+        nbd_write(&uri, at, &chunk, true);
+        image[at as usize..at as usize + chunk.len()].copy_from_slice(&chunk);
+    }
+    // A whole group may still fail now and then (a run failing all four
+    // of its attempts): `cairn flush` then fails cleanly, and the next
+    // one writes the group again.
+    let c = cache.to_string_lossy();
+    let mut flushed = false;
+    for _ in 0..5 {
+        let out = ctx.cairn(&["flush", "--cache", &c]);
+        if out.status.success() {
+            flushed = true;
+            break;
+        }
+        assert_clean_failure(&out, &["origin"]);
+    }
+    assert!(
+        flushed,
+        "cairn flush never completed over a 10% flaky origin"
+    );
+    let st = ctx.status(&cache);
+    assert_eq!(u64_of(&st, "dirty_blocks"), 0, "{st}");
+    assert!(
+        u64_of(&st, "origin_write_errors") > 0,
+        "no write failed: {st}"
+    );
+    assert!(
+        u64_of(&st, "origin_write_retries") > 0,
+        "no failed write was written again: {st}"
+    );
+    assert_same_bytes(
+        "origin after the flush",
+        &origin_bytes(&origin.file),
+        &image,
+    );
+    assert!(server.terminate().success());
+}
+
 /// The NBD origin is not there when `cairn serve` starts: a clear error
 /// and a non-zero exit, for a missing socket and for a dead server's stale
 /// socket; flush says the same, and status answers from the cache alone.

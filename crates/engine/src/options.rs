@@ -58,8 +58,16 @@ pub struct EngineConfig {
     /// its request fails. A read error never makes a block corrupt.
     pub cache_read_attempts: u32,
     /// Wait before the first retry of a failed cache write or read, doubled
-    /// before each further one. Zero in the simulation tests.
+    /// before each further one; write-back's retries of an origin write
+    /// wait the same. Zero in the simulation tests.
     pub cache_write_backoff_us: u64,
+    /// A write-back write that the origin fails with an error worth trying
+    /// again (EIO, EAGAIN, ...: not a lost connection) is tried this many
+    /// times in all before its group fails; the group is then retried
+    /// whole, with write-back's growing backoff. Without it, one failed
+    /// write in a group of hundreds failed the group, and an origin that
+    /// fails 5% of its writes never took a group (`group::write_runs`).
+    pub origin_write_attempts: u32,
     /// Read cache hits through the host's page cache
     /// (`Device::read_many_cacheable`), so the hottest blocks are served
     /// from RAM the kernel can take back under memory pressure. Every read
@@ -95,6 +103,7 @@ impl Default for EngineConfig {
             cache_write_attempts: 4,
             cache_read_attempts: 4,
             cache_write_backoff_us: 5_000,
+            origin_write_attempts: 4,
             page_cache_reads: true,
             origin_queue_depth: 64,
             space_wait_for_writeback_ms: SPACE_WAIT_FOR_WRITEBACK_MS,

@@ -132,6 +132,7 @@ counters!(
     origin_read_errors,
     origin_queue_waits,
     origin_write_errors,
+    origin_write_retries,
     writeback_blocks,
     writeback_bytes,
     writeback_groups,

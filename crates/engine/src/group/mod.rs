@@ -21,6 +21,10 @@ use crate::state::State;
 use crate::stats::Counters;
 use crate::volume_set::VolumeSet;
 
+/// Runs of a group for one origin: each an offset and the buffers that go
+/// back to back from it.
+type OriginRuns<'a> = [(u64, &'a [&'a [u8]])];
+
 /// Largest write-back write to the origin: consecutive blocks are merged
 /// up to this.
 const RUN_BYTES_MAX: usize = 1 << 20;
@@ -379,19 +383,125 @@ fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> 
     let origin = volume.device();
     for &(kind, key, count) in fin.ranges.iter().filter(|r| key_volume(r.1) == id) {
         let (at, len) = (key_lba(key) * block_bytes, count * block_bytes);
-        match kind {
+        let op = || match kind {
             RangeKind::Zero => origin.write_zeroes(at, len),
             RangeKind::Discard => origin.discard(at, len),
+        };
+        // Zeroing or discarding a range again is harmless too.
+        if let Err(e) = op() {
+            Counters::add(&env.counters.origin_write_errors, 1);
+            try_again(env, e, "write-back zeroing or discarding on the origin", op)
+                .map_err(EngineError::Origin)?;
         }
-        .map_err(origin_err)?;
     }
     let writes: Vec<(u64, &[&[u8]])> = runs
         .iter()
         .filter(|(key, _)| key_volume(*key) == id)
         .map(|(key, slices)| (key_lba(*key) * block_bytes, slices.as_slice()))
         .collect();
-    origin.write_many_vectored(&writes).map_err(origin_err)?;
+    write_runs(env, origin, &writes).map_err(EngineError::Origin)?;
+    // A failed flush is not tried again by itself: after a failed fsync
+    // the origin may have dropped the writes it covered, and a second one
+    // that succeeds would vouch for them. The group fails, and its retry
+    // writes everything again before it flushes.
     origin.flush().map_err(origin_err)
+}
+
+/// An origin write that failed with `e` (already counted), tried again
+/// while the error is worth it: `origin_write_attempts` times in all,
+/// counting the failed one, each further failure waiting the cache's
+/// retry backoff (doubled each time) first.
+fn try_again(
+    env: &Env,
+    e: cairn_device::DeviceError,
+    what: &str,
+    op: impl FnMut() -> Result<(), cairn_device::DeviceError>,
+) -> Result<(), cairn_device::DeviceError> {
+    let attempts_left = env.config.origin_write_attempts.max(1) - 1;
+    if !retryable(&e) || attempts_left == 0 {
+        return Err(e);
+    }
+    tracing::warn!("{what} failed, trying it again: {e}");
+    let c = &env.counters;
+    Counters::add(&c.origin_write_retries, 1);
+    crate::retry_policy::RetryPolicy {
+        attempts: attempts_left,
+        backoff_us: env.config.cache_write_backoff_us,
+    }
+    .run(&c.origin_write_errors, &c.origin_write_retries, what, op)
+}
+
+/// Whether an origin write that failed with `e` is worth trying again at
+/// once: an error the origin reported for that write (EIO from a busy or
+/// flaky server or disk), not a lost connection or a timeout (the NBD
+/// client has already waited out its reconnect window), and not a request
+/// that can never succeed (out of range, unsupported, claimed).
+fn retryable(e: &cairn_device::DeviceError) -> bool {
+    use cairn_device::DeviceError;
+    match e {
+        DeviceError::Injected { .. } => true,
+        DeviceError::Io { source, .. } => matches!(
+            source.raw_os_error(),
+            Some(libc::EIO | libc::EAGAIN | libc::EINTR | libc::EBUSY | libc::ENOMEM)
+        ),
+        _ => false,
+    }
+}
+
+/// Write the runs of a group to `origin`, all at once (a backend may run
+/// them concurrently). Runs are disjoint (each block's final version once)
+/// and writing one again is harmless, so when a batch fails with an error
+/// worth retrying its halves are written again, each as a batch: a rare
+/// failure costs a few more batches, not the whole group, and the other
+/// runs stay concurrent. A single run that keeps failing is tried
+/// `origin_write_attempts` times in all, with the cache's retry backoff,
+/// and then fails the group. Every failure counts in
+/// `origin_write_errors`, every batch or run written again in
+/// `origin_write_retries`.
+fn write_runs(
+    env: &Env,
+    origin: &dyn cairn_device::Device,
+    writes: &OriginRuns<'_>,
+) -> Result<(), cairn_device::DeviceError> {
+    let c = &env.counters;
+    // Batches still to write; a failed one comes back as two halves.
+    let mut pending: Vec<&OriginRuns<'_>> = vec![writes];
+    // Bounded: halving makes at most 2n - 1 batches of n runs (a lone
+    // run's further attempts are `try_again`'s).
+    let batches_max = 2 * writes.len().max(1);
+    let mut batches = 0usize;
+    while let Some(batch) = pending.pop() {
+        batches += 1;
+        assert!(
+            batches <= batches_max,
+            "write-back's origin retries are bounded"
+        );
+        let Err(e) = origin.write_many_vectored(batch) else {
+            continue;
+        };
+        Counters::add(&c.origin_write_errors, 1);
+        if !retryable(&e) {
+            return Err(e);
+        }
+        match batch {
+            [(at, bufs)] => try_again(env, e, "write-back writing to the origin", || {
+                origin.write_vectored_at(*at, bufs)
+            })?,
+            [_, _, ..] => {
+                let (first, second) = batch.split_at(batch.len() / 2);
+                tracing::debug!(
+                    runs = batch.len(),
+                    "write-back batch failed, writing its halves again: {e}"
+                );
+                Counters::add(&c.origin_write_retries, 1);
+                pending.push(second);
+                pending.push(first);
+            }
+            // A backend that fails an empty batch: nothing to split.
+            [] => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The group `[start, end)` is on the origins of `applied.done`: their

@@ -31,6 +31,7 @@ fn two_volumes(blocks0: u64) -> (SimDevice, SimDevice, Engine) {
             promote_after_misses: 1,
             sequential_cutoff_bytes: 0,
             cache_write_backoff_us: 0,
+            origin_write_attempts: 4,
             ..Default::default()
         },
     };

@@ -57,6 +57,7 @@ pub fn config() -> EngineConfig {
         cache_read_attempts: 4,
         // Deterministic and fast: retries do not wait.
         cache_write_backoff_us: 0,
+        origin_write_attempts: 4,
         page_cache_reads: true,
         origin_queue_depth: 64,
         // A write out of room whose write-back fails fails at once.
