@@ -438,11 +438,12 @@ fn write_human(out: &mut impl std::io::Write, v: &Value) -> std::io::Result<()> 
     writeln!(out, "  integrity: {}", integrity_line(v))?;
     writeln!(
         out,
-        "  device errors: cache read {} write {}, origin read {} write {} (origin writes tried again {})",
+        "  device errors: cache read {} write {}, origin read {} write {} (origin reads asked again {}, writes {})",
         get("cache_read_errors"),
         get("cache_write_errors"),
         get("origin_read_errors"),
         get("origin_write_errors"),
+        get("origin_read_retries"),
         get("origin_write_retries")
     )?;
     print_settings(out, v)?;

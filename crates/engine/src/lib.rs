@@ -39,6 +39,7 @@ mod options;
 mod origin_check;
 mod origin_claims;
 mod origin_health;
+mod origin_retry;
 mod origins;
 mod parts;
 mod policy;

@@ -61,13 +61,22 @@ pub struct EngineConfig {
     /// before each further one; write-back's retries of an origin write
     /// wait the same. Zero in the simulation tests.
     pub cache_write_backoff_us: u64,
-    /// A write-back write that the origin fails with an error worth trying
-    /// again (EIO, EAGAIN, ...: not a lost connection) is tried this many
-    /// times in all before its group fails; the group is then retried
-    /// whole, with write-back's growing backoff. Without it, one failed
+    /// Write-back over an origin that fails some writes: a batch of a
+    /// group's runs that the origin fails with an error worth trying again
+    /// (EIO, EAGAIN, ...: not a lost connection) is written again in
+    /// halves, down to the lone failing run, which is then tried this many
+    /// times in all before its group fails (the group is then retried
+    /// whole, with write-back's growing backoff). 1 still halves batches,
+    /// but never writes a lone run twice. Without any of it, one failed
     /// write in a group of hundreds failed the group, and an origin that
     /// fails 5% of its writes never took a group (`group::write_runs`).
     pub origin_write_attempts: u32,
+    /// A client's read miss that the origin fails with an error worth
+    /// trying again (as for writes) is asked again at once, this many
+    /// times in all, before its request fails with EIO. A read changes
+    /// nothing; without it, an origin failing 5% of its reads failed 5%
+    /// of the misses.
+    pub origin_read_attempts: u32,
     /// Read cache hits through the host's page cache
     /// (`Device::read_many_cacheable`), so the hottest blocks are served
     /// from RAM the kernel can take back under memory pressure. Every read
@@ -104,6 +113,7 @@ impl Default for EngineConfig {
             cache_read_attempts: 4,
             cache_write_backoff_us: 5_000,
             origin_write_attempts: 4,
+            origin_read_attempts: 3,
             page_cache_reads: true,
             origin_queue_depth: 64,
             space_wait_for_writeback_ms: SPACE_WAIT_FOR_WRITEBACK_MS,

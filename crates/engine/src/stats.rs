@@ -130,6 +130,7 @@ counters!(
     cache_write_errors,
     cache_write_retries,
     origin_read_errors,
+    origin_read_retries,
     origin_queue_waits,
     origin_write_errors,
     origin_write_retries,

@@ -1,8 +1,9 @@
-//! Write-back over an origin that fails some writes: a write the origin
-//! fails with an error worth retrying is written again (its batch in
-//! halves, then the lone run up to `origin_write_attempts` times), so a
-//! flaky origin still takes every group; a write that keeps failing
-//! fails its group, which keeps its dirty data for the next step.
+//! Misses and write-back over an origin that fails some requests. A read
+//! miss the origin fails with an error worth retrying is asked again; a
+//! write-back write is written again (its batch in halves, then the lone
+//! run up to `origin_write_attempts` times), so a flaky origin still takes
+//! every group; a write that keeps failing fails its group, which keeps
+//! its dirty data for the next step.
 
 mod common;
 use common::*;
@@ -90,4 +91,56 @@ fn a_write_that_keeps_failing_fails_its_group_after_its_attempts() {
     assert_eq!(drained.dirty_blocks, 0, "{drained:?}");
     assert_eq!(e.stats().dirty_blocks, 0);
     assert_origin_is(&rig, &model, "after the origin came back");
+}
+
+fn fail_reads_of_one_block(rig: &Rig, mode: FaultMode) {
+    rig.origin.fail_range(RangeFault {
+        kinds: OpKinds::READS,
+        start: FAILING_LBA * BS,
+        end: (FAILING_LBA + 1) * BS,
+        mode,
+    });
+}
+
+/// A read miss the origin fails once is asked again and answered.
+#[test]
+fn a_miss_the_origin_fails_once_is_asked_again() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    let model = Model::new(VOLUME_BLOCKS);
+    fail_reads_of_one_block(&rig, FaultMode::Once);
+    let e = rig.engine();
+    let mut block = vec![0xEE; BS as usize];
+    e.read(FAILING_LBA * BS, &mut block)
+        .expect("the failed origin read is asked again");
+    assert!(block == model.block(FAILING_LBA), "the miss's data");
+    let s = e.stats();
+    assert_eq!(
+        (s.origin_read_errors, s.origin_read_retries),
+        (1, 1),
+        "{s:?}"
+    );
+    assert_eq!(s.read_misses, 1, "{s:?}");
+}
+
+/// One that keeps failing fails its request with EIO after
+/// `origin_read_attempts` (3) reads.
+#[test]
+fn a_miss_the_origin_keeps_failing_fails_after_its_attempts() {
+    let rig = Rig::new(cache_bytes_small(), VOLUME_BLOCKS);
+    fail_reads_of_one_block(&rig, FaultMode::Sticky);
+    let e = rig.engine();
+    let mut block = vec![0u8; BS as usize];
+    let err = e
+        .read(FAILING_LBA * BS, &mut block)
+        .expect_err("the origin never answers this block");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    let s = e.stats();
+    assert_eq!(
+        (s.origin_read_errors, s.origin_read_retries),
+        (3, 2),
+        "{s:?}"
+    );
+    rig.origin.clear_faults();
+    e.read(FAILING_LBA * BS, &mut block)
+        .expect("the origin answers again");
 }

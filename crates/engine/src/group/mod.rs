@@ -408,44 +408,39 @@ fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> 
 }
 
 /// An origin write that failed with `e` (already counted), tried again
-/// while the error is worth it: `origin_write_attempts` times in all,
-/// counting the failed one, each further failure waiting the cache's
-/// retry backoff (doubled each time) first.
+/// while its error is worth it (`origin_retry::retryable`, checked on
+/// every failure: a lost connection or a timeout ends the retries at
+/// once), `origin_write_attempts` times in all counting the failed one,
+/// each retry after the cache's retry backoff, doubled each time.
 fn try_again(
     env: &Env,
-    e: cairn_device::DeviceError,
+    mut e: cairn_device::DeviceError,
     what: &str,
-    op: impl FnMut() -> Result<(), cairn_device::DeviceError>,
+    mut op: impl FnMut() -> Result<(), cairn_device::DeviceError>,
 ) -> Result<(), cairn_device::DeviceError> {
-    let attempts_left = env.config.origin_write_attempts.max(1) - 1;
-    if !retryable(&e) || attempts_left == 0 {
-        return Err(e);
-    }
-    tracing::warn!("{what} failed, trying it again: {e}");
     let c = &env.counters;
-    Counters::add(&c.origin_write_retries, 1);
-    crate::retry_policy::RetryPolicy {
-        attempts: attempts_left,
-        backoff_us: env.config.cache_write_backoff_us,
+    let attempts = env.config.origin_write_attempts.max(1);
+    let mut backoff_us = env.config.cache_write_backoff_us;
+    // Bounded: at most `attempts - 1` more writes.
+    for attempt in 2..=attempts {
+        if !crate::origin_retry::retryable(&e) {
+            return Err(e);
+        }
+        tracing::warn!("{what} failed, trying it again ({attempt} of {attempts}): {e}");
+        if backoff_us > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(backoff_us));
+            backoff_us = backoff_us.saturating_mul(2);
+        }
+        Counters::add(&c.origin_write_retries, 1);
+        match op() {
+            Ok(()) => return Ok(()),
+            Err(again) => {
+                Counters::add(&c.origin_write_errors, 1);
+                e = again;
+            }
+        }
     }
-    .run(&c.origin_write_errors, &c.origin_write_retries, what, op)
-}
-
-/// Whether an origin write that failed with `e` is worth trying again at
-/// once: an error the origin reported for that write (EIO from a busy or
-/// flaky server or disk), not a lost connection or a timeout (the NBD
-/// client has already waited out its reconnect window), and not a request
-/// that can never succeed (out of range, unsupported, claimed).
-fn retryable(e: &cairn_device::DeviceError) -> bool {
-    use cairn_device::DeviceError;
-    match e {
-        DeviceError::Injected { .. } => true,
-        DeviceError::Io { source, .. } => matches!(
-            source.raw_os_error(),
-            Some(libc::EIO | libc::EAGAIN | libc::EINTR | libc::EBUSY | libc::ENOMEM)
-        ),
-        _ => false,
-    }
+    Err(e)
 }
 
 /// Write the runs of a group to `origin`, all at once (a backend may run
@@ -453,11 +448,10 @@ fn retryable(e: &cairn_device::DeviceError) -> bool {
 /// and writing one again is harmless, so when a batch fails with an error
 /// worth retrying its halves are written again, each as a batch: a rare
 /// failure costs a few more batches, not the whole group, and the other
-/// runs stay concurrent. A single run that keeps failing is tried
-/// `origin_write_attempts` times in all, with the cache's retry backoff,
-/// and then fails the group. Every failure counts in
-/// `origin_write_errors`, every batch or run written again in
-/// `origin_write_retries`.
+/// runs stay concurrent. A single run that keeps failing is tried again
+/// by `try_again` and then fails the group. Every failed write call counts
+/// in `origin_write_errors`; every re-issue in `origin_write_retries` (a
+/// halving counts once, though it writes two batches again).
 fn write_runs(
     env: &Env,
     origin: &dyn cairn_device::Device,
@@ -480,7 +474,7 @@ fn write_runs(
             continue;
         };
         Counters::add(&c.origin_write_errors, 1);
-        if !retryable(&e) {
+        if !crate::origin_retry::retryable(&e) {
             return Err(e);
         }
         match batch {

@@ -32,6 +32,7 @@ fn two_volumes(blocks0: u64) -> (SimDevice, SimDevice, Engine) {
             sequential_cutoff_bytes: 0,
             cache_write_backoff_us: 0,
             origin_write_attempts: 4,
+            origin_read_attempts: 3,
             ..Default::default()
         },
     };

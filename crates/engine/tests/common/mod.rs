@@ -58,6 +58,7 @@ pub fn config() -> EngineConfig {
         // Deterministic and fast: retries do not wait.
         cache_write_backoff_us: 0,
         origin_write_attempts: 4,
+        origin_read_attempts: 3,
         page_cache_reads: true,
         origin_queue_depth: 64,
         // A write out of room whose write-back fails fails at once.
