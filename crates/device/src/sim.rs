@@ -355,7 +355,18 @@ impl SimDevice {
                 }
             }
         }
-        if hit || s.fenced.is_some() {
+        if s.fenced.is_some() {
+            s.injected_failures += 1;
+            // As a blocklisted RBD client sees it: librbd's EBLOCKLISTED
+            // is ESHUTDOWN, an error no retry can cure.
+            return Err(DeviceError::Io {
+                device: s.name.clone(),
+                offset: range.map_or(0, |(offset, _)| offset),
+                len: range.map_or(0, |(_, len)| len),
+                source: std::io::Error::from_raw_os_error(libc::ESHUTDOWN),
+            });
+        }
+        if hit {
             s.injected_failures += 1;
             return Err(DeviceError::Injected {
                 device: s.name.clone(),
