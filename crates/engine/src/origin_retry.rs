@@ -49,6 +49,11 @@ mod tests {
         assert!(!retryable(&io_error(io::Error::from_raw_os_error(
             libc::EROFS
         ))));
+        // librbd's EBLOCKLISTED (what the simulated fence answers too):
+        // fenced for good.
+        assert!(!retryable(&io_error(io::Error::from_raw_os_error(
+            libc::ESHUTDOWN
+        ))));
         assert!(!retryable(&io_error(io::Error::new(
             io::ErrorKind::TimedOut,
             "no reply"

@@ -144,3 +144,21 @@ fn a_miss_the_origin_keeps_failing_fails_after_its_attempts() {
     e.read(FAILING_LBA * BS, &mut block)
         .expect("the origin answers again");
 }
+
+/// A fenced origin (as a blocklisted RBD client: ESHUTDOWN) is not asked
+/// again: one failed batch, no retry, the group fails.
+#[test]
+fn a_fenced_origin_is_not_asked_again() {
+    let (rig, _model) = dirty_rig();
+    rig.origin.fence("blocklisted by the cluster");
+    let e = rig.engine();
+    e.writeback_step()
+        .expect_err("a fenced origin takes nothing");
+    let s = e.stats();
+    assert_eq!(
+        (s.origin_write_errors, s.origin_write_retries),
+        (1, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.dirty_blocks, RUNS, "{s:?}");
+}
