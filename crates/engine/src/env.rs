@@ -126,17 +126,19 @@ impl Env {
         self.layout.slot_offset_bytes(slot as u64)
     }
 
-    /// Read whole origin blocks from the block named by `key`, counting a
+    /// Read whole origin blocks from the block named by `key` (blocking),
+    /// asking again while it fails with an error worth it, counting every
     /// failure.
     pub(crate) fn read_origin(&self, key: u64, buf: &mut [u8]) -> EngineResult<()> {
         let (volume, lba) = self.origins.of_key(key)?;
-        volume
-            .device()
-            .read_at(lba * self.block_size_bytes as u64, buf)
-            .map_err(|e| {
+        let at = lba * self.block_size_bytes as u64;
+        let device = volume.device();
+        crate::origin_retry::read_retrying(self, "origin read", || device.read_at(at, buf)).map_err(
+            |e| {
                 Counters::add(&self.counters.origin_read_errors, 1);
                 EngineError::Origin(e)
-            })
+            },
+        )
     }
 
     /// Is `key` a block of a volume the engine serves? Keys come from the

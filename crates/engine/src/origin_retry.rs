@@ -1,6 +1,12 @@
-//! Which origin errors are worth asking again at once.
+//! Which origin errors are worth asking again at once, and the two loops
+//! that ask again: every origin read and write the engine makes goes
+//! through one of them or through write-back's halving (`group`), so a
+//! flaky origin is judged the same way on every path.
 
 use cairn_device::DeviceError;
+
+use crate::env::Env;
+use crate::stats::Counters;
 
 /// Whether an origin read or write that failed with `e` is worth trying
 /// again at once: an error the origin reported for that request (EIO from
@@ -18,6 +24,92 @@ pub(crate) fn retryable(e: &DeviceError) -> bool {
         ),
         _ => false,
     }
+}
+
+/// An origin write that failed with `e` (already counted in
+/// `origin_write_errors`), tried again while its error is worth it
+/// (checked on every failure: a lost connection or a timeout ends the
+/// retries at once), `origin_write_attempts` times in all counting the
+/// failed one, each retry after the cache's retry backoff, doubled each
+/// time.
+///
+/// `op` must be safe to repeat whole: a write or a range op, or writes
+/// *with* the flush that vouches for them. Never a flush alone: after a
+/// failed flush the origin may have dropped the writes it covered, and a
+/// second flush that succeeds would vouch for them.
+pub(crate) fn write_again(
+    env: &Env,
+    mut e: DeviceError,
+    what: &str,
+    mut op: impl FnMut() -> Result<(), DeviceError>,
+) -> Result<(), DeviceError> {
+    let c = &env.counters;
+    let attempts = env.config.origin_write_attempts.max(1);
+    let mut backoff_us = env.config.cache_write_backoff_us;
+    // Bounded: at most `attempts - 1` more writes.
+    for attempt in 2..=attempts {
+        if !retryable(&e) {
+            return Err(e);
+        }
+        tracing::warn!("{what} failed, trying it again ({attempt} of {attempts}): {e}");
+        if backoff_us > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(backoff_us));
+            backoff_us = backoff_us.saturating_mul(2);
+        }
+        Counters::add(&c.origin_write_retries, 1);
+        match op() {
+            Ok(()) => return Ok(()),
+            Err(again) => {
+                Counters::add(&c.origin_write_errors, 1);
+                e = again;
+            }
+        }
+    }
+    Err(e)
+}
+
+/// An origin write made with [`write_again`]'s judgement from the first
+/// attempt on: every failure counts in `origin_write_errors`.
+pub(crate) fn write_retrying(
+    env: &Env,
+    what: &str,
+    mut op: impl FnMut() -> Result<(), DeviceError>,
+) -> Result<(), DeviceError> {
+    match op() {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            Counters::add(&env.counters.origin_write_errors, 1);
+            write_again(env, e, what, op)
+        }
+    }
+}
+
+/// A blocking origin read, asked again at once while it fails with an
+/// error worth it, `origin_read_attempts` times in all (a read changes
+/// nothing, so no backoff: the client or the scrub waits). Every failure
+/// but the last counts in `origin_read_errors` here; the caller counts
+/// the last, as for a single read.
+pub(crate) fn read_retrying(
+    env: &Env,
+    what: &str,
+    mut op: impl FnMut() -> Result<(), DeviceError>,
+) -> Result<(), DeviceError> {
+    let attempts = env.config.origin_read_attempts.max(1);
+    let mut result = op();
+    // Bounded: at most `attempts - 1` more reads.
+    for attempt in 2..=attempts {
+        let Err(e) = &result else {
+            break;
+        };
+        if !retryable(e) {
+            break;
+        }
+        tracing::debug!("{what} failed, asking again ({attempt} of {attempts}): {e}");
+        Counters::add(&env.counters.origin_read_errors, 1);
+        Counters::add(&env.counters.origin_read_retries, 1);
+        result = op();
+    }
+    result
 }
 
 #[cfg(test)]

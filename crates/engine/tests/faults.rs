@@ -2487,3 +2487,61 @@ fn a_mode_switch_whose_drain_fails_says_the_mode_is_set() {
     e.drain().expect("drain once the origin works");
     assert_eq!(e.stats().dirty_blocks, 0);
 }
+
+/// Degraded, a write goes to the origin with its flush; one the origin
+/// fails once is written again, flush and all, and succeeds; a zero the
+/// same. One that keeps failing fails after `origin_write_attempts` (4).
+#[test]
+fn degraded_writes_ask_a_flaky_origin_again() {
+    let (mut rig, mut model) = populated(5);
+    degrade_now(&mut rig, &mut model);
+    let before = rig.engine().stats();
+    let fail_block = |lba: u64, mode: FaultMode| {
+        rig.origin.fail_range(RangeFault {
+            kinds: OpKinds::WRITES,
+            start: lba * BS,
+            end: (lba + 1) * BS,
+            mode,
+        })
+    };
+    let e = rig.engine();
+    let data = pattern(0xf1a4, 3 * BS as usize);
+    fail_block(41, FaultMode::Once);
+    e.write(40 * BS, &data, false)
+        .expect("the failed origin write is written again");
+    model.write(40 * BS, &data);
+    // A zero of whole blocks and a partial edge.
+    fail_block(61, FaultMode::Once);
+    e.write_zeroes(60 * BS + 512, 3 * BS)
+        .expect("the failed zero is made again");
+    model.zero(60 * BS + 512, 3 * BS);
+    let s = e.stats();
+    assert_eq!(
+        (
+            s.origin_write_errors - before.origin_write_errors,
+            s.origin_write_retries - before.origin_write_retries
+        ),
+        (2, 2),
+        "{s:?}"
+    );
+    assert!(
+        rig.origin.durable_image() == model.image,
+        "the origin misses an acknowledged degraded write"
+    );
+    fail_block(80, FaultMode::Sticky);
+    let err = e
+        .write(80 * BS, &pattern(0xbad, BS as usize), false)
+        .expect_err("the origin never takes this block");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    let after = e.stats();
+    assert_eq!(
+        (
+            after.origin_write_errors - s.origin_write_errors,
+            after.origin_write_retries - s.origin_write_retries
+        ),
+        (4, 3),
+        "{after:?}"
+    );
+    rig.origin.clear_faults();
+    assert_volume(e, &model, "degraded, after the flaky origin");
+}

@@ -399,3 +399,55 @@ fn unreadable_tag_page_is_recalculated_not_trusted() {
     assert_eq!(report.blocks_verified, VOLUME_BLOCKS);
     assert!(report.mismatches.is_empty());
 }
+
+/// A scrub over an origin that fails a read once asks again and checks
+/// every block (it used to stop at the first failed read); a repair whose
+/// write the origin fails once is written again, with its flush.
+#[test]
+fn a_scrub_asks_a_flaky_origin_again() {
+    use cairn_device::{FaultMode, OpKinds, RangeFault};
+    let rig = prefilled(VOLUME_BLOCKS, cache_bytes(), true);
+    let engine = rig.engine();
+    rig.origin.fail_range(RangeFault {
+        kinds: OpKinds::READS,
+        start: 300 * BS,
+        end: 301 * BS,
+        mode: FaultMode::Once,
+    });
+    let report = scrub(engine, true);
+    assert_eq!(report.blocks_verified, VOLUME_BLOCKS, "{report:?}");
+    let s = engine.stats();
+    assert_eq!(
+        (s.origin_read_errors, s.origin_read_retries),
+        (1, 1),
+        "{s:?}"
+    );
+
+    // A clean cached copy of block 20, the origin's copy damaged, and the
+    // origin failing the repair's write once.
+    assert_eq!(read_block(engine, 20).unwrap(), origin_pattern(20));
+    engine.flush().unwrap();
+    engine.checkpoint().unwrap();
+    corrupt_origin_byte(&rig.origin, 20, 4000);
+    rig.origin.fail_range(RangeFault {
+        kinds: OpKinds::WRITES,
+        start: 20 * BS,
+        end: 21 * BS,
+        mode: FaultMode::Once,
+    });
+    let report = scrub(engine, true);
+    assert_eq!(report.repaired, vec![20], "{report:?}");
+    let mut on_origin = vec![0u8; BS as usize];
+    rig.origin.read_at(20 * BS, &mut on_origin).unwrap();
+    assert_eq!(on_origin, origin_pattern(20), "origin repaired");
+    let s = engine.stats();
+    assert_eq!(
+        (
+            s.origin_write_errors,
+            s.origin_write_retries,
+            s.origin_repairs
+        ),
+        (1, 1, 1),
+        "{s:?}"
+    );
+}

@@ -5,6 +5,7 @@
 use cairn_format::RangeKind;
 
 use crate::error::{EngineError, EngineResult};
+use crate::origin_retry::write_retrying;
 use crate::parts::Parts;
 use crate::read::{self, Scope};
 use crate::read_kind::ReadKind;
@@ -40,10 +41,12 @@ pub(crate) fn degraded_write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineRe
     }
     forget_cached(p, offset / block_bytes, end.div_ceil(block_bytes))?;
     Counters::add(&p.env.counters.degraded_writes, 1);
-    origin
-        .device()
-        .write_many_and_flush(&writes)
-        .map_err(|e| origin_write_error(p, e))
+    let device = origin.device();
+    // The writes and the flush that vouches for them, repeated together.
+    write_retrying(p.env, "a degraded write to the origin", || {
+        device.write_many_and_flush(&writes)
+    })
+    .map_err(origin_write_failed)
 }
 
 /// A degraded zero or discard: whole blocks become an origin zero or
@@ -83,21 +86,25 @@ pub(crate) fn degraded_zero_range(
         .iter()
         .map(|(lba, b)| (lba * block_bytes - base, b.as_slice()))
         .collect();
-    origin
-        .write_many(&writes)
-        .map_err(|e| origin_write_error(p, e))?;
-    if full_first < full_end {
-        let (at, len) = (
+    let range = (full_first < full_end).then(|| {
+        (
             full_first * block_bytes - base,
             (full_end - full_first) * block_bytes,
-        );
-        match kind {
-            RangeKind::Zero => origin.write_zeroes(at, len),
-            RangeKind::Discard => origin.discard(at, len),
+        )
+    });
+    // The edges, the range and the flush that vouches for them, repeated
+    // together (zeroing or discarding again is harmless).
+    write_retrying(p.env, "a degraded zero or discard on the origin", || {
+        origin.write_many(&writes)?;
+        if let Some((at, len)) = range {
+            match kind {
+                RangeKind::Zero => origin.write_zeroes(at, len)?,
+                RangeKind::Discard => origin.discard(at, len)?,
+            }
         }
-        .map_err(|e| origin_write_error(p, e))?;
-    }
-    origin.flush().map_err(|e| origin_write_error(p, e))
+        origin.flush()
+    })
+    .map_err(origin_write_failed)
 }
 
 /// Degraded: every acknowledged write is durable on the origin already;
@@ -116,10 +123,11 @@ pub(crate) fn degraded_flush(p: Parts<'_>, volume: Option<u16>) -> EngineResult<
         None => p.env.origins.all(),
     };
     for volume in origins {
-        volume
-            .device()
-            .flush()
-            .map_err(|e| origin_write_error(p, e))?;
+        // A flush alone is not asked again (`origin_retry::write_again`).
+        volume.device().flush().map_err(|e| {
+            Counters::add(&p.env.counters.origin_write_errors, 1);
+            origin_write_failed(e)
+        })?;
     }
     Ok(())
 }
@@ -167,8 +175,8 @@ fn forget_cached(p: Parts<'_>, first: u64, end: u64) -> EngineResult<()> {
     Ok(())
 }
 
-fn origin_write_error(p: Parts<'_>, e: cairn_device::DeviceError) -> EngineError {
-    Counters::add(&p.env.counters.origin_write_errors, 1);
+/// An origin write that failed for good (its failures already counted).
+fn origin_write_failed(e: cairn_device::DeviceError) -> EngineError {
     tracing::error!("degraded write to the origin failed: {e}");
     EngineError::Origin(e)
 }

@@ -390,8 +390,13 @@ fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> 
         // Zeroing or discarding a range again is harmless too.
         if let Err(e) = op() {
             Counters::add(&env.counters.origin_write_errors, 1);
-            try_again(env, e, "write-back zeroing or discarding on the origin", op)
-                .map_err(EngineError::Origin)?;
+            crate::origin_retry::write_again(
+                env,
+                e,
+                "write-back zeroing or discarding on the origin",
+                op,
+            )
+            .map_err(EngineError::Origin)?;
         }
     }
     let writes: Vec<(u64, &[&[u8]])> = runs
@@ -407,49 +412,13 @@ fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> 
     origin.flush().map_err(origin_err)
 }
 
-/// An origin write that failed with `e` (already counted), tried again
-/// while its error is worth it (`origin_retry::retryable`, checked on
-/// every failure: a lost connection or a timeout ends the retries at
-/// once), `origin_write_attempts` times in all counting the failed one,
-/// each retry after the cache's retry backoff, doubled each time.
-fn try_again(
-    env: &Env,
-    mut e: cairn_device::DeviceError,
-    what: &str,
-    mut op: impl FnMut() -> Result<(), cairn_device::DeviceError>,
-) -> Result<(), cairn_device::DeviceError> {
-    let c = &env.counters;
-    let attempts = env.config.origin_write_attempts.max(1);
-    let mut backoff_us = env.config.cache_write_backoff_us;
-    // Bounded: at most `attempts - 1` more writes.
-    for attempt in 2..=attempts {
-        if !crate::origin_retry::retryable(&e) {
-            return Err(e);
-        }
-        tracing::warn!("{what} failed, trying it again ({attempt} of {attempts}): {e}");
-        if backoff_us > 0 {
-            std::thread::sleep(std::time::Duration::from_micros(backoff_us));
-            backoff_us = backoff_us.saturating_mul(2);
-        }
-        Counters::add(&c.origin_write_retries, 1);
-        match op() {
-            Ok(()) => return Ok(()),
-            Err(again) => {
-                Counters::add(&c.origin_write_errors, 1);
-                e = again;
-            }
-        }
-    }
-    Err(e)
-}
-
 /// Write the runs of a group to `origin`, all at once (a backend may run
 /// them concurrently). Runs are disjoint (each block's final version once)
 /// and writing one again is harmless, so when a batch fails with an error
 /// worth retrying its halves are written again, each as a batch: a rare
 /// failure costs a few more batches, not the whole group, and the other
 /// runs stay concurrent. A single run that keeps failing is tried again
-/// by `try_again` and then fails the group. Every failed write call counts
+/// by `origin_retry::write_again` and then fails the group. Every failed write call counts
 /// in `origin_write_errors`; every re-issue in `origin_write_retries` (a
 /// halving counts once, though it writes two batches again).
 fn write_runs(
@@ -461,7 +430,7 @@ fn write_runs(
     // Batches still to write; a failed one comes back as two halves.
     let mut pending: Vec<&OriginRuns<'_>> = vec![writes];
     // Bounded: halving makes at most 2n - 1 batches of n runs (a lone
-    // run's further attempts are `try_again`'s).
+    // run's further attempts are `write_again`'s).
     let batches_max = 2 * writes.len().max(1);
     let mut batches = 0usize;
     while let Some(batch) = pending.pop() {
@@ -478,9 +447,12 @@ fn write_runs(
             return Err(e);
         }
         match batch {
-            [(at, bufs)] => try_again(env, e, "write-back writing to the origin", || {
-                origin.write_vectored_at(*at, bufs)
-            })?,
+            [(at, bufs)] => crate::origin_retry::write_again(
+                env,
+                e,
+                "write-back writing to the origin",
+                || origin.write_vectored_at(*at, bufs),
+            )?,
             [_, _, ..] => {
                 let (first, second) = batch.split_at(batch.len() / 2);
                 tracing::debug!(

@@ -188,10 +188,12 @@ fn scrub_block(
         let block_bytes = env.block_size_bytes as u64;
         let (volume, address) = env.origins.of_key(lba)?;
         let origin = volume.device();
-        match origin
-            .write_at(address * block_bytes, &copy)
-            .and_then(|()| origin.flush())
-        {
+        // The write and the flush that vouches for it, repeated together.
+        let repair = crate::origin_retry::write_retrying(env, "an origin repair", || {
+            origin.write_at(address * block_bytes, &copy)?;
+            origin.flush()
+        });
+        match repair {
             Ok(()) => {
                 Counters::add(&env.counters.origin_repairs, 1);
                 tracing::warn!(
@@ -204,7 +206,6 @@ fn scrub_block(
                 return Ok(true);
             }
             Err(e) => {
-                Counters::add(&env.counters.origin_write_errors, 1);
                 tracing::error!(lba, "origin repair failed: {e}");
             }
         }
