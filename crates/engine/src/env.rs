@@ -9,7 +9,7 @@ use cairn_format::{
     key_lba, key_volume, record_data_blocks_max, Layout, RecordHeader, Superblock, VolumeEntry,
 };
 
-use crate::error::{EngineError, EngineResult};
+use crate::error::EngineResult;
 use crate::health::Health;
 use crate::lifetime::LifetimeBase;
 use crate::options::EngineConfig;
@@ -124,21 +124,6 @@ impl Env {
     /// Byte offset of a log slot on the cache device.
     pub(crate) fn slot_offset_bytes(&self, slot: u32) -> u64 {
         self.layout.slot_offset_bytes(slot as u64)
-    }
-
-    /// Read whole origin blocks from the block named by `key` (blocking),
-    /// asking again while it fails with an error worth it, counting every
-    /// failure.
-    pub(crate) fn read_origin(&self, key: u64, buf: &mut [u8]) -> EngineResult<()> {
-        let (volume, lba) = self.origins.of_key(key)?;
-        let at = lba * self.block_size_bytes as u64;
-        let device = volume.device();
-        crate::origin_retry::read_retrying(self, "origin read", || device.read_at(at, buf)).map_err(
-            |e| {
-                Counters::add(&self.counters.origin_read_errors, 1);
-                EngineError::Origin(e)
-            },
-        )
     }
 
     /// Is `key` a block of a volume the engine serves? Keys come from the

@@ -6,6 +6,7 @@
 use cairn_device::DeviceError;
 
 use crate::env::Env;
+use crate::error::{EngineError, EngineResult};
 use crate::stats::Counters;
 
 /// Whether an origin read or write that failed with `e` is worth trying
@@ -30,8 +31,10 @@ pub(crate) fn retryable(e: &DeviceError) -> bool {
 /// `origin_write_errors`), tried again while its error is worth it
 /// (checked on every failure: a lost connection or a timeout ends the
 /// retries at once), `origin_write_attempts` times in all counting the
-/// failed one, each retry after the cache's retry backoff, doubled each
-/// time.
+/// failed one, each retry after `backoff_us` (doubled each time; 0: at
+/// once). Write-back waits the cache's retry backoff; a caller that holds
+/// a lock others wait on (a degraded write, a scrub's repair) passes 0, so
+/// a failing origin costs them round trips, not sleeps.
 ///
 /// `op` must be safe to repeat whole: a write or a range op, or writes
 /// *with* the flush that vouches for them. Never a flush alone: after a
@@ -41,11 +44,11 @@ pub(crate) fn write_again(
     env: &Env,
     mut e: DeviceError,
     what: &str,
+    mut backoff_us: u64,
     mut op: impl FnMut() -> Result<(), DeviceError>,
 ) -> Result<(), DeviceError> {
     let c = &env.counters;
     let attempts = env.config.origin_write_attempts.max(1);
-    let mut backoff_us = env.config.cache_write_backoff_us;
     // Bounded: at most `attempts - 1` more writes.
     for attempt in 2..=attempts {
         if !retryable(&e) {
@@ -73,15 +76,29 @@ pub(crate) fn write_again(
 pub(crate) fn write_retrying(
     env: &Env,
     what: &str,
+    backoff_us: u64,
     mut op: impl FnMut() -> Result<(), DeviceError>,
 ) -> Result<(), DeviceError> {
     match op() {
         Ok(()) => Ok(()),
         Err(e) => {
             Counters::add(&env.counters.origin_write_errors, 1);
-            write_again(env, e, what, op)
+            write_again(env, e, what, backoff_us, op)
         }
     }
+}
+
+/// Read whole origin blocks from the block named by `key` (blocking),
+/// asking again while it fails with an error worth it, counting every
+/// failure.
+pub(crate) fn read_origin(env: &Env, key: u64, buf: &mut [u8]) -> EngineResult<()> {
+    let (volume, lba) = env.origins.of_key(key)?;
+    let at = lba * env.block_size_bytes as u64;
+    let device = volume.device();
+    read_retrying(env, "origin read", || device.read_at(at, buf)).map_err(|e| {
+        Counters::add(&env.counters.origin_read_errors, 1);
+        EngineError::Origin(e)
+    })
 }
 
 /// A blocking origin read, asked again at once while it fails with an
@@ -89,7 +106,7 @@ pub(crate) fn write_retrying(
 /// nothing, so no backoff: the client or the scrub waits). Every failure
 /// but the last counts in `origin_read_errors` here; the caller counts
 /// the last, as for a single read.
-pub(crate) fn read_retrying(
+fn read_retrying(
     env: &Env,
     what: &str,
     mut op: impl FnMut() -> Result<(), DeviceError>,

@@ -2496,14 +2496,8 @@ fn degraded_writes_ask_a_flaky_origin_again() {
     let (mut rig, mut model) = populated(5);
     degrade_now(&mut rig, &mut model);
     let before = rig.engine().stats();
-    let fail_block = |lba: u64, mode: FaultMode| {
-        rig.origin.fail_range(RangeFault {
-            kinds: OpKinds::WRITES,
-            start: lba * BS,
-            end: (lba + 1) * BS,
-            mode,
-        })
-    };
+    let fail_block =
+        |lba: u64, mode: FaultMode| fail_blocks(&rig.origin, OpKinds::WRITES, (lba, lba + 1), mode);
     let e = rig.engine();
     let data = pattern(0xf1a4, 3 * BS as usize);
     fail_block(41, FaultMode::Once);
@@ -2516,14 +2510,7 @@ fn degraded_writes_ask_a_flaky_origin_again() {
         .expect("the failed zero is made again");
     model.zero(60 * BS + 512, 3 * BS);
     let s = e.stats();
-    assert_eq!(
-        (
-            s.origin_write_errors - before.origin_write_errors,
-            s.origin_write_retries - before.origin_write_retries
-        ),
-        (2, 2),
-        "{s:?}"
-    );
+    assert_eq!(origin_write_errors_and_retries_since(&before, &s), (2, 2));
     assert!(
         rig.origin.durable_image() == model.image,
         "the origin misses an acknowledged degraded write"
@@ -2533,15 +2520,89 @@ fn degraded_writes_ask_a_flaky_origin_again() {
         .write(80 * BS, &pattern(0xbad, BS as usize), false)
         .expect_err("the origin never takes this block");
     assert_eq!(err.errno(), libc::EIO, "{err}");
-    let after = e.stats();
     assert_eq!(
-        (
-            after.origin_write_errors - s.origin_write_errors,
-            after.origin_write_retries - s.origin_write_retries
-        ),
-        (4, 3),
-        "{after:?}"
+        origin_write_errors_and_retries_since(&s, &e.stats()),
+        (4, 3)
     );
     rig.origin.clear_faults();
     assert_volume(e, &model, "degraded, after the flaky origin");
+}
+
+/// Degraded, the unit repeated is the writes *with* their flush: a flush
+/// that fails once sends the writes again before flushing again; a
+/// client's FLUSH that fails is never asked again alone (it would vouch
+/// for writes a failed flush may have dropped); a zero whose partial edge
+/// fails once is made again; a discard of part of one block sends nothing.
+#[test]
+fn degraded_retries_resend_the_writes_a_flush_covers() {
+    let (mut rig, mut model) = populated(6);
+    degrade_now(&mut rig, &mut model);
+    let e = rig.engine();
+    let flush_fails_once = || {
+        let flushes = OpKinds {
+            reads: false,
+            writes: false,
+            flushes: true,
+        };
+        fail_blocks(&rig.origin, flushes, (0, 1), FaultMode::Once)
+    };
+    let delta = |before| origin_write_errors_and_retries_since(before, &e.stats());
+
+    // A write of three whole blocks: one origin write, and its flush.
+    let before = e.stats();
+    let writes_before = rig.origin.counters().writes;
+    flush_fails_once();
+    let data = pattern(0x5eed, 3 * BS as usize);
+    e.write(100 * BS, &data, false)
+        .expect("the write is sent again with its flush");
+    model.write(100 * BS, &data);
+    assert_eq!(delta(&before), (1, 1));
+    assert_eq!(
+        rig.origin.counters().writes - writes_before,
+        2,
+        "the write was not sent again before the second flush"
+    );
+
+    // A client's FLUSH alone: EIO, no retry.
+    let before = e.stats();
+    flush_fails_once();
+    let err = e.flush().expect_err("a failed origin flush is reported");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert_eq!(delta(&before), (1, 0), "a flush alone was asked again");
+
+    // A zero whose partial last block (an edge, read and written whole)
+    // fails once.
+    let before = e.stats();
+    fail_blocks(&rig.origin, OpKinds::WRITES, (123, 124), FaultMode::Once);
+    e.write_zeroes(120 * BS + 512, 3 * BS)
+        .expect("the zero is made again");
+    model.zero(120 * BS + 512, 3 * BS);
+    assert_eq!(delta(&before), (1, 1));
+
+    // A discard inside one block: nothing to send, nothing to flush.
+    let counters = rig.origin.counters();
+    e.discard(130 * BS + 512, 1024)
+        .expect("a sub-block discard");
+    let after = rig.origin.counters();
+    assert_eq!(
+        (after.writes, after.discards, after.flushes),
+        (counters.writes, counters.discards, counters.flushes),
+        "a discard of part of a block reached the origin"
+    );
+    assert!(
+        rig.origin.durable_image() == model.image,
+        "the origin misses an acknowledged degraded write"
+    );
+    assert_volume(e, &model, "degraded, after the flaky flushes");
+}
+
+/// Failed origin writes and their retries between two snapshots.
+fn origin_write_errors_and_retries_since(
+    before: &cairn_engine::StatsSnapshot,
+    after: &cairn_engine::StatsSnapshot,
+) -> (u64, u64) {
+    (
+        after.origin_write_errors - before.origin_write_errors,
+        after.origin_write_retries - before.origin_write_retries,
+    )
 }

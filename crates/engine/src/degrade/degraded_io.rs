@@ -42,8 +42,9 @@ pub(crate) fn degraded_write(p: Parts<'_>, offset: u64, data: &[u8]) -> EngineRe
     forget_cached(p, offset / block_bytes, end.div_ceil(block_bytes))?;
     Counters::add(&p.env.counters.degraded_writes, 1);
     let device = origin.device();
-    // The writes and the flush that vouches for them, repeated together.
-    write_retrying(p.env, "a degraded write to the origin", || {
+    // The writes and the flush that vouches for them, repeated together,
+    // at once: every degraded write waits on this one's lock.
+    write_retrying(p.env, "a degraded write to the origin", 0, || {
         device.write_many_and_flush(&writes)
     })
     .map_err(origin_write_failed)
@@ -92,9 +93,15 @@ pub(crate) fn degraded_zero_range(
             (full_end - full_first) * block_bytes,
         )
     });
+    if writes.is_empty() && range.is_none() {
+        // A discard of part of one block: nothing reaches the origin, so
+        // there is nothing to flush (and a flush alone is never retried).
+        return Ok(());
+    }
     // The edges, the range and the flush that vouches for them, repeated
-    // together (zeroing or discarding again is harmless).
-    write_retrying(p.env, "a degraded zero or discard on the origin", || {
+    // together (zeroing or discarding again is harmless), at once: every
+    // degraded write waits on this one's lock.
+    write_retrying(p.env, "a degraded zero or discard on the origin", 0, || {
         origin.write_many(&writes)?;
         if let Some((at, len)) = range {
             match kind {
@@ -114,6 +121,10 @@ pub(crate) fn degraded_zero_range(
 pub(crate) fn degraded_flush(p: Parts<'_>, volume: Option<u16>) -> EngineResult<()> {
     // A stopped engine answers with its error, as every request does.
     p.env.health.check_running()?;
+    // Not beside a degraded write: a buffered origin reports a failed
+    // write-back to one fsync of its descriptor only, and this flush must
+    // not take that report from the write's own flush.
+    let _serial = p.degraded_writes.lock().unwrap_or_else(|e| e.into_inner());
     let origins = match volume {
         Some(id) => vec![p
             .env

@@ -394,6 +394,7 @@ fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> 
                 env,
                 e,
                 "write-back zeroing or discarding on the origin",
+                env.config.cache_write_backoff_us,
                 op,
             )
             .map_err(EngineError::Origin)?;
@@ -451,6 +452,7 @@ fn write_runs(
                 env,
                 e,
                 "write-back writing to the origin",
+                env.config.cache_write_backoff_us,
                 || origin.write_vectored_at(*at, bufs),
             )?,
             [_, _, ..] => {

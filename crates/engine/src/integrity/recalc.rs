@@ -68,7 +68,7 @@ pub(crate) fn recalc_step(p: Parts<'_>) -> EngineResult<RecalcProgress> {
     // so does a removal while it forgets a volume. The serial check below
     // is defence in depth: a step never applies what it read to a volume
     // other than the one it read for.
-    let read = env.read_origin(block_key(id, position), &mut buf);
+    let read = crate::origin_retry::read_origin(env, block_key(id, position), &mut buf);
     let mut st = p.state.normal(env)?;
     let same = |v: &&mut VolumeTags| v.serial == serial;
     let Some(volume) = st.tags.as_mut().and_then(|t| t.volume_mut(id)).filter(same) else {

@@ -40,7 +40,8 @@ pub struct ScrubReport {
     /// Blocks (keys) rewritten from a verified clean cached copy.
     pub repaired: Vec<u64>,
     /// Of `mismatches`, those with a clean cached copy that was not tried
-    /// because repair was off (the copy's own checksum is not read here).
+    /// because repair was off, or given up after a repair failed (the
+    /// copy's own checksum is not read here).
     pub mismatches_cached: Vec<u64>,
 }
 
@@ -85,6 +86,10 @@ pub(crate) fn scrub_origin(
     let started = Instant::now();
     let mut buf = vec![0u8; (step * block_bytes) as usize];
     let mut done = 0u64;
+    // Cleared after a repair fails for good: the origin does not take
+    // writes there, and each further attempt would hold write-back's lock
+    // for its retries. The rest are reported as mismatches.
+    let mut repair = opts.repair;
     for (id, blocks, serial) in volumes {
         let mut position = 0u64;
         // Bounded: each round covers `step` blocks.
@@ -93,14 +98,14 @@ pub(crate) fn scrub_origin(
             let chunk = &mut buf[..(count * block_bytes) as usize];
             {
                 let _serial = p.writeback.lock();
-                env.read_origin(block_key(id, position), chunk)?;
+                crate::origin_retry::read_origin(env, block_key(id, position), chunk)?;
                 // Each block is judged only while the volume read for is
                 // still served (a removal waits for this lock, so this is
                 // defence in depth). If gone, its part ends.
                 let mut gone = false;
                 for (k, block) in chunk.chunks(block_bytes as usize).enumerate() {
                     let key = block_key(id, position + k as u64);
-                    if !scrub_block(p, (key, serial), block, opts, &mut report)? {
+                    if !scrub_block(p, (key, serial), block, &mut repair, &mut report)? {
                         gone = true;
                         break;
                     }
@@ -133,7 +138,7 @@ fn scrub_block(
     p: Parts<'_>,
     (lba, serial): (u64, u64),
     block: &[u8],
-    opts: &ScrubOptions,
+    repair: &mut bool,
     report: &mut ScrubReport,
 ) -> EngineResult<bool> {
     let env = p.env;
@@ -172,7 +177,7 @@ fn scrub_block(
         Some(false) => {}
     }
     report_mismatch(env, lba);
-    if !opts.repair {
+    if !*repair {
         // Only whether a copy is there (an index lookup), so the report
         // can say which blocks a repair could fix; the copy is not read.
         if has_clean_cached_copy(p, lba)? {
@@ -188,12 +193,13 @@ fn scrub_block(
         let block_bytes = env.block_size_bytes as u64;
         let (volume, address) = env.origins.of_key(lba)?;
         let origin = volume.device();
-        // The write and the flush that vouches for it, repeated together.
-        let repair = crate::origin_retry::write_retrying(env, "an origin repair", || {
+        // The write and the flush that vouches for it, repeated together,
+        // at once: write-back waits for the lock this scrub holds.
+        let repaired = crate::origin_retry::write_retrying(env, "an origin repair", 0, || {
             origin.write_at(address * block_bytes, &copy)?;
             origin.flush()
         });
-        match repair {
+        match repaired {
             Ok(()) => {
                 Counters::add(&env.counters.origin_repairs, 1);
                 tracing::warn!(
@@ -206,7 +212,11 @@ fn scrub_block(
                 return Ok(true);
             }
             Err(e) => {
-                tracing::error!(lba, "origin repair failed: {e}");
+                tracing::error!(
+                    lba,
+                    "origin repair failed, no more repairs in this scrub: {e}"
+                );
+                *repair = false;
             }
         }
     }

@@ -38,7 +38,7 @@ pub(crate) fn read_block_slow(
         Plan::Done => return Ok(()),
         Plan::Miss { tag, .. } => {
             drop(st);
-            env.read_origin(lba, block)?;
+            crate::origin_retry::read_origin(env, lba, block)?;
             return verify_origin_read(env, state, lba, kind, tag, block);
         }
         Plan::Cache { slot, crc } => (slot, crc),
@@ -90,7 +90,7 @@ pub(crate) fn read_block_slow(
         slot = now_slot,
         "clean cache block bad; serving from origin and repairing"
     );
-    env.read_origin(lba, block)?;
+    crate::origin_retry::read_origin(env, lba, block)?;
     // The lock is held: the tag cannot move under this check.
     let tag = st.tags.as_ref().and_then(|t| t.tag_of(lba));
     check_origin_data(env, lba, block, tag)?;
@@ -126,7 +126,7 @@ pub(crate) fn verify_origin_read(
             }
             Plan::Miss { tag: now, .. } if now == tag => break,
             Plan::Miss { tag: now, .. } => {
-                env.read_origin(lba, block)?;
+                crate::origin_retry::read_origin(env, lba, block)?;
                 if judge(env, lba, block, now).is_ok() {
                     return Ok(());
                 }

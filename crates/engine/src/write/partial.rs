@@ -110,7 +110,7 @@ pub(crate) fn write_partial(
                         }
                     }
                 }
-                env.read_origin(lba, &mut block)?;
+                crate::origin_retry::read_origin(env, lba, &mut block)?;
                 Counters::add(kind.misses(c), 1);
                 let tag = st.tags.as_ref().and_then(|t| t.tag_of(lba));
                 check_origin_data(env, lba, &block, tag)?;
@@ -125,7 +125,7 @@ pub(crate) fn write_partial(
                     Counters::add(&c.write_rmw_unlocked_reads, 1);
                 }
                 // Not read beforehand, or written since it was.
-                None => env.read_origin(lba, &mut block)?,
+                None => crate::origin_retry::read_origin(env, lba, &mut block)?,
             }
             // One read used (an unlocked one found stale is not counted).
             Counters::add(kind.misses(c), 1);

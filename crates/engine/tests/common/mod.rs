@@ -497,3 +497,19 @@ pub fn finishes_within<T: Send + 'static>(
     });
     rx.recv_timeout(timeout).ok()
 }
+
+/// `device` fails the operations of `kinds` on blocks `[first, end)` (the
+/// flushes: every one, whatever the range), once or from now on.
+pub fn fail_blocks(
+    device: &SimDevice,
+    kinds: cairn_device::OpKinds,
+    (first, end): (u64, u64),
+    mode: cairn_device::FaultMode,
+) {
+    device.fail_range(cairn_device::RangeFault {
+        kinds,
+        start: first * BS,
+        end: end * BS,
+        mode,
+    });
+}
