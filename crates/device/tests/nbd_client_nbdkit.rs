@@ -71,9 +71,17 @@ impl NbdKit {
 
     fn spawn(&mut self) {
         let _ = std::fs::remove_file(&self.socket);
+        // nbdkit writes its pid file once it listens; the socket file
+        // appears at bind(2), before listen(2), and a connect in between is
+        // refused (seen once: an open failed in
+        // `without_multi_conn_or_a_second_connection_misses_share_the_main_one`).
+        let pid_file = self.dir.join("nbdkit.pid");
+        let _ = std::fs::remove_file(&pid_file);
         let mut child = Command::new("nbdkit")
             .arg("-U")
             .arg(&self.socket)
+            .arg("-P")
+            .arg(&pid_file)
             // Foreground, and gone if the test thread that started it dies.
             .args(["-f", "--exit-with-parent"])
             .args(&self.args)
@@ -82,13 +90,13 @@ impl NbdKit {
             .spawn()
             .expect("spawn nbdkit");
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.socket.exists() {
+        while !std::fs::metadata(&pid_file).is_ok_and(|m| m.len() > 0) {
             if let Ok(Some(status)) = child.try_wait() {
                 panic!("nbdkit {:?} exited at start: {status}", self.args);
             }
             assert!(
                 Instant::now() < deadline,
-                "nbdkit did not create its socket in 10 s"
+                "nbdkit did not listen (write its pid file) in 10 s"
             );
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -1067,4 +1075,97 @@ fn reads_lost_with_their_connection_are_asked_again() {
     );
     drop(kit);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A free TCP port on the loopback (bound, then released for nbdkit).
+fn free_loopback_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
+    listener.local_addr().expect("its address").port()
+}
+
+/// nbdkit serving `args` over TCP on the loopback; killed when dropped.
+struct TcpKit {
+    child: Child,
+    port: u16,
+}
+
+impl TcpKit {
+    fn start(args: &[&str]) -> TcpKit {
+        let port = free_loopback_port();
+        let child = Command::new("nbdkit")
+            .args(["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"])
+            .arg(port.to_string())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn nbdkit");
+        let kit = TcpKit { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nbdkit did not listen in 10 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        kit
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd://127.0.0.1:{}", self.port)
+    }
+
+    /// Freeze (SIGSTOP) or thaw (SIGCONT) the server.
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({signal}) of nbdkit");
+    }
+}
+
+impl Drop for TcpKit {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A write that timed out must never reach the server later. The server
+/// stops reading (SIGSTOP, as a network partition looks to the client)
+/// while a 2 MiB write is on its way; most of it still sits in the
+/// client's kernel when the request times out. A graceful shutdown
+/// queued its FIN behind that data, and once the server read again the
+/// kernel delivered the whole request, which the server then wrote: a
+/// write reported failed (and in cairn retried or superseded since)
+/// landing late. The connection is now reset, which drops what was not
+/// sent; the server gets a broken request and writes nothing.
+#[test]
+fn a_write_that_timed_out_never_reaches_the_server_later() {
+    if !nbdkit_or_skip("a_write_that_timed_out_never_reaches_the_server_later") {
+        return;
+    }
+    let kit = TcpKit::start(&["memory", "64M"]);
+    let device = NbdDevice::open_with(
+        &kit.uri(),
+        NbdOptions {
+            request_timeout_ms: 500,
+            ..fast_options()
+        },
+    )
+    .expect("open over TCP");
+    let len = 2 << 20;
+    let data = pattern(0x1a7e, len);
+    kit.signal(libc::SIGSTOP);
+    let err = device
+        .write_at(0, &data)
+        .expect_err("the server is frozen: the write times out");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    kit.signal(libc::SIGCONT);
+    // Time for the server to read and carry out whatever reaches it.
+    std::thread::sleep(Duration::from_secs(2));
+    let fresh = NbdDevice::open_with(&kit.uri(), fast_options()).expect("a new connection");
+    let back = read_vec(&fresh, 0, len);
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "the timed-out write reached the server after all ({} of {len} bytes written)",
+        back.iter().zip(&data).filter(|(a, b)| a == b).count()
+    );
 }

@@ -100,8 +100,15 @@ impl Conn {
     }
 
     /// Mark the connection dead and wake everyone; the reader thread then
-    /// fails whatever is still in flight.
+    /// fails whatever is still in flight. The connection is reset
+    /// (`Stream::abort`): a request the kernel had not sent yet must not
+    /// reach the server later, after its retry or a newer write.
     pub fn kill(&self, reason: String) {
+        self.mark_dead(reason);
+        self.control.abort();
+    }
+
+    fn mark_dead(&self, reason: String) {
         {
             let mut state = self.shared.lock();
             if state.dead.is_none() {
@@ -109,18 +116,21 @@ impl Conn {
             }
         }
         self.shared.window_changed(true);
-        self.control.shutdown();
     }
 
     /// Soft disconnect (NBD_CMD_DISC), then stop the reader thread.
     pub fn close(&self) {
+        // Gracefully, whoever ends it: the disconnect request must reach
+        // the server.
+        self.shared.lock().closing = true;
         if self.is_alive() {
             let header = Command::bare(CMD_DISC, 0, 0).header(0);
             let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
             // Best effort: the server may already be gone.
             let _ = writer.write_all(&header);
         }
-        self.kill("closed".into());
+        self.mark_dead("closed".into());
+        self.control.shutdown();
         let handle = self
             .reader
             .lock()

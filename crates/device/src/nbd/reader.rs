@@ -26,6 +26,10 @@ pub(super) struct Pending {
 pub(super) struct ConnState {
     /// Why the connection is unusable; `None` while it works.
     pub dead: Option<String>,
+    /// Ended on purpose (a disconnect request sent): shut down gracefully,
+    /// so the request reaches the server. Any other end resets the
+    /// connection (`Stream::abort`).
+    pub closing: bool,
     pub pending: HashMap<u64, Pending>,
     pub in_flight: usize,
     /// Tasks waiting for a free slot in the window.
@@ -44,6 +48,7 @@ impl ConnShared {
         ConnShared {
             state: Mutex::new(ConnState {
                 dead: None,
+                closing: false,
                 pending: HashMap::new(),
                 in_flight: 0,
                 window_waiters: Vec::new(),
@@ -85,7 +90,13 @@ pub(super) fn reader_loop(mut stream: Stream, shared: Arc<ConnShared>) {
         }
     };
     fail_in_flight(&shared, reason);
-    stream.shutdown();
+    if shared.lock().closing {
+        stream.shutdown();
+    } else {
+        // A broken reply or a lost server: nothing still queued to send
+        // may reach it later.
+        stream.abort();
+    }
 }
 
 /// Read one reply and complete its request; `Err` with the reason when the

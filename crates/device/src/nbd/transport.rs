@@ -54,6 +54,38 @@ impl Stream {
         };
     }
 
+    /// End a connection that failed with requests in flight: shut it down
+    /// (the reader's read returns at once) and, over TCP, reset it, which
+    /// drops whatever the kernel still holds to send.
+    ///
+    /// Why: a graceful shutdown queues its FIN behind unsent data, and the
+    /// kernel keeps retransmitting both for many minutes. After a network
+    /// partition that data (a write request cairn already reported failed
+    /// and has since retried, or superseded with newer data over a new
+    /// connection) would reach the server once the network heals and
+    /// overwrite the newer data. A reset discards it. What the server has
+    /// already received is beyond any client's reach (NBD cannot cancel).
+    pub(super) fn abort(&self) {
+        self.shutdown();
+        if let Stream::Tcp(s) = self {
+            // connect(2) to AF_UNSPEC dissolves a TCP connection at once:
+            // Linux sends a reset and purges the send queue
+            // (`tcp_disconnect`), whoever else holds the descriptor.
+            // SAFETY: an all-zero sockaddr is a valid value of this C
+            // struct; the call reads `size_of::<sockaddr>()` bytes of it.
+            let mut unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+            unspec.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+            // SAFETY: a valid descriptor we own and a valid address.
+            let _ = unsafe {
+                libc::connect(
+                    s.as_raw_fd(),
+                    &unspec,
+                    std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+                )
+            };
+        }
+    }
+
     pub(super) fn set_timeouts(
         &self,
         read: Option<Duration>,
