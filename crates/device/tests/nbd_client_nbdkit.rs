@@ -1100,17 +1100,16 @@ impl TcpKit {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn nbdkit");
-        let kit = TcpKit { child, port };
+        let mut kit = TcpKit { child, port };
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = kit.child.try_wait() {
+                panic!("nbdkit {args:?} exited at start (port {port} taken?): {status}");
+            }
             assert!(Instant::now() < deadline, "nbdkit did not listen in 10 s");
             std::thread::sleep(Duration::from_millis(10));
         }
         kit
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd://127.0.0.1:{}", self.port)
     }
 
     /// Freeze (SIGSTOP) or thaw (SIGCONT) the server.
@@ -1118,6 +1117,33 @@ impl TcpKit {
         // SAFETY: kill(2) on our own child's pid.
         let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
         assert_eq!(rc, 0, "kill({signal}) of nbdkit");
+    }
+
+    /// Freeze the server and wait until every thread of it has stopped: a
+    /// thread acts on SIGSTOP only when it next runs, and one woken by
+    /// data first would read it (a whole 2 MiB request takes well under a
+    /// millisecond on the loopback).
+    fn freeze(&self) {
+        self.signal(libc::SIGSTOP);
+        let tasks = format!("/proc/{}/task", self.child.id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stopped = std::fs::read_dir(&tasks)
+                .expect("the server's threads")
+                .filter_map(Result::ok)
+                .all(|task| {
+                    std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                        // The state follows the parenthesised command name.
+                        stat.rsplit_once(") ")
+                            .is_some_and(|(_, rest)| rest.starts_with('T'))
+                    })
+                });
+            if stopped {
+                return;
+            }
+            assert!(Instant::now() < deadline, "nbdkit did not stop in 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
@@ -1128,44 +1154,103 @@ impl Drop for TcpKit {
     }
 }
 
+/// What a receiver that does not read queues of a TCP stream before it
+/// closes its window: `tcp_rmem`'s default (receive buffers grow only as
+/// the application reads).
+fn tcp_receive_buffer_bytes() -> usize {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_rmem")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(128 << 10)
+}
+
 /// A write that timed out must never reach the server later. The server
 /// stops reading (SIGSTOP, as a network partition looks to the client)
-/// while a 2 MiB write is on its way; most of it still sits in the
-/// client's kernel when the request times out. A graceful shutdown
-/// queued its FIN behind that data, and once the server read again the
-/// kernel delivered the whole request, which the server then wrote: a
-/// write reported failed (and in cairn retried or superseded since)
-/// landing late. The connection is now reset, which drops what was not
-/// sent; the server gets a broken request and writes nothing.
-#[test]
-fn a_write_that_timed_out_never_reaches_the_server_later() {
-    if !nbdkit_or_skip("a_write_that_timed_out_never_reaches_the_server_later") {
+/// while a write several times its receive buffer is on its way; most of
+/// it still sits in the client's kernel (and, over TLS, in the relay) when
+/// the request times out. A graceful shutdown queued its FIN behind that
+/// data, and once the server read again the whole request arrived and the
+/// server wrote it: a write reported failed (and in cairn retried or
+/// superseded since) landing late. The connection is now reset, which
+/// drops what was not sent; the server gets a cut request and writes
+/// nothing.
+fn a_timed_out_write_stays_unwritten(test: &str, tls: bool) {
+    if !nbdkit_or_skip(test) {
         return;
     }
-    let kit = TcpKit::start(&["memory", "64M"]);
+    let dir = scratch_dir("late-write");
+    let keys = dir.join("keys.psk");
+    // nbdkit's and cairn's PSK file: `user:hex key`.
+    std::fs::write(&keys, format!("alice:{}\n", "5a".repeat(32))).expect("PSK file");
+    let tls_psk = format!("--tls-psk={}", keys.display());
+    let args: Vec<&str> = if tls {
+        vec!["--tls=require", &tls_psk, "memory", "64M"]
+    } else {
+        vec!["memory", "64M"]
+    };
+    let kit = TcpKit::start(&args);
+    let uri = if tls {
+        format!(
+            "nbds://alice@127.0.0.1:{}/?tls-psk-file={}",
+            kit.port,
+            keys.display()
+        )
+    } else {
+        format!("nbd://127.0.0.1:{}", kit.port)
+    };
     let device = NbdDevice::open_with(
-        &kit.uri(),
+        &uri,
         NbdOptions {
             request_timeout_ms: 500,
             ..fast_options()
         },
     )
     .expect("open over TCP");
-    let len = 2 << 20;
+    let len = (8 * tcp_receive_buffer_bytes()).clamp(2 << 20, 32 << 20);
     let data = pattern(0x1a7e, len);
-    kit.signal(libc::SIGSTOP);
+    kit.freeze();
     let err = device
         .write_at(0, &data)
         .expect_err("the server is frozen: the write times out");
-    assert_eq!(err.errno(), libc::EIO, "{err}");
+    match &err {
+        DeviceError::Io { source, .. } => assert!(
+            matches!(
+                source.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            ),
+            "not a timeout: {err}"
+        ),
+        other => panic!("not a timeout: {other}"),
+    }
     kit.signal(libc::SIGCONT);
     // Time for the server to read and carry out whatever reaches it.
     std::thread::sleep(Duration::from_secs(2));
-    let fresh = NbdDevice::open_with(&kit.uri(), fast_options()).expect("a new connection");
+    let fresh = NbdDevice::open_with(&uri, fast_options()).expect("a new connection");
     let back = read_vec(&fresh, 0, len);
     assert!(
         back.iter().all(|&b| b == 0),
         "the timed-out write reached the server after all ({} of {len} bytes written)",
         back.iter().zip(&data).filter(|(a, b)| a == b).count()
+    );
+    drop(fresh);
+    drop(kit);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_write_that_timed_out_never_reaches_the_server_later() {
+    a_timed_out_write_stays_unwritten(
+        "a_write_that_timed_out_never_reaches_the_server_later",
+        false,
+    );
+}
+
+/// The same over `nbds://`: the TLS relay thread held the rest of the
+/// request and sent it on once the server read again.
+#[test]
+fn over_tls_a_write_that_timed_out_never_reaches_the_server_later() {
+    a_timed_out_write_stays_unwritten(
+        "over_tls_a_write_that_timed_out_never_reaches_the_server_later",
+        true,
     );
 }

@@ -118,19 +118,28 @@ impl Conn {
         self.shared.window_changed(true);
     }
 
-    /// Soft disconnect (NBD_CMD_DISC), then stop the reader thread.
+    /// Soft disconnect (NBD_CMD_DISC), then stop the reader thread. A
+    /// connection that is already dead is reset instead (`kill`).
     pub fn close(&self) {
-        // Gracefully, whoever ends it: the disconnect request must reach
-        // the server.
-        self.shared.lock().closing = true;
-        if self.is_alive() {
+        // Decided under the lock the reader fails requests under: a
+        // connection that failed meanwhile is reset, one closed on purpose
+        // ends gracefully, so the disconnect request reaches the server.
+        let alive = {
+            let mut state = self.shared.lock();
+            state.closing = state.dead.is_none();
+            state.closing
+        };
+        if alive {
             let header = Command::bare(CMD_DISC, 0, 0).header(0);
             let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
             // Best effort: the server may already be gone.
             let _ = writer.write_all(&header);
+            drop(writer);
+            self.mark_dead("closed".into());
+            self.control.shutdown();
+        } else {
+            self.kill("closed".into());
         }
-        self.mark_dead("closed".into());
-        self.control.shutdown();
         let handle = self
             .reader
             .lock()

@@ -26,9 +26,9 @@ pub(super) struct Pending {
 pub(super) struct ConnState {
     /// Why the connection is unusable; `None` while it works.
     pub dead: Option<String>,
-    /// Ended on purpose (a disconnect request sent): shut down gracefully,
-    /// so the request reaches the server. Any other end resets the
-    /// connection (`Stream::abort`).
+    /// Closed on purpose while it worked (a disconnect request is sent):
+    /// shut down gracefully, so the request reaches the server. Any other
+    /// end resets the connection (`Stream::abort`).
     pub closing: bool,
     pub pending: HashMap<u64, Pending>,
     pub in_flight: usize,
@@ -89,8 +89,7 @@ pub(super) fn reader_loop(mut stream: Stream, shared: Arc<ConnShared>) {
             break reason;
         }
     };
-    fail_in_flight(&shared, reason);
-    if shared.lock().closing {
+    if fail_in_flight(&shared, reason) {
         stream.shutdown();
     } else {
         // A broken reply or a lost server: nothing still queued to send
@@ -161,14 +160,18 @@ fn read_reply(stream: &mut Stream, shared: &ConnShared) -> Result<(), String> {
 }
 
 /// Mark the connection dead (keeping an earlier reason) and fail every
-/// request still in flight with that reason.
-fn fail_in_flight(shared: &ConnShared, reason: String) {
-    let orphans: Vec<Pending> = {
+/// request still in flight with that reason. Returns whether it was closed
+/// on purpose (then it ends gracefully).
+fn fail_in_flight(shared: &ConnShared, reason: String) -> bool {
+    let (orphans, closing): (Vec<Pending>, bool) = {
         let mut state = shared.lock();
         let reason = state.dead.get_or_insert(reason).clone();
         tracing::debug!("nbd connection closed: {reason}");
         state.in_flight = 0;
-        state.pending.drain().map(|(_, p)| p).collect()
+        (
+            state.pending.drain().map(|(_, p)| p).collect(),
+            state.closing,
+        )
     };
     shared.window_changed(true);
     let reason = shared.lock().dead.clone().unwrap_or_default();
@@ -181,4 +184,5 @@ fn fail_in_flight(shared: &ConnShared, reason: String) {
             )),
         );
     }
+    closing
 }

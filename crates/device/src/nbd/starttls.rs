@@ -58,9 +58,11 @@ pub(super) fn start_tls(
     // The relay makes the socket non-blocking; its stall limit stands in
     // for the write timeout.
     tls_stream.get_ref().set_timeouts(None, None)?;
+    // The socket under the relay, kept to reset it (`Stream::abort`).
+    let carrier = Box::new(stream.try_clone()?);
     let (plain, outcome) =
         cairn_tls::spawn_relay(tls_stream, "cairn-nbd-tls".into(), Some(stall_timeout))?;
-    *stream = Stream::Unix(plain);
+    *stream = Stream::Tls { plain, carrier };
     Ok(outcome)
 }
 

@@ -15,6 +15,12 @@ use super::uri::{NbdTransport, NbdUri};
 pub(super) enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// `nbds://`: plaintext to and from the TLS relay thread, and the
+    /// socket the relay carries it over, kept so that `abort` can reset it.
+    Tls {
+        plain: UnixStream,
+        carrier: Box<Stream>,
+    },
 }
 
 impl Stream {
@@ -43,14 +49,20 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tls { plain, carrier } => Stream::Tls {
+                plain: plain.try_clone()?,
+                carrier: Box::new(carrier.try_clone()?),
+            },
         })
     }
 
+    /// Shut the connection down gracefully (over TLS, the relay then sends
+    /// close_notify and whatever it still holds).
     pub(super) fn shutdown(&self) {
         // Errors only mean it is already shut down or disconnected.
         let _ = match self {
             Stream::Tcp(s) => s.shutdown(Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => s.shutdown(Shutdown::Both),
         };
     }
 
@@ -67,22 +79,13 @@ impl Stream {
     /// already received is beyond any client's reach (NBD cannot cancel).
     pub(super) fn abort(&self) {
         self.shutdown();
-        if let Stream::Tcp(s) = self {
-            // connect(2) to AF_UNSPEC dissolves a TCP connection at once:
-            // Linux sends a reset and purges the send queue
-            // (`tcp_disconnect`), whoever else holds the descriptor.
-            // SAFETY: an all-zero sockaddr is a valid value of this C
-            // struct; the call reads `size_of::<sockaddr>()` bytes of it.
-            let mut unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
-            unspec.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
-            // SAFETY: a valid descriptor we own and a valid address.
-            let _ = unsafe {
-                libc::connect(
-                    s.as_raw_fd(),
-                    &unspec,
-                    std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
-                )
-            };
+        match self {
+            Stream::Tcp(s) => reset(s),
+            Stream::Unix(_) => {}
+            // The relay holds plaintext it has not sent yet, and the
+            // kernel ciphertext: reset the socket under it, and the relay
+            // ends on its next write.
+            Stream::Tls { carrier, .. } => carrier.abort(),
         }
     }
 
@@ -96,7 +99,7 @@ impl Stream {
                 s.set_read_timeout(read)?;
                 s.set_write_timeout(write)
             }
-            Stream::Unix(s) => {
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => {
                 s.set_read_timeout(read)?;
                 s.set_write_timeout(write)
             }
@@ -108,7 +111,7 @@ impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> std::os::unix::io::RawFd {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => s.as_raw_fd(),
         }
     }
 }
@@ -117,7 +120,7 @@ impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => s.read(buf),
         }
     }
 }
@@ -126,19 +129,45 @@ impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => s.write(buf),
         }
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => s.write_vectored(bufs),
         }
     }
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// Reset a TCP connection now: connect(2) to AF_UNSPEC dissolves it, and
+/// Linux sends a reset and purges the send queue (`tcp_disconnect`),
+/// whoever else holds the descriptor.
+fn reset(socket: &TcpStream) {
+    // SAFETY: an all-zero sockaddr is a valid value of this C struct; the
+    // call reads `size_of::<sockaddr>()` bytes of it.
+    let mut unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+    unspec.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: a valid descriptor we own and a valid address.
+    let rc = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            &unspec,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        // Some 6.6-era kernels refuse (EBUSY) while a thread waits on the
+        // socket; the reader thread resets it again once it has woken.
+        tracing::debug!(
+            error = %io::Error::last_os_error(),
+            "resetting the connection to the NBD server failed"
+        );
     }
 }
 
