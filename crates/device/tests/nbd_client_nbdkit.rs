@@ -1166,14 +1166,16 @@ fn tcp_receive_buffer_bytes() -> usize {
 
 /// A write that timed out must never reach the server later. The server
 /// stops reading (SIGSTOP, as a network partition looks to the client)
-/// while a write several times its receive buffer is on its way; most of
-/// it still sits in the client's kernel (and, over TLS, in the relay) when
-/// the request times out. A graceful shutdown queued its FIN behind that
-/// data, and once the server read again the whole request arrived and the
-/// server wrote it: a write reported failed (and in cairn retried or
-/// superseded since) landing late. The connection is now reset, which
-/// drops what was not sent; the server gets a cut request and writes
-/// nothing.
+/// while a write several times its receive buffer is on its way, and the
+/// request times out. Over TLS the relay thread still held the rest of the
+/// request, and sent it on once the server read again: the server wrote a
+/// write cairn had reported failed (and in cairn retried or superseded
+/// since). Now the connection, and over TLS the socket under the relay, is
+/// reset, which drops what was not sent; the server gets a cut request and
+/// writes nothing. Over plain TCP on a fresh loopback connection little of
+/// the request leaves the client before the send times out, so that case
+/// passed before the reset too: there the test guards the reset, which
+/// matters once a long-lived connection's send buffer has grown.
 fn a_timed_out_write_stays_unwritten(test: &str, tls: bool) {
     if !nbdkit_or_skip(test) {
         return;

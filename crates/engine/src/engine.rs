@@ -831,7 +831,8 @@ impl Engine {
 
     /// Verify every origin block against its tag, with an optional rate
     /// limit. Mismatching blocks with a clean, verified cached copy are
-    /// rewritten from it when `opts.repair`. Safe while serving.
+    /// rewritten from it when `opts.repair`, until one rewrite fails for
+    /// good (the rest are then reported as mismatches). Safe while serving.
     pub fn scrub_origin(
         &self,
         opts: &ScrubOptions,

@@ -1,7 +1,10 @@
-//! Which origin errors are worth asking again at once, and the two loops
-//! that ask again: every origin read and write the engine makes goes
-//! through one of them or through write-back's halving (`group`), so a
-//! flaky origin is judged the same way on every path.
+//! Which origin errors are worth asking again at once, and the loops that
+//! ask again, so a flaky origin is judged the same way on every path:
+//! blocking reads (`read_origin`), writes and units of writes with their
+//! flush (`write_retrying`, `write_again`). Two paths keep loops of their
+//! own with the same judgement: a client's read miss (`read::start_read`,
+//! asynchronous) and write-back's batches (`group`, halved before a lone
+//! run goes to `write_again`). A flush alone is never asked again.
 
 use cairn_device::DeviceError;
 

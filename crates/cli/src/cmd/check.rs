@@ -146,7 +146,7 @@ fn scrub_lines(scrub: &Scrub, cache: &Path, repair: bool) -> Result<(Vec<String>
     }
     let cache = cache.display();
     if repair {
-        lines.push(format!("check FAILED: {bad} origin blocks are corrupt and could not be repaired (no clean cached copy matching the tag, or the rewrite failed: see the daemon's log); restore them from a backup (they read as EIO)"));
+        lines.push(format!("check FAILED: {bad} origin blocks are corrupt and could not be repaired (no clean cached copy matching the tag, or a rewrite failed, after which no more were tried: see the daemon's log); run the check again once the origin takes writes, or restore them from a backup (they read as EIO)"));
     } else {
         let cached = scrub.mismatches.iter().filter(|m| m.1).count() as u64;
         lines.push(format!(

@@ -34,7 +34,8 @@ pub(super) struct SendError {
 
 pub(super) struct Conn {
     writer: Mutex<Stream>,
-    /// A handle used only to shut the socket down, which wakes the reader.
+    /// A handle used only to end the connection (shut it down, which wakes
+    /// the reader, or reset it).
     control: Stream,
     shared: Arc<ConnShared>,
     reader: Mutex<Option<JoinHandle<()>>>,
@@ -104,8 +105,14 @@ impl Conn {
     /// (`Stream::abort`): a request the kernel had not sent yet must not
     /// reach the server later, after its retry or a newer write.
     pub fn kill(&self, reason: String) {
+        // Not a graceful end any more, whatever a close decided: the reader
+        // resets the connection again once it has woken (a kernel may
+        // refuse a reset while it waits).
+        self.shared.lock().closing = false;
         self.mark_dead(reason);
-        self.control.abort();
+        if let Err(e) = self.control.abort() {
+            tracing::debug!(error = %e, "resetting the NBD connection failed; the reader tries again");
+        }
     }
 
     fn mark_dead(&self, reason: String) {
@@ -119,22 +126,24 @@ impl Conn {
     }
 
     /// Soft disconnect (NBD_CMD_DISC), then stop the reader thread. A
-    /// connection that is already dead is reset instead (`kill`).
+    /// connection that is dead, busy (requests in flight) or whose
+    /// disconnect request could not be sent is reset instead (`kill`):
+    /// only an idle, working one ends gracefully.
     pub fn close(&self) {
         // Decided under the lock the reader fails requests under: a
         // connection that failed meanwhile is reset, one closed on purpose
         // ends gracefully, so the disconnect request reaches the server.
-        let alive = {
+        let idle = {
             let mut state = self.shared.lock();
-            state.closing = state.dead.is_none();
+            state.closing = state.dead.is_none() && state.in_flight == 0;
             state.closing
         };
-        if alive {
+        let sent = idle && {
             let header = Command::bare(CMD_DISC, 0, 0).header(0);
             let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-            // Best effort: the server may already be gone.
-            let _ = writer.write_all(&header);
-            drop(writer);
+            writer.write_all(&header).is_ok()
+        };
+        if sent {
             self.mark_dead("closed".into());
             self.control.shutdown();
         } else {

@@ -92,9 +92,11 @@ pub(super) fn reader_loop(mut stream: Stream, shared: Arc<ConnShared>) {
     if fail_in_flight(&shared, reason) {
         stream.shutdown();
     } else {
-        // A broken reply or a lost server: nothing still queued to send
-        // may reach it later.
-        stream.abort();
+        // A broken reply, a lost server or a kill: nothing still queued to
+        // send may reach it later.
+        if let Err(e) = stream.abort() {
+            tracing::warn!(error = %e, "resetting a failed NBD connection failed: requests not yet sent may still reach the server");
+        }
     }
 }
 

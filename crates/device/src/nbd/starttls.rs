@@ -58,7 +58,9 @@ pub(super) fn start_tls(
     // The relay makes the socket non-blocking; its stall limit stands in
     // for the write timeout.
     tls_stream.get_ref().set_timeouts(None, None)?;
-    // The socket under the relay, kept to reset it (`Stream::abort`).
+    // The socket under the relay, kept to reset it (`Stream::abort`). It
+    // also keeps the TCP connection open after the relay ends, until the
+    // last clone of this stream is dropped (the connection's end).
     let carrier = Box::new(stream.try_clone()?);
     let (plain, outcome) =
         cairn_tls::spawn_relay(tls_stream, "cairn-nbd-tls".into(), Some(stall_timeout))?;

@@ -66,9 +66,11 @@ impl Stream {
         };
     }
 
-    /// End a connection that failed with requests in flight: shut it down
-    /// (the reader's read returns at once) and, over TCP, reset it, which
-    /// drops whatever the kernel still holds to send.
+    /// End a connection that must not end gracefully (it failed, or it
+    /// is closed busy): shut it down (the reader's read returns at once)
+    /// and reset the TCP connection under it, directly or under the TLS
+    /// relay, which drops whatever the kernel and the relay still hold to
+    /// send. Returns the reset's error, if the kernel refused it.
     ///
     /// Why: a graceful shutdown queues its FIN behind unsent data, and the
     /// kernel keeps retransmitting both for many minutes. After a network
@@ -77,11 +79,11 @@ impl Stream {
     /// connection) would reach the server once the network heals and
     /// overwrite the newer data. A reset discards it. What the server has
     /// already received is beyond any client's reach (NBD cannot cancel).
-    pub(super) fn abort(&self) {
+    pub(super) fn abort(&self) -> io::Result<()> {
         self.shutdown();
         match self {
             Stream::Tcp(s) => reset(s),
-            Stream::Unix(_) => {}
+            Stream::Unix(_) => Ok(()),
             // The relay holds plaintext it has not sent yet, and the
             // kernel ciphertext: reset the socket under it, and the relay
             // ends on its next write.
@@ -147,8 +149,9 @@ impl Write for Stream {
 
 /// Reset a TCP connection now: connect(2) to AF_UNSPEC dissolves it, and
 /// Linux sends a reset and purges the send queue (`tcp_disconnect`),
-/// whoever else holds the descriptor.
-fn reset(socket: &TcpStream) {
+/// whoever else holds the descriptor. Some 6.6-era kernels refuse (EBUSY)
+/// while a thread waits on the socket.
+fn reset(socket: &TcpStream) -> io::Result<()> {
     // SAFETY: an all-zero sockaddr is a valid value of this C struct; the
     // call reads `size_of::<sockaddr>()` bytes of it.
     let mut unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
@@ -162,13 +165,9 @@ fn reset(socket: &TcpStream) {
         )
     };
     if rc != 0 {
-        // Some 6.6-era kernels refuse (EBUSY) while a thread waits on the
-        // socket; the reader thread resets it again once it has woken.
-        tracing::debug!(
-            error = %io::Error::last_os_error(),
-            "resetting the connection to the NBD server failed"
-        );
+        return Err(io::Error::last_os_error());
     }
+    Ok(())
 }
 
 /// Connect a unix socket without blocking past `timeout`: a blocking

@@ -186,8 +186,9 @@ fn forget_cached(p: Parts<'_>, first: u64, end: u64) -> EngineResult<()> {
     Ok(())
 }
 
-/// An origin write that failed for good (its failures already counted).
+/// An origin write or flush that failed for good (its failures already
+/// counted).
 fn origin_write_failed(e: cairn_device::DeviceError) -> EngineError {
-    tracing::error!("degraded write to the origin failed: {e}");
+    tracing::error!("degraded mode: a write or flush to the origin failed: {e}");
     EngineError::Origin(e)
 }

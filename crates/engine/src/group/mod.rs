@@ -383,22 +383,17 @@ fn apply_volume(env: &Env, id: u16, fin: &Final, runs: &[(u64, Vec<&[u8]>)]) -> 
     let origin = volume.device();
     for &(kind, key, count) in fin.ranges.iter().filter(|r| key_volume(r.1) == id) {
         let (at, len) = (key_lba(key) * block_bytes, count * block_bytes);
-        let op = || match kind {
-            RangeKind::Zero => origin.write_zeroes(at, len),
-            RangeKind::Discard => origin.discard(at, len),
-        };
         // Zeroing or discarding a range again is harmless too.
-        if let Err(e) = op() {
-            Counters::add(&env.counters.origin_write_errors, 1);
-            crate::origin_retry::write_again(
-                env,
-                e,
-                "write-back zeroing or discarding on the origin",
-                env.config.cache_write_backoff_us,
-                op,
-            )
-            .map_err(EngineError::Origin)?;
-        }
+        crate::origin_retry::write_retrying(
+            env,
+            "write-back zeroing or discarding on the origin",
+            env.config.cache_write_backoff_us,
+            || match kind {
+                RangeKind::Zero => origin.write_zeroes(at, len),
+                RangeKind::Discard => origin.discard(at, len),
+            },
+        )
+        .map_err(EngineError::Origin)?;
     }
     let writes: Vec<(u64, &[&[u8]])> = runs
         .iter()

@@ -60,7 +60,8 @@ impl ScrubReport {
 /// Verify every origin block of every volume with tags against its tag,
 /// with an optional rate limit.
 /// Mismatching blocks with a clean, verified cached copy are rewritten from
-/// it when `opts.repair`. Safe while serving.
+/// it when `opts.repair`, until one rewrite fails for good (the rest are
+/// then reported as mismatches). Safe while serving.
 pub(crate) fn scrub_origin(
     p: Parts<'_>,
     opts: &ScrubOptions,
