@@ -1172,10 +1172,9 @@ fn tcp_receive_buffer_bytes() -> usize {
 /// write cairn had reported failed (and in cairn retried or superseded
 /// since). Now the connection, and over TLS the socket under the relay, is
 /// reset, which drops what was not sent; the server gets a cut request and
-/// writes nothing. Over plain TCP on a fresh loopback connection little of
-/// the request leaves the client before the send times out, so that case
-/// passed before the reset too: there the test guards the reset, which
-/// matters once a long-lived connection's send buffer has grown.
+/// writes nothing. Over plain TCP it depends on how much of the request
+/// the kernel took before the send timed out: with the graceful shutdown
+/// the plain test failed in about half its runs, the TLS one in most.
 fn a_timed_out_write_stays_unwritten(test: &str, tls: bool) {
     if !nbdkit_or_skip(test) {
         return;

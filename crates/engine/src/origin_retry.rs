@@ -1,10 +1,10 @@
 //! Which origin errors are worth asking again at once, and the loops that
 //! ask again, so a flaky origin is judged the same way on every path:
 //! blocking reads (`read_origin`), writes and units of writes with their
-//! flush (`write_retrying`, `write_again`). Two paths keep loops of their
-//! own with the same judgement: a client's read miss (`read::start_read`,
-//! asynchronous) and write-back's batches (`group`, halved before a lone
-//! run goes to `write_again`). A flush alone is never asked again.
+//! flush (`write_retrying`, `write_again`). A client's read miss
+//! (`read::start_read`, asynchronous) loops on its own over `read_again`;
+//! write-back's batches (`group`) are halved before a lone run goes to
+//! `write_again`. A flush alone is never asked again.
 
 use cairn_device::DeviceError;
 
@@ -104,29 +104,40 @@ pub(crate) fn read_origin(env: &Env, key: u64, buf: &mut [u8]) -> EngineResult<(
     })
 }
 
-/// A blocking origin read, asked again at once while it fails with an
-/// error worth it, `origin_read_attempts` times in all (a read changes
-/// nothing, so no backoff: the client or the scrub waits). Every failure
-/// but the last counts in `origin_read_errors` here; the caller counts
-/// the last, as for a single read.
+/// Whether an origin read that failed with `e` after `reads_done` reads
+/// is asked again: at once while its error is worth it, up to
+/// `origin_read_attempts` reads in all (a read changes nothing, so no
+/// backoff: a client or a scrub waits). A `true` counts the failure in
+/// `origin_read_errors` and the retry in `origin_read_retries`; the caller
+/// counts the last failure, as for a single read.
+pub(crate) fn read_again(env: &Env, reads_done: u32, e: &DeviceError, what: &str) -> bool {
+    let attempts = env.config.origin_read_attempts.max(1);
+    if reads_done >= attempts || !retryable(e) {
+        return false;
+    }
+    tracing::debug!(
+        "{what} failed, asking again ({} of {attempts}): {e}",
+        reads_done + 1
+    );
+    Counters::add(&env.counters.origin_read_errors, 1);
+    Counters::add(&env.counters.origin_read_retries, 1);
+    true
+}
+
+/// A blocking origin read, asked again while [`read_again`] says so.
 fn read_retrying(
     env: &Env,
     what: &str,
     mut op: impl FnMut() -> Result<(), DeviceError>,
 ) -> Result<(), DeviceError> {
-    let attempts = env.config.origin_read_attempts.max(1);
     let mut result = op();
-    // Bounded: at most `attempts - 1` more reads.
-    for attempt in 2..=attempts {
-        let Err(e) = &result else {
-            break;
-        };
-        if !retryable(e) {
+    let mut reads = 1;
+    // Bounded: `read_again` stops at `origin_read_attempts` reads.
+    while let Err(e) = &result {
+        if !read_again(env, reads, e, what) {
             break;
         }
-        tracing::debug!("{what} failed, asking again ({attempt} of {attempts}): {e}");
-        Counters::add(&env.counters.origin_read_errors, 1);
-        Counters::add(&env.counters.origin_read_retries, 1);
+        reads += 1;
         result = op();
     }
     result

@@ -283,20 +283,14 @@ fn start_read<'a>(
                 tracing::trace!(at, "origin read started");
                 let _slot = OriginSlot(env);
                 let (mut result, mut slice) = origin.read_into(at, slice).await;
-                // A read changes nothing: one the origin failed with an
-                // error worth it is asked again at once (a flaky server or
-                // disk), `origin_read_attempts` times in all. The last
-                // failure is counted by `verify`, the others here.
-                let attempts = env.config.origin_read_attempts.max(1);
-                let mut attempt = 1;
+                // Asked again as every origin read is; the last failure
+                // is counted by `verify`.
+                let mut reads = 1;
                 while let Err(e) = &result {
-                    if attempt >= attempts || !crate::origin_retry::retryable(e) {
+                    if !crate::origin_retry::read_again(env, reads, e, "a read miss") {
                         break;
                     }
-                    tracing::debug!(at, attempt, "origin read failed, asking again: {e}");
-                    attempt += 1;
-                    Counters::add(&env.counters.origin_read_errors, 1);
-                    Counters::add(&env.counters.origin_read_retries, 1);
+                    reads += 1;
                     (result, slice) = origin.read_into(at, slice).await;
                 }
                 tracing::trace!(at, ok = result.is_ok(), "origin read done");
